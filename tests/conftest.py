@@ -1,0 +1,27 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("DTPSHARD_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: set DTPSHARD_SLOW=1 to run")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """One saved tiny checkpoint per family, built once per test session."""
+    from tiny import FAMILIES, save_tiny
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {f: save_tiny(root / f, f) for f in FAMILIES}

@@ -1,0 +1,110 @@
+"""A literal transcription of spec section 1, written independently of dtpshard.model.
+
+Plain Python loops over devices, modules, heads; RoPE and attention written out by hand.
+Slow and obvious on purpose: the tests compare DTPModel against it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _cfg(hf_config):
+    c = hf_config
+    H, G = c.num_attention_heads, c.num_key_value_heads
+    hd = getattr(c, "head_dim", None) or c.hidden_size // H
+    rp = getattr(c, "rope_parameters", None) or {}
+    theta = rp.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+    return H, G, hd, theta, c.rms_norm_eps, c.model_type
+
+
+def _norm(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x, theta):  # x [T, hd], positions 0..T-1
+    T, hd = x.shape
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv[None]
+    cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
+    rot = torch.cat([-x[:, hd // 2:], x[:, :hd // 2]], -1)
+    return x * cos + rot * sin
+
+
+def device_partial(sd, hf_config, m, l, L, x):
+    """p_l^m = f_m^l(x): device l's heads or neurons of module m, for one sequence x [T, D]."""
+    H, G, hd, theta, eps, family = _cfg(hf_config)
+    r = H // G
+    i = m // 2
+    pre = f"model.layers.{i}."
+    if m % 2 == 1:
+        N = sd[pre + "mlp.gate_proj.weight"].shape[0]
+        rows = slice(l * N // L, (l + 1) * N // L)
+        h = _norm(x, sd[pre + "post_attention_layernorm.weight"], eps)
+        g = h @ sd[pre + "mlp.gate_proj.weight"][rows].T
+        u = h @ sd[pre + "mlp.up_proj.weight"][rows].T
+        return (torch.nn.functional.silu(g) * u) @ sd[pre + "mlp.down_proj.weight"][:, rows].T
+    h = _norm(x, sd[pre + "input_layernorm.weight"], eps)
+    T = x.shape[0]
+    out = torch.zeros_like(x)
+    for g_ in range(l * G // L, (l + 1) * G // L):
+        ks = slice(g_ * hd, (g_ + 1) * hd)
+        k = h @ sd[pre + "self_attn.k_proj.weight"][ks].T
+        v = h @ sd[pre + "self_attn.v_proj.weight"][ks].T
+        if family == "qwen2":
+            k = k + sd[pre + "self_attn.k_proj.bias"][ks]
+            v = v + sd[pre + "self_attn.v_proj.bias"][ks]
+        if family == "qwen3":
+            k = _norm(k, sd[pre + "self_attn.k_norm.weight"], eps)
+        k = _rope(k, theta)
+        for h_ in range(g_ * r, (g_ + 1) * r):
+            qs = slice(h_ * hd, (h_ + 1) * hd)
+            q = h @ sd[pre + "self_attn.q_proj.weight"][qs].T
+            if family == "qwen2":
+                q = q + sd[pre + "self_attn.q_proj.bias"][qs]
+            if family == "qwen3":
+                q = _norm(q, sd[pre + "self_attn.q_norm.weight"], eps)
+            q = _rope(q, theta)
+            scores = (q @ k.T) / math.sqrt(hd)
+            scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+            out = out + (scores.softmax(-1) @ v) @ sd[pre + "self_attn.o_proj.weight"][:, qs].T
+    return out
+
+
+def own_scale(m, M, L, d, stage3):
+    if m < d:
+        return math.sqrt(L)
+    if m >= M - d:
+        return math.sqrt(L) if stage3 == "sqrt" else 1.0
+    return 1.0
+
+
+def literal_dtp_logits(hf_model, ids, L, delta, stage3="sqrt"):
+    """Logits [B, T, V] of the DTP model by the letter of spec section 1."""
+    sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
+    cfg = hf_model.config
+    M = 2 * cfg.num_hidden_layers
+    d = math.floor(delta)
+    a = delta - d
+    lm = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+    out = []
+    for seq in ids:
+        xs = [sd["model.embed_tokens.weight"][seq].clone() for _ in range(L)]
+        P = {}
+        for m in range(M):
+            P[m] = [device_partial(sd, cfg, m, l, L, xs[l]) for l in range(L)]
+            s = own_scale(m, M, L, d, stage3)
+            if a:
+                s = (1 - a) * s + a * own_scale(m, M, L, d + 1, stage3)
+            new = []
+            for l in range(L):
+                x = xs[l] + s * P[m][l]
+                for k, w in ((m - d, 1 - a), (m - d - 1, a)):
+                    if k >= 0 and w > 0:
+                        x = x + w * sum(P[k][j] for j in range(L) if j != l)
+                new.append(x)
+            xs = new
+        h = sum(_norm(x, sd["model.norm.weight"], cfg.rms_norm_eps) for x in xs) / L
+        out.append(h @ lm.T)
+    return torch.stack(out)

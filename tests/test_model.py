@@ -1,0 +1,119 @@
+"""DTPModel against transformers (δ = 0, L = 1) and against the literal spec transcription."""
+import pytest
+import torch
+from reference import literal_dtp_logits
+from tiny import FAMILIES, tiny_hf_model
+
+from dtpshard.model import DTPModel
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def hf(request):
+    return tiny_hf_model(request.param)
+
+
+def ids_for(hf, B=2, T=13, seed=0):
+    return torch.randint(0, hf.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("devices,delay", [(4, 0), (2, 0), (1, 2), (1, 1.5)])
+def test_dense_identities_match_transformers(hf, devices, delay):
+    ids = ids_for(hf)
+    ref = hf(ids).logits
+    out = DTPModel.from_hf(hf, devices=devices, delay=delay)(ids)
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("delay", [1, 2, 3, 1.5])
+@pytest.mark.parametrize("stage3", ["sqrt", "one"])
+def test_matches_literal_transcription(devices, delay, stage3):
+    hf = tiny_hf_model("qwen3" if devices == 4 else "qwen2", seed=devices)
+    ids = ids_for(hf, B=1, T=9)
+    ref = literal_dtp_logits(hf, ids, devices, delay, stage3)
+    out = DTPModel.from_hf(hf, devices=devices, delay=delay, stage3=stage3)(ids)
+    assert (out - ref).abs().max().item() <= TOL
+    # and DTP really changed the function
+    assert (out - hf(ids).logits).abs().max().item() > 1e-2
+
+
+def test_literal_transcription_other_families():
+    for fam in ("llama", "llama_tied", "mistral"):
+        hf = tiny_hf_model(fam, seed=3)
+        ids = ids_for(hf, B=1, T=7)
+        out = DTPModel.from_hf(hf, devices=4, delay=1)(ids)
+        assert (out - literal_dtp_logits(hf, ids, 4, 1)).abs().max().item() <= TOL
+
+
+def test_partials_sum_to_dense_module_output(hf):
+    model = DTPModel.from_hf(hf, devices=4, delay=1)
+    ids = ids_for(hf, B=2, T=11)
+    T = ids.shape[1]
+    x = hf.model.embed_tokens(ids) + 0.5 * torch.randn(2, T, hf.config.hidden_size)
+    cos, sin = model.rope(x, 0, T)
+    causal = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    hf_cos, hf_sin = hf.model.rotary_emb(x, torch.arange(T)[None])
+    for m in range(model.shape.modules):
+        layer = hf.model.layers[m // 2]
+        p = model.module_partials(m, x.unsqueeze(0).expand(4, *x.shape), cos, sin)
+        assert p.shape == (4, *x.shape)
+        if m % 2:
+            dense = layer.mlp(layer.post_attention_layernorm(x))
+        else:
+            dense = layer.self_attn(layer.input_layernorm(x), position_embeddings=(hf_cos, hf_sin),
+                                    attention_mask=causal)[0]
+        assert (p.sum(0) - dense).abs().max().item() <= TOL
+        assert (p[0] - dense).abs().max().item() > 1e-3  # one device alone is not the dense output
+
+
+@pytest.mark.parametrize("delay", [1, 1.5, 0])
+def test_kv_cache_decoding_equals_full_forward(delay):
+    hf = tiny_hf_model("qwen3", seed=5)
+    model = DTPModel.from_hf(hf, devices=4, delay=delay)
+    ids = ids_for(hf, B=2, T=14)
+    full = model(ids)
+    cache = model.new_cache()
+    pieces = [model(ids[:, :6], cache=cache), model(ids[:, 6:9], cache=cache)]  # prefill, then a chunk
+    pieces += [model(ids[:, t:t + 1], cache=cache) for t in range(9, 14)]  # then token by token
+    assert cache.length == 14
+    assert (torch.cat(pieces, 1) - full).abs().max().item() <= TOL
+
+
+def test_checkpointing_gradients_equal():
+    hf = tiny_hf_model("qwen2", seed=7)
+    ids = ids_for(hf, B=2, T=10)
+    grads = []
+    for ckpt in (False, True):
+        model = DTPModel.from_hf(hf, devices=2, delay=1.5).train()
+        model.gradient_checkpointing = ckpt
+        model(ids).logsumexp(-1).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert torch.allclose(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-5), n
+    assert any(g.abs().max() > 0 for g in grads[0].values())
+
+
+def test_bfloat16_runs_close_to_fp32():
+    hf = tiny_hf_model("llama", seed=2)
+    ids = ids_for(hf)
+    ref = DTPModel.from_hf(hf, devices=4, delay=1)(ids)
+    out = DTPModel.from_hf(hf, devices=4, delay=1, dtype=torch.bfloat16)(ids)
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - ref).abs().max().item() < 0.1 * ref.abs().max().item()
+
+
+def test_fractional_delay_is_continuous():
+    hf = tiny_hf_model("llama", seed=4)
+    ids = ids_for(hf, B=1, T=8)
+    model = DTPModel.from_hf(hf, devices=4, delay=1)
+    at1 = model(ids)
+    model.set_dtp(4, 1 + 1e-6)
+    assert (model(ids) - at1).abs().max().item() < 1e-4
+    model.set_dtp(4, 2 - 1e-6)
+    near2 = model(ids)
+    model.set_dtp(4, 2)
+    assert (model(ids) - near2).abs().max().item() < 1e-4
