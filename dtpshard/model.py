@@ -23,11 +23,39 @@ from .errors import UserError
 DTP_JSON = "dtp.json"  # devices/delay/stage3 saved next to a student's weights
 
 
+def _up(t: torch.Tensor) -> torch.Tensor:  # norms compute in at least fp32
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same op order as transformers' LlamaRMSNorm, so fp32 logits agree to rounding.
-    x32 = x.float()
+    x32 = _up(x)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """rms_norm with a hand-written backward that saves only x and 1/rms.
+
+    Autograd would also keep the normalised x and the output, each [L, B, T, D]: with L
+    residual streams that is what pushes DTP's activation memory over the dense model's.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x32 = _up(x)
+        r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
+        ctx.save_for_backward(x, weight, r)
+        return weight * (x32 * r).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, r = ctx.saved_tensors
+        n = _up(x) * r
+        dn = _up(dy) * _up(weight)
+        dx = r * (dn - n * (dn * n).mean(-1, keepdim=True))
+        dw = (_up(dy) * _up(n.to(x.dtype))).reshape(-1, n.shape[-1]).sum(0)
+        return dx.to(x.dtype), dw.to(weight.dtype), None
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -58,6 +86,8 @@ class Norm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormFn.apply(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 

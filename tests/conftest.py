@@ -7,6 +7,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import transformers  # noqa: E402
+
+transformers.utils.logging.disable_progress_bar()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -117,3 +117,16 @@ def test_fractional_delay_is_continuous():
     near2 = model(ids)
     model.set_dtp(4, 2)
     assert (model(ids) - near2).abs().max().item() < 1e-4
+
+
+def test_rms_norm_backward_matches_autograd():
+    from dtpshard.model import _RMSNormFn, rms_norm
+
+    x = torch.randn(2, 3, 5, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: _RMSNormFn.apply(a, b, 1e-6), (x, w))
+    dy = torch.randn(2, 3, 5, 16, dtype=torch.float64)
+    g1 = torch.autograd.grad((rms_norm(x, w, 1e-6) * dy).sum(), (x, w))
+    g2 = torch.autograd.grad((_RMSNormFn.apply(x, w, 1e-6) * dy).sum(), (x, w))
+    for a, b in zip(g1, g2):
+        assert torch.allclose(a, b, atol=1e-12)
