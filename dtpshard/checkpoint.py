@@ -7,6 +7,7 @@ Gemma post-norm, is refused by name).
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,6 +164,9 @@ def save_checkpoint(out_dir: Path, hf_config: Any, state_dict: dict[str, torch.T
     if hf_config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out_dir / "model.safetensors", 0o666 & ~umask)  # safetensors writes 0600
     if source is not None:
         for name in TOKENIZER_FILES:
             if (source / name).is_file():

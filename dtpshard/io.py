@@ -16,7 +16,11 @@ def _tmp_sibling(path: Path, suffix: str = "") -> Path:
 
 
 def check_writable_dir(path: Path) -> None:
+    """The parent of `path` exists (created if missing) and can be written; else one line."""
     parent = path.parent if str(path.parent) else Path(".")
+    blocker = next((p for p in [parent, *parent.parents] if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise UserError(f"cannot write {path}: {blocker} is a file, not a directory")
     if not parent.exists():
         try:
             parent.mkdir(parents=True, exist_ok=True)
@@ -55,6 +59,9 @@ def atomic_dir(path: str | Path, force: bool = False) -> Iterator[Path]:
         raise UserError(f"output {path} exists (use --force to replace it)")
     check_writable_dir(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent if str(path.parent) else "."))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide the output from other users
     try:
         yield tmp
         if path.exists():

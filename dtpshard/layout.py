@@ -87,13 +87,18 @@ class Layout:
             if key not in obj:
                 raise UserError(f"{where}: missing field {key!r}")
         model = obj["model"]
-        if not isinstance(model, dict) or any(not isinstance(model.get(k), int) for k in SHAPE_KEYS):
-            raise UserError(f"{where}: model must give integer {', '.join(SHAPE_KEYS)}")
+        if not isinstance(model, dict) or any(not _is_int(model.get(k)) or model[k] < 1 for k in SHAPE_KEYS):
+            raise UserError(f"{where}: model must give positive integer {', '.join(SHAPE_KEYS)}")
+        model = dict(model)
         devices, delay = obj["devices"], obj["delay"]
-        if not isinstance(devices, int) or devices < 1:
+        if not _is_int(devices) or devices < 1:
             raise UserError(f"{where}: devices={devices!r} must be a positive integer")
-        if not isinstance(delay, (int, float)) or not math.isfinite(delay) or delay < 0:
+        if (isinstance(delay, bool) or not isinstance(delay, (int, float)) or not math.isfinite(delay)
+                or delay < 0):
             raise UserError(f"{where}: delay={delay!r} must be a number >= 0")
+        score = obj.get("score") or {}
+        if not isinstance(score, dict):
+            raise UserError(f"{where}: score must be an object, not {type(score).__name__}")
         check_divides(model, devices, where)
         layers = obj["layers"]
         if not isinstance(layers, list) or len(layers) != model["layers"]:
@@ -106,8 +111,8 @@ class Layout:
             kv.append(_check_perm(entry.get("kv_perm"), model["kv_groups"], f"{where}: layer {i} kv_perm"))
             ffn.append(_check_perm(entry.get("ffn_perm"), model["neurons"], f"{where}: layer {i} ffn_perm"))
         seed = obj.get("seed")
-        return cls(devices, delay, str(obj.get("kind", "unknown")), dict(model), kv, ffn,
-                   seed=seed if isinstance(seed, int) else None, score=dict(obj.get("score") or {}))
+        return cls(devices, delay, str(obj.get("kind", "unknown")), model, kv, ffn,
+                   seed=seed if _is_int(seed) else None, score=dict(score))
 
     @classmethod
     def load(cls, path: str | Path) -> "Layout":
@@ -118,6 +123,8 @@ class Layout:
             raise UserError(f"layout file not found: {path}") from None
         except OSError as e:
             raise UserError(f"cannot read layout {path}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise UserError(f"layout {path}: not a text (JSON) file") from None
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
@@ -138,9 +145,15 @@ def as_layout(layout: "Layout | str | Path | None") -> "Layout | None":
 
 
 def check_divides(model: dict[str, int], devices: int, where: str = "layout") -> None:
+    if devices < 1:
+        raise UserError(f"{where}: devices={devices} must be at least 1")
     for key in ("kv_groups", "neurons"):
         if model[key] % devices:
             raise UserError(f"{where}: devices={devices} does not divide {key}={model[key]}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a count
 
 
 def _device_of(perm: np.ndarray, devices: int) -> np.ndarray:
@@ -150,7 +163,7 @@ def _device_of(perm: np.ndarray, devices: int) -> np.ndarray:
 
 
 def _check_perm(values: Any, size: int, where: str) -> np.ndarray:
-    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    if not isinstance(values, list) or not all(_is_int(v) for v in values):
         raise UserError(f"{where}: must be a list of integers")
     if len(values) != size:
         raise UserError(f"{where}: length {len(values)}, expected {size}")

@@ -309,12 +309,15 @@ class DTPModel(nn.Module):
                         dtype: torch.dtype = torch.float32, layout: Any = None, stage3: str | None = None,
                         device: str | torch.device = "cpu") -> "DTPModel":
         """Load a local HF checkpoint directory. Defaults come from its dtp.json if it has one
-        (a distilled student), else devices=4, delay=1, stage3='sqrt'."""
+        (a distilled student), else devices from the layout or 4, delay=1, stage3='sqrt'."""
         from .checkpoint import open_checkpoint
+        from .layout import as_layout
 
         ckpt = open_checkpoint(path)
         saved = json.loads((Path(path) / DTP_JSON).read_text()) if (Path(path) / DTP_JSON).is_file() else {}
-        devices = saved.get("devices", 4) if devices is None else devices
+        layout = as_layout(layout)
+        if devices is None:  # a student's own setting, else the layout's, else 4
+            devices = saved.get("devices", layout.devices if layout is not None else 4)
         delay = saved.get("delay", 1) if delay is None else delay
         stage3 = saved.get("stage3", "sqrt") if stage3 is None else stage3
         check_devices(ckpt.shape, devices)

@@ -1,0 +1,319 @@
+"""Applying a layout (spec section 3): the dense function is unchanged (against transformers' own
+model), the DTP function at δ ≥ 1 is not, and `dtpshard permute` writes a checked checkpoint or
+nothing at all."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from reference import literal_dtp_logits
+from safetensors.torch import load_file
+from tiny import FAMILIES, tiny_hf_model
+
+from dtpshard.cli import main
+from dtpshard.config import shape_from_hf_config
+from dtpshard.errors import UserError
+from dtpshard.layout import Layout
+from dtpshard.model import DTPModel
+from dtpshard.permute import LAYOUT_JSON, apply_layout, permutation_spec
+
+TOL = 1e-4
+
+
+def ids_for(vocab, B=2, T=16, seed=0):
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def no_identity_layout(shape, devices=4, seed=1) -> Layout:
+    """A random layout in which no layer keeps its groups or its neurons in place."""
+    lay = Layout.random(shape.summary(), devices, delay=1, seed=seed)
+    lay.kv_perms = [np.roll(p, 1) if (p == np.arange(len(p))).all() else p for p in lay.kv_perms]  # p = 1/24
+    assert not any((p == np.arange(len(p))).all() for p in lay.kv_perms + lay.ffn_perms)
+    return lay
+
+
+def hf_with(hf, state_dict):
+    from transformers import AutoModelForCausalLM
+
+    new = AutoModelForCausalLM.from_config(hf.config, attn_implementation="eager")
+    new.load_state_dict(state_dict, strict=True)
+    return new.eval()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def hf(request):
+    return tiny_hf_model(request.param, seed=11)
+
+
+# -- the dense function is unchanged; the DTP function only at δ = 0 --------------------------
+@torch.no_grad()
+def test_dense_logits_unchanged_and_every_spec_entry_matters(hf):
+    shape = shape_from_hf_config(hf.config)
+    lay = no_identity_layout(shape)
+    sd = {k: v.detach() for k, v in hf.state_dict().items()}
+    out = apply_layout(sd, shape, lay)
+    spec = permutation_spec(shape)
+    for name in spec:
+        assert not torch.equal(out[name], sd[name]), name
+    for name in sd.keys() - spec.keys():  # norms, embeddings, head: untouched
+        assert out[name] is sd[name], name
+    ids = ids_for(shape.vocab)
+    ref = hf(ids).logits
+    other = hf_with(hf, out)
+    assert (other(ids).logits - ref).abs().max().item() <= TOL
+    if shape.family != "qwen2":  # the one family with every kind of entry (q/k/v biases too)
+        return
+    # Leaving any one kind of tensor unpermuted breaks the function: no entry of the spec is idle.
+    for suffix in sorted({n.split(".", 3)[3] for n in spec}):
+        other.load_state_dict({k: (sd[k] if k.endswith(suffix) else v) for k, v in out.items()})
+        assert (other(ids).logits - ref).abs().max().item() > 10 * TOL, suffix
+
+
+@torch.no_grad()
+def test_delay_zero_dtp_is_unchanged_under_any_layout(hf):
+    shape = shape_from_hf_config(hf.config)
+    ids = ids_for(shape.vocab, B=1, T=12)
+    dense = hf(ids).logits
+    for devices in (2, 4):
+        plain = DTPModel.from_hf(hf, devices=devices, delay=0)(ids)
+        for lay in (no_identity_layout(shape, devices, seed=devices), Layout.random(shape.summary(), devices, seed=9)):
+            out = DTPModel.from_hf(hf, devices=devices, delay=0, layout=lay)(ids)
+            assert (out - plain).abs().max().item() <= TOL
+            assert (out - dense).abs().max().item() <= TOL
+
+
+@torch.no_grad()
+def test_delay_one_random_layout_changes_logits_as_the_spec_says(hf):
+    shape = shape_from_hf_config(hf.config)
+    lay = no_identity_layout(shape, seed=5)
+    ids = ids_for(shape.vocab, B=1, T=7)
+    contiguous = DTPModel.from_hf(hf, devices=4, delay=1)(ids)
+    out = DTPModel.from_hf(hf, devices=4, delay=1, layout=lay)(ids)
+    assert (out - contiguous).abs().max().item() > 1e-2
+    # ...and it is the DTP function of the permuted dense model, by the letter of spec section 1.
+    permuted = hf_with(hf, apply_layout(dict(hf.state_dict()), shape, lay))
+    assert (out - literal_dtp_logits(permuted, ids, 4, 1)).abs().max().item() <= TOL
+
+
+def test_contiguous_layout_is_a_no_op(hf):
+    shape = shape_from_hf_config(hf.config)
+    sd = {k: v.detach() for k, v in hf.state_dict().items()}
+    out = apply_layout(sd, shape, Layout.contiguous(shape.summary(), 4))
+    assert out.keys() == sd.keys()
+    for k in sd:
+        assert torch.equal(out[k], sd[k]), k
+
+
+# -- `dtpshard permute`: round trip ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def permuted(tiny_dirs, tmp_path_factory):
+    """family -> (source dir, layout file, permuted dir, printed output), one CLI run each."""
+    root = tmp_path_factory.mktemp("permuted")
+    done = {}
+
+    def get(family):
+        if family not in done:
+            src = tiny_dirs[family]
+            lay = no_identity_layout(shape_from_hf_config(tiny_hf_model(family).config), seed=3)
+            lay.score = {"J": 0.5}
+            lay.save(root / f"{family}.json")
+            out, printed = root / f"{family}-out", io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                rc = main(["permute", str(src), str(root / f"{family}.json"), "--out", str(out)])
+            assert rc == 0
+            done[family] = (src, root / f"{family}.json", out, printed.getvalue())
+        return done[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_permute_round_trip_with_transformers(permuted, family):
+    from transformers import AutoModelForCausalLM
+
+    from dtpshard.checkpoint import load_tokenizer
+
+    src, layout_file, out, printed = permuted(family)
+    m = re.search(r"max \|logits\(permuted\) - logits\(original\)\| = (\S+) over 256 tokens "
+                  r"\(fp32, max \|logit\| (\S+), tolerance 0.0001\)", printed)
+    assert m and float(m.group(1)) <= TOL and float(m.group(2)) > 0.1, printed
+    assert str(out) in printed
+    load = dict(dtype=torch.float32, attn_implementation="eager", local_files_only=True)
+    original = AutoModelForCausalLM.from_pretrained(str(src), **load).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(str(out), **load).eval()
+    shape = shape_from_hf_config(original.config)
+    expected = apply_layout(dict(original.state_dict()), shape, Layout.load(layout_file))
+    got = reloaded.state_dict()
+    assert got.keys() == expected.keys()
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), k
+    ids = ids_for(shape.vocab, B=2, T=20, seed=4)
+    with torch.no_grad():
+        assert (reloaded(ids).logits - original(ids).logits).abs().max().item() <= TOL
+    assert json.loads((out / LAYOUT_JSON).read_text()) == json.loads(layout_file.read_text())
+    assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes()
+    assert load_tokenizer(out)("hello world")["input_ids"] == load_tokenizer(src)("hello world")["input_ids"]
+    assert not [p for p in out.parent.iterdir() if ".tmp" in p.name]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama_tied"])
+def test_in_memory_layout_equals_permuted_checkpoint_exactly(permuted, family):
+    src, layout_file, out, _ = permuted(family)
+    ids = ids_for(384, B=1, T=10)
+    ref_model = DTPModel.from_pretrained(out, devices=4, delay=1)
+    ref = ref_model(ids)
+    for layout in (layout_file, Layout.load(layout_file)):
+        model = DTPModel.from_pretrained(src, devices=4, delay=1, layout=layout)
+        for k, v in ref_model.state_dict().items():
+            assert torch.equal(model.state_dict()[k], v), k
+        assert torch.equal(model(ids), ref)
+    assert (ref - DTPModel.from_pretrained(src, devices=4, delay=1)(ids)).abs().max().item() > 1e-2
+    with pytest.raises(UserError, match="devices=4"):
+        DTPModel.from_pretrained(src, devices=2, delay=1, layout=layout_file)
+
+
+def test_permute_contiguous_writes_the_same_weights(tiny_dirs, tmp_path, capsys):
+    src = tiny_dirs["qwen3"]
+    Layout.contiguous(shape_from_hf_config(tiny_hf_model("qwen3").config).summary(), 2).save(tmp_path / "c.json")
+    assert main(["permute", str(src), str(tmp_path / "c.json"), "--out", str(tmp_path / "o"),
+                 "--check-tokens", "32"]) == 0
+    assert "over 32 tokens" in capsys.readouterr().out
+    a, b = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "o" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- `dtpshard permute`: refusals ----------------------------------------------------------
+@pytest.fixture
+def env(tiny_dirs, tmp_path):
+    src = tiny_dirs["qwen3"]
+    shape = shape_from_hf_config(tiny_hf_model("qwen3").config)
+    good = tmp_path / "good.json"
+    no_identity_layout(shape, seed=2).save(good)
+    return src, shape, good, tmp_path
+
+
+def refused(capsys, args, out, expected, exists=False):
+    rc = main(["permute", *map(str, args), "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 2
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dtpshard permute: error: "), captured.err
+    assert expected in lines[0], lines[0]
+    assert out.exists() == exists
+    if out.parent.is_dir():
+        assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.tmp")]
+
+
+def write_json(path, obj):
+    path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return path
+
+
+def test_refuses_layouts_for_another_model(env, capsys):
+    src, shape, good, tmp = env
+    other = {**shape.summary(), "layers": 2}
+    Layout.random(other, 4).save(tmp / "layers.json")
+    refused(capsys, [src, tmp / "layers.json"], tmp / "o", "layers=2 but the model has layers=3")
+    other = {**shape.summary(), "kv_groups": 2, "heads_per_group": 4}
+    Layout.random(other, 2).save(tmp / "kv.json")
+    refused(capsys, [src, tmp / "kv.json"], tmp / "o", "kv_groups=2 but the model has kv_groups=4")
+    Layout.random({**shape.summary(), "neurons": 48}, 4).save(tmp / "n.json")
+    refused(capsys, [src, tmp / "n.json"], tmp / "o", "neurons=48 but the model has neurons=96")
+
+
+def test_refuses_bad_layout_files(env, capsys):
+    src, shape, good, tmp = env
+    obj = json.loads(good.read_text())
+    cases = [
+        ({**obj, "layers": [{**obj["layers"][0], "kv_perm": [0, 0, 1, 2]}] + obj["layers"][1:]},
+         "layer 0 kv_perm: index 0 appears 2 times and 3 is missing"),
+        ({**obj, "layers": obj["layers"][:1] + [{**obj["layers"][1], "ffn_perm": list(range(95))}] + obj["layers"][2:]},
+         "layer 1 ffn_perm: length 95, expected 96"),
+        ({**obj, "devices": 3}, "devices=3 does not divide kv_groups=4"),
+        ({**obj, "format": "other/1"}, "format='other/1'"),
+        ({**obj, "layers": obj["layers"][:2]}, "2 layers listed, model has 3"),
+        ("{not json", "not valid JSON"),
+    ]
+    for i, (bad, expected) in enumerate(cases):
+        refused(capsys, [src, write_json(tmp / f"bad{i}.json", bad)], tmp / "o", expected)
+    refused(capsys, [src, tmp / "missing.json"], tmp / "o", "layout file not found")
+
+
+def test_refuses_missing_model_files(env, capsys):
+    src, shape, good, tmp = env
+    for missing, expected in (("config.json", "no config.json"), ("model.safetensors", "no *.safetensors")):
+        broken = tmp / f"no-{missing}"
+        shutil.copytree(src, broken)
+        (broken / missing).unlink()
+        refused(capsys, [broken, good], tmp / "o", expected)
+    refused(capsys, [tmp / "nowhere", good], tmp / "o", "model directory not found")
+
+
+def test_refuses_existing_output_unless_forced(env, capsys):
+    src, shape, good, tmp = env
+    out = tmp / "o"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    refused(capsys, [src, good], out, "exists (use --force to replace it)", exists=True)
+    assert (out / "keep").read_text() == "x"
+    (tmp / "afile").write_text("y")
+    refused(capsys, [src, good], tmp / "afile", "exists and is not a directory", exists=True)
+    assert main(["permute", str(src), str(good), "--out", str(out), "--force", "--check-tokens", "16"]) == 0
+    assert not (out / "keep").exists() and (out / "model.safetensors").is_file() and (out / LAYOUT_JSON).is_file()
+    assert not [p for p in tmp.iterdir() if ".tmp" in p.name or ".old" in p.name]
+    refused(capsys, [src, good, "--force"], src, "is the source model directory", exists=True)
+    refused(capsys, [src, good, "--check-tokens", "0"], tmp / "o2", "--check-tokens 0")
+    refused(capsys, [src, good, "--tolerance", "0"], tmp / "o2", "--tolerance 0.0: must be a positive number")
+
+
+def test_refuses_unwritable_output(env, capsys):
+    src, shape, good, tmp = env
+    (tmp / "afile").write_text("y")
+    refused(capsys, [src, good], tmp / "afile" / "sub", "afile")  # under a regular file: even root cannot
+    if os.geteuid() == 0:
+        return  # root ignores directory permissions
+    ro = tmp / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        refused(capsys, [src, good], ro / "o", "not writable")
+        assert list(ro.iterdir()) == []
+    finally:
+        ro.chmod(0o755)
+
+
+def test_failed_check_writes_nothing(env, capsys, monkeypatch):
+    import dtpshard.permute as permute
+
+    src, shape, good, tmp = env
+
+    def forgets_down_proj(sd, shape_, layout):  # a bug the check must catch
+        out = apply_layout(sd, shape_, layout)
+        return {k: (sd[k] if k.endswith("down_proj.weight") else v) for k, v in out.items()}
+
+    monkeypatch.setattr(permute, "apply_layout", forgets_down_proj)
+    refused(capsys, [src, good, "--check-tokens", "32"], tmp / "o", "permuted logits differ from the original by")
+
+
+@pytest.mark.slow
+def test_permute_smollm2_passes_the_check(tmp_path, capsys):
+    """A real 30-layer model: fp32 rounding of the reordered sums stays under 1e-4 (measured 8e-5)."""
+    smollm2 = pytest.importorskip("dtpshard.smollm2")
+    try:
+        src = smollm2.smollm2_checkpoint()
+    except UserError as e:
+        pytest.skip(str(e))
+    shape = shape_from_hf_config(__import__("transformers").AutoConfig.from_pretrained(str(src)))
+    no_identity_layout(shape, devices=3, seed=1).save(tmp_path / "r.json")
+    assert main(["permute", str(src), str(tmp_path / "r.json"), "--out", str(tmp_path / "o")]) == 0
+    m = re.search(r"\| = (\S+) over 256 tokens", capsys.readouterr().out)
+    assert m and float(m.group(1)) <= TOL
