@@ -69,12 +69,18 @@ class Affinity:
             options = json.loads(meta.get("options", "{}"))
         except (KeyError, json.JSONDecodeError) as e:
             raise UserError(f"{path}: bad metadata ({e})") from None
+        if not isinstance(model, dict) or any(not isinstance(model.get(k), int) or model[k] < 1
+                                              for k in ("layers", "kv_groups", "heads_per_group", "neurons")):
+            raise UserError(f"{path}: metadata 'model' must give positive integer layers, kv_groups, "
+                            "heads_per_group, neurons")
         edges: dict[tuple[int, int], np.ndarray] = {}
         for name, arr in arrays.items():
             parts = name.split(".")
             if len(parts) != 3 or parts[0] != "edge" or not (parts[1].isdigit() and parts[2].isdigit()):
                 raise UserError(f"{path}: unexpected tensor {name!r}")
             a, b = int(parts[1]), int(parts[2])
+            if not (0 <= a < b < 2 * model["layers"]):
+                raise UserError(f"{path}: {name} is not an edge of a {model['layers']}-layer model")
             want = (units(model, a), units(model, b))
             if arr.shape != want:
                 raise UserError(f"{path}: {name} has shape {list(arr.shape)}, expected {list(want)}")

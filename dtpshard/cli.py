@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"dtpshard {name}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. piped into `head`
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print(f"dtpshard {name}: interrupted", file=sys.stderr)
         return 130

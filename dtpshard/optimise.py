@@ -9,7 +9,7 @@ problem, solved exactly here by cycle cancelling on the L-device residual graph 
 """
 from __future__ import annotations
 
-import itertools
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -20,7 +20,8 @@ import numpy as np
 from .affinity_file import Affinity, units
 from .errors import UserError
 from .layout import Layout, check_divides
-from .score import Edges, j_of_devices, normalised_edges, one_hot, perm_from_devices, score_devices
+from .score import (Edge, Edges, layout_devices, normalised_edges, one_hot, perm_from_devices,
+                    score_devices)
 
 OPTIMISING_KINDS = ("optimised", "anti", "heads-only", "neurons-only")
 KINDS = ("optimised", "contiguous", "random") + OPTIMISING_KINDS[1:]
@@ -112,6 +113,7 @@ def balanced_assignment(gain: np.ndarray, devices: int, start: np.ndarray | None
             dev[mv[:batch]] = e
 
 
+@functools.lru_cache(maxsize=8)
 def labelled_partitions(n_units: int, devices: int) -> np.ndarray:
     """Every balanced assignment of n_units to labelled devices, as a [P, n_units] array."""
     per = n_units // devices
@@ -134,7 +136,9 @@ def labelled_partitions(n_units: int, devices: int) -> np.ndarray:
                 left[d] += 1
 
     rec([], [per] * devices)
-    return np.asarray(out, dtype=np.int64).reshape(-1, n_units)
+    parts = np.asarray(out, dtype=np.int64).reshape(-1, n_units)
+    parts.flags.writeable = False  # cached and shared between calls
+    return parts
 
 
 def exhaustive_assignment(gain: np.ndarray, devices: int, start: np.ndarray | None = None) -> np.ndarray:
@@ -155,12 +159,14 @@ def exhaustive_assignment(gain: np.ndarray, devices: int, start: np.ndarray | No
 # -- block coordinate ascent ------------------------------------------------------------------
 @dataclass
 class Problem:
-    """Normalised edges, and for each module the matrices to its partners oriented [units(m), ·]."""
+    """Normalised edges, and for each module the edges it is an end of (which end, partner)."""
     model: dict[str, int]
     devices: int
     delay: float
     edges: Edges
-    partners: dict[int, list[tuple[int, np.ndarray]]] = field(default_factory=dict)
+    partners: dict[int, list[tuple[bool, int, Edge]]] = field(default_factory=dict)
+    # (edge, end) -> (partner devices, product): see `_mass`
+    _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, affinity: Affinity, devices: int, delay: float) -> "Problem":
@@ -168,21 +174,45 @@ class Problem:
             raise UserError(f"devices={devices}: must be at least 1")
         check_divides(affinity.model, devices, where="affinity model")
         edges = normalised_edges(affinity, delay)
-        partners: dict[int, list[tuple[int, np.ndarray]]] = {}
-        for (a, b), s in edges.items():  # both ends see the edge: a's rows, b's columns
-            partners.setdefault(a, []).append((b, s))
-            partners.setdefault(b, []).append((a, np.ascontiguousarray(s.T)))
+        partners: dict[int, list[tuple[bool, int, Edge]]] = {}
+        for (a, b), e in edges.items():  # both ends see the edge: a through rows, b through columns
+            partners.setdefault(a, []).append((True, b, e))
+            partners.setdefault(b, []).append((False, a, e))
         return cls(dict(affinity.model), devices, delay, edges, partners)
 
     @property
     def modules(self) -> int:
         return 2 * self.model["layers"]
 
+    def _mass(self, e: Edge, is_source: bool, partner_dev: np.ndarray) -> np.ndarray:
+        """e.towards(partner_dev) (is_source) or e.back(partner_dev), kept between calls.
+
+        Reading a whole N x N edge (δ ≥ 2) for every block update is what costs; in later
+        sweeps few units move, so we update the cached product through the moved units only
+        (a few rows or columns), and recompute it whole when many moved.
+        """
+        key = (id(e), is_source)
+        hit = self._cache.get(key)
+        if hit is not None:
+            old, prod = hit
+            moved = np.flatnonzero(old != partner_dev)
+            if len(moved) == 0:
+                return prod
+            if 8 * len(moved) < len(partner_dev):
+                change = one_hot(partner_dev[moved], self.devices) - one_hot(old[moved], self.devices)
+                part = e.scores[:, moved] if is_source else e.scores[moved, :].T
+                prod = prod + e.weight * (part @ change)
+                self._cache[key] = (partner_dev.copy(), prod)
+                return prod
+        prod = e.towards(partner_dev, self.devices) if is_source else e.back(partner_dev, self.devices)
+        self._cache[key] = (partner_dev.copy(), prod)
+        return prod
+
     def block_gain(self, devs: list[np.ndarray], m: int) -> np.ndarray:
         """gain[u, d]: J gained by unit u of module m being on device d, all else fixed."""
         g = np.zeros((units(self.model, m), self.devices))
-        for other, s in self.partners.get(m, []):
-            g += s @ one_hot(devs[other], self.devices)
+        for is_source, other, e in self.partners.get(m, []):
+            g += self._mass(e, is_source, devs[other])
         return g
 
     def contiguous(self) -> list[np.ndarray]:
@@ -190,7 +220,9 @@ class Problem:
                 for m in range(self.modules)]
 
     def j(self, devs: list[np.ndarray]) -> float:
-        return j_of_devices(self.edges, devs, self.devices)
+        """J through the cached products (the final score is recomputed from scratch)."""
+        return float(sum(self._mass(e, True, devs[b])[np.arange(len(devs[a])), devs[a]].sum()
+                         for (a, b), e in self.edges.items()))
 
 
 def ascend(problem: Problem, devs: list[np.ndarray], blocks: list[int], maximise: bool = True,
@@ -259,6 +291,8 @@ def optimise_layout(affinity: Affinity, devices: int, delay: float, kind: str = 
         raise UserError(f"kind {kind!r}: one of {', '.join(KINDS)}")
     if restarts < 1:
         raise UserError(f"--restarts {restarts}: must be at least 1")
+    if kv_search not in ("assignment", "exhaustive"):
+        raise UserError(f"--kv-search {kv_search!r}: one of assignment, exhaustive")
     if max_sweeps < 1:
         raise UserError(f"--max-sweeps {max_sweeps}: must be at least 1")
     if not math.isfinite(delay) or delay < 0:
@@ -267,13 +301,13 @@ def optimise_layout(affinity: Affinity, devices: int, delay: float, kind: str = 
     problem = Problem.build(affinity, devices, delay)
     n = problem.model["layers"]
     chosen = evenly_spaced_layers(n, layers) if layers is not None else None
+    if kv_search == "exhaustive" and kind in ("optimised", "anti", "heads-only"):
+        labelled_partitions(problem.model["kv_groups"], devices)  # refuse a too-large search up front
     if kind in ("contiguous", "random"):
         if chosen is not None or restarts != 1:
             raise UserError(f"--layers and --restarts apply to optimised kinds, not {kind}")
-        base = Layout.contiguous if kind == "contiguous" else None
-        layout = (base(problem.model, devices, delay) if base
+        layout = (Layout.contiguous(problem.model, devices, delay) if kind == "contiguous"
                   else Layout.random(problem.model, devices, delay, seed=seed))
-        from .score import layout_devices
         devs, history, best_restart = layout_devices(layout), [], None
     else:
         blocks = family_blocks(kind, n, chosen)

@@ -11,6 +11,7 @@ module's one-hot device matrix, which is what makes its block updates exact.
 from __future__ import annotations
 
 import json as _json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,31 @@ from .affinity_file import Affinity, units
 from .errors import UserError
 from .layout import Layout
 
-Edges = dict[tuple[int, int], np.ndarray]
+@dataclass(frozen=True)
+class Edge:
+    """One edge's raw scores S [units(a), units(b)] and weight 1/ΣS, so Ŝ = weight · S.
+
+    Ŝ is never materialised: at δ ≥ 2 an FFN -> FFN edge is N x N and a normalised copy
+    of every edge would double the memory of a large affinity file.
+    """
+    scores: np.ndarray
+    weight: float
+
+    def towards(self, dev_b: np.ndarray, devices: int) -> np.ndarray:
+        """[units(a), L]: Ŝ mass from each source unit to the target units on each device."""
+        return self.weight * (self.scores @ one_hot(dev_b, devices))
+
+    def back(self, dev_a: np.ndarray, devices: int) -> np.ndarray:
+        """[units(b), L]: Ŝ mass into each target unit from the source units on each device."""
+        return self.weight * (self.scores.T @ one_hot(dev_a, devices))  # a view: BLAS transposes
+
+    def colocated(self, dev_a: np.ndarray, dev_b: np.ndarray, devices: int) -> float:
+        """Σ Ŝ[u, v] over pairs whose source u and target v sit on the same device."""
+        per_device = self.towards(dev_b, devices)
+        return float(per_device[np.arange(len(dev_a)), dev_a].sum())
+
+
+Edges = dict[tuple[int, int], Edge]
 
 
 def normalised_edges(affinity: Affinity, delay: float) -> Edges:
@@ -34,10 +59,10 @@ def normalised_edges(affinity: Affinity, delay: float) -> Edges:
             raise UserError(f"affinity edge.{a}.{b} contains NaN or infinite values")
         if (s < 0).any():
             raise UserError(f"affinity edge.{a}.{b} has negative scores")
-        total = s.sum()
+        total = float(s.sum())
         if not total > 0:
             raise UserError(f"affinity edge.{a}.{b} has total mass 0 and cannot be normalised")
-        out[(a, b)] = s / total
+        out[(a, b)] = Edge(s, 1.0 / total)
     return out
 
 
@@ -46,12 +71,6 @@ def one_hot(dev: np.ndarray, devices: int) -> np.ndarray:
     m = np.zeros((len(dev), devices))
     m[np.arange(len(dev)), dev] = 1.0
     return m
-
-
-def edge_colocated(s_hat: np.ndarray, dev_a: np.ndarray, dev_b: np.ndarray, devices: int) -> float:
-    """Σ Ŝ[u, v] over pairs whose source u and target v sit on the same device."""
-    per_device = s_hat @ one_hot(dev_b, devices)  # [units(a), L]: mass of u towards each device
-    return float(per_device[np.arange(len(dev_a)), dev_a].sum())
 
 
 def layout_devices(layout: Layout) -> list[np.ndarray]:
@@ -75,12 +94,12 @@ def perm_from_devices(dev: np.ndarray, devices: int) -> np.ndarray:
 
 
 def j_of_devices(edges: Edges, devs: list[np.ndarray], devices: int) -> float:
-    return float(sum(edge_colocated(s, devs[a], devs[b], devices) for (a, b), s in edges.items()))
+    return float(sum(e.colocated(devs[a], devs[b], devices) for (a, b), e in edges.items()))
 
 
 def score_devices(edges: Edges, devs: list[np.ndarray], devices: int, layers: int) -> dict:
     """J with its parts: every edge's co-located fraction and, per layer, the up and down edge."""
-    per_edge = {e: edge_colocated(s, devs[e[0]], devs[e[1]], devices) for e, s in edges.items()}
+    per_edge = {(a, b): e.colocated(devs[a], devs[b], devices) for (a, b), e in edges.items()}
     n_edges = len(per_edge)
     j = float(sum(per_edge.values()))
     per_layer = [{"layer": i,
