@@ -1,0 +1,156 @@
+"""Benchmark of the multi-process runtime (issue 8): DTP (δ = 1, 2) against tensor parallelism (δ = 0).
+
+L local gloo ranks (cores / L - 2 threads each, see dtpshard.launch.set_threads) run a random Qwen3-0.6B-width
+model (D 1024, N 3072, head dim 128; 12 heads in 6 KV groups so that L = 2 and 3 both divide;
+4 layers; vocab 8192 so the replicated LM head does not drown the layers) or --model DIR.
+Timed: one prefill of --prompt-len tokens, then --new-tokens greedy decoding steps from the
+per-rank KV cache, median of --repeats, the slowest rank counted. `--latency-ms` adds a fixed
+latency to every transfer (a sum is not available before it was posted plus the latency) to
+emulate a slower link: δ = 0 waits for it after every module, δ ≥ 1 overlaps it with compute.
+"compute" is the same forward with the transfers removed, so 1 - compute/δ0 is the share of the
+TP step spent communicating. Usage: python bench/bench_runtime.py [--latency-ms 0 1 --worlds 2 3]
+On a 2-core machine shared with other jobs the numbers are noise: run it on a quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dtpshard.runtime import Link, launch_local  # noqa: E402
+
+
+class NoLink(Link):
+    """Transfers removed: every rank computes as if alone (the function changes, the work does not)."""
+
+    def reduce(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        return t
+
+    def post(self, m: int, p: torch.Tensor) -> None:
+        self.pending[m] = [None, None, p, 0.0, torch.zeros_like(p)]
+
+
+def random_checkpoint(out: Path, layers: int, vocab: int) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers, num_attention_heads=12,
+                      num_key_value_heads=6, head_dim=128, vocab_size=vocab, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).save_pretrained(str(out))
+    return out
+
+
+def _timed(net, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+    """(prefill seconds, seconds per decoded token), the slowest rank's."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    cache = net.new_cache()
+    nxt = net(prompt, cache, logits_to_keep=1)[:, -1].argmax(-1, keepdim=True)
+    t1 = time.perf_counter()
+    for _ in range(new_tokens):
+        nxt = net(nxt, cache, logits_to_keep=1)[:, -1].argmax(-1, keepdim=True)
+    t2 = time.perf_counter()
+    times = torch.tensor([t1 - t0, (t2 - t1) / new_tokens], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return float(times[0]), float(times[1])
+
+
+def worker(model: str, args: dict, out: str) -> int:
+    from dtpshard.runtime import RankModel, check_world, process_group, set_threads
+
+    set_threads(args["threads"])
+    with process_group(timeout=300) as (rank, world):
+        ckpt, _ = check_world(model, world)
+        net = RankModel(ckpt, rank, world, timeout=300)
+        real_link = net.link
+        prompt = torch.randint(0, ckpt.shape.vocab, (1, args["prompt_len"]),
+                               generator=torch.Generator().manual_seed(0))
+        rows = []
+        for latency in args["latency_ms"]:
+            modes = ["compute", *args["delays"]]
+            runs: dict = {mode: [] for mode in modes}
+            for rep in range(args["repeats"] + 1):  # modes interleaved, so drift hits them all alike
+                for mode in modes:
+                    net.link = NoLink(rank, 300) if mode == "compute" else real_link
+                    net.link.latency = latency / 1000
+                    net.set_delay(0 if mode == "compute" else mode)
+                    t = _timed(net, prompt, args["new_tokens"])
+                    if rep:  # the first round is a warm-up
+                        runs[mode].append(t)
+            rows += [{"L": world, "latency_ms": latency, "mode": mode,
+                      "prefill_s": statistics.median(r[0] for r in runs[mode]),
+                      "token_s": statistics.median(r[1] for r in runs[mode])} for mode in modes]
+        if rank == 0:
+            Path(out).write_text(json.dumps(rows))
+    return 0
+
+
+def table(rows: list[dict]) -> str:
+    """One line per (L, latency, δ): times, ratio to δ = 0, TP's communication share, the verdict."""
+    lines = ["| L | latency ms | δ | prefill ms | ratio | comm share TP | ms/token | ratio | comm share TP | "
+             "DTP ≤ 0.85·TP where comm ≥ 1/5 |", "|" + "---|" * 10]
+    for r in rows:
+        if r["mode"] == "compute":
+            continue
+        same = {x["mode"]: x for x in rows if x["L"] == r["L"] and x["latency_ms"] == r["latency_ms"]}
+        tp, comp = same[0], same["compute"]
+        cells = [str(r["L"]), f"{r['latency_ms']:g}", f"{r['mode']:g}"]
+        verdict = []
+        for key, label in (("prefill_s", "prefill"), ("token_s", "decode")):
+            ratio = r[key] / tp[key]
+            share = max(0.0, 1 - comp[key] / tp[key])
+            cells += [f"{1000 * r[key]:.2f}", f"{ratio:.3f}", f"{share:.2f}"]
+            if r["mode"] != 0 and share >= 0.2:
+                verdict.append(f"{label} {'yes' if ratio <= 0.85 else 'NO'}")
+        cells.append(", ".join(verdict) or "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory instead of the random model")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--delays", type=float, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--latency-ms", type=float, nargs="+", default=[0, 1])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / L - 2)")
+    a = ap.parse_args()
+    delays = [0] + [d for d in a.delays if d != 0]  # δ = 0 is the baseline, always measured
+    args = {"latency_ms": a.latency_ms, "delays": [int(d) if d == int(d) else d for d in delays],
+            "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "repeats": a.repeats,
+            "threads": a.threads}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = a.model or random_checkpoint(Path(tmp) / "model", a.layers, a.vocab)
+        rows = []
+        for world in a.worlds:
+            out = Path(tmp) / f"rows{world}.json"
+            t = time.perf_counter()
+            codes = launch_local(world, worker, (str(model), args, str(out)), grace=60)
+            if any(codes):
+                sys.exit(f"L={world}: ranks exited with {codes}")
+            rows += json.loads(out.read_text())
+            print(f"L={world}: {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    print(f"model: {a.model or f'random Qwen3-0.6B width, {a.layers} layers, vocab {a.vocab}'}; "
+          f"prefill {a.prompt_len} tokens, {a.new_tokens} decoded, median of {a.repeats}; gloo, "
+          f"{os.cpu_count()} cores, {a.threads or 'cores/L - 2'} threads per rank")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
