@@ -1,0 +1,152 @@
+"""Benchmark: seconds per optimizer step of `distill` against plain dense fine-tuning, same run.
+
+Model: Qwen3-0.6B's widths (D 1024, 16 query / 8 KV heads, head_dim 128, N 3072, qk-norm, tied
+embeddings) with 4 layers and, to fit this CPU, a vocabulary of --vocab (default 8192, not 151936;
+the chunked loss makes the head cost linear in V either way). Random weights; one batch of
+--micro-batch × --grad-accum sequences of --seq-len tokens, reused by every arm.
+
+Arms (each: zero_grad, forward/backward of every micro-batch, clip 1.0, AdamW step; embedding and
+LM head frozen in all of them, as in distillation):
+- dense fine-tune, transformers: Qwen3ForCausalLM, CE only (the baseline of the ratio)
+- dense fine-tune, DTPModel L=1 δ=0: CE only through the chunked loss
+- distill: the DTP student (L, δ) plus the frozen teacher's forward, KL + 0.1·CE (distill_loop.accumulate)
+Arms are interleaved per repeat so machine load hits them alike; the median is reported. On CUDA
+every arm runs under bf16 autocast with fp32 master weights (as distill does).
+Usage: python bench/bench_distill.py [--seq-len 256] [--repeats 3] [--device cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dtpshard.distill import FROZEN, DistillConfig, Student  # noqa: E402
+from dtpshard.distill_loop import accumulate  # noqa: E402
+from dtpshard.evaluate import autocast_for  # noqa: E402
+from dtpshard.losses import kl_ce_sums  # noqa: E402
+from dtpshard.model import DTPModel  # noqa: E402
+
+
+def qwen3_config(vocab: int, layers: int):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=vocab, tie_word_embeddings=True,
+                       max_position_embeddings=4096, use_sliding_window=False)
+
+
+def optimizer(model: torch.nn.Module, freeze: set[str]) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    params = []
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in freeze)
+        if p.requires_grad:
+            params.append(p)
+    return torch.optim.AdamW(params, lr=5e-5, betas=(0.9, 0.95), weight_decay=0.0), params
+
+
+def timed(step, dev: str) -> float:
+    if dev.startswith("cuda"):
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    step()
+    if dev.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--grad-accum", type=int, default=2)
+    ap.add_argument("--devices", type=int, default=4)
+    ap.add_argument("--delay", type=float, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--grad-checkpointing", action="store_true")
+    a = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    dev = a.device
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(qwen3_config(a.vocab, a.layers), attn_implementation="sdpa")
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.02) if p.ndim > 1 else p.fill_(1.0)
+    hf = hf.to(dev).train()
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    teacher = DTPModel.from_state_dict(hf.config, sd, devices=1, delay=0).to(dev).requires_grad_(False).eval()
+    dense = DTPModel.from_state_dict(hf.config, {k: v.clone() for k, v in sd.items()}, devices=1, delay=0).to(dev)
+    student = DTPModel.from_state_dict(hf.config, {k: v.clone() for k, v in sd.items()}, devices=a.devices,
+                                       delay=a.delay).to(dev)
+    student.gradient_checkpointing = dense.gradient_checkpointing = a.grad_checkpointing
+    cfg = DistillConfig(teacher=Path("."), out=Path("."), seq_len=a.seq_len, micro_batch=a.micro_batch,
+                        grad_accum=a.grad_accum, autocast=True)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, a.vocab, (a.micro_batch, a.seq_len + 1), generator=g) for _ in range(a.grad_accum)]
+    norm = a.micro_batch * a.grad_accum * a.seq_len
+    frozen = set(FROZEN)
+
+    opt_hf, p_hf = optimizer(hf, frozen)
+    opt_dense, p_dense = optimizer(dense, frozen)
+    opt_st, p_st = optimizer(student, frozen)
+    net = Student(student)
+
+    def hf_step():
+        opt_hf.zero_grad(set_to_none=True)
+        for b in batches:
+            b = b.to(dev)
+            with autocast_for(dev):
+                loss = hf(b[:, :-1], labels=b[:, :-1].clone()).loss  # shifts the labels itself
+            (loss / a.grad_accum).backward()
+        torch.nn.utils.clip_grad_norm_(p_hf, 1.0)
+        opt_hf.step()
+
+    def dense_step():
+        opt_dense.zero_grad(set_to_none=True)
+        for b in batches:
+            b = b.to(dev)
+            with autocast_for(dev):
+                loss, _, _ = kl_ce_sums(dense.hidden(b[:, :-1]), dense.lm_head_weight, None, None, b[:, 1:], 1.0)
+            (loss / norm).backward()
+        torch.nn.utils.clip_grad_norm_(p_dense, 1.0)
+        opt_dense.step()
+
+    def distill_step():
+        opt_st.zero_grad(set_to_none=True)
+        accumulate(net, None, student, teacher, batches, cfg, dev)
+        torch.nn.utils.clip_grad_norm_(p_st, 1.0)
+        opt_st.step()
+
+    arms = {"dense fine-tune, transformers (CE)": hf_step, "dense fine-tune, DTPModel L=1 (CE)": dense_step,
+            f"distill L={a.devices} δ={a.delay:g} (KL+0.1·CE, teacher fwd)": distill_step}
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    for k, step in arms.items():  # warm-up: allocator, optimizer state, autotuning
+        step()
+    for _ in range(a.repeats):
+        for k, step in arms.items():
+            times[k].append(timed(step, dev))
+    n_params = sum(p.numel() for p in p_st)
+    print(f"Qwen3-0.6B widths, {a.layers} layers, vocab {a.vocab} (real: 151936), {n_params / 1e6:.1f} M trained "
+          f"parameters; batch {a.micro_batch}×{a.grad_accum}×{a.seq_len} tokens; device {dev}, "
+          f"{torch.get_num_threads()} threads, median of {a.repeats}")
+    if dev.startswith("cuda"):
+        print(f"peak CUDA memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB (all three models and optimizers)")
+    base = statistics.median(times[next(iter(arms))])
+    print(f"| {'arm':<52} | s/step | ratio |")
+    print(f"|{'-' * 54}|--------|-------|")
+    for k, ts in times.items():
+        m = statistics.median(ts)
+        print(f"| {k:<52} | {m:6.2f} | {m / base:5.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The distillation loss KL(teacher ‖ student) + w·CE, computed in chunks of token positions.
+
+A 151k vocabulary makes full [B, T, V] fp32 logits for teacher and student (plus their
+softmaxes and the gradient) tens of GB. Both heads are linear in the hidden states, so the
+loss and its gradient with respect to the student's hidden states h_s are computed chunk by
+chunk in the forward pass and only dL/dh_s [N, D] is kept for backward: peak memory is a few
+[chunk, V] buffers, whatever the batch.
+
+Per position t, with z = h W^T, p = softmax(z):
+    KL_t = Σ_v p_t[v] (log p_t[v] - log p_s[v])       (teacher t, student s)
+    CE_t = -log p_s[y_t]
+    d(KL_t + w·CE_t)/dz_s = (1 + w)·p_s - p_t - w·onehot(y_t)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK_ELEMENTS = 1 << 25  # [chunk, V] fp32 buffers of ~128 MB each
+
+
+def chunk_tokens(vocab: int, elements: int = CHUNK_ELEMENTS) -> int:
+    return max(1, elements // max(1, vocab))
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # Under CUDA autocast this matmul runs in bf16; the softmaxes below are always fp32.
+    return F.linear(h, w).float()
+
+
+class _FusedKLCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_s, w_s, h_t, w_t, targets, ce_weight: float, chunk: int):
+        """h_s, h_t [N, D]; w_s, w_t [V, D]; targets [N] -> (loss_sum, kl_sum, ce_sum), fp32 scalars."""
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        kl_sum = torch.zeros((), dtype=torch.float32, device=h_s.device)
+        ce_sum = torch.zeros((), dtype=torch.float32, device=h_s.device)
+        grad_h = torch.empty(h_s.shape, dtype=torch.float32, device=h_s.device) if need_h else None
+        grad_w = torch.zeros(w_s.shape, dtype=torch.float32, device=w_s.device) if need_w else None
+        for a in range(0, h_s.shape[0], chunk):
+            b = min(a + chunk, h_s.shape[0])
+            logp_s = torch.log_softmax(_logits(h_s[a:b], w_s), dim=-1)  # [c, V]
+            y = targets[a:b]
+            ce_sum += -logp_s.gather(1, y[:, None]).sum()
+            if h_t is not None:
+                logp_t = torch.log_softmax(_logits(h_t[a:b], w_t), dim=-1)
+                p_t = logp_t.exp()
+                kl_sum += (p_t * (logp_t - logp_s)).sum()
+            if need_h or need_w:
+                g = logp_s.exp_().mul_(1.0 + ce_weight if h_t is not None else ce_weight)  # reuses the buffer
+                if h_t is not None:
+                    g.sub_(p_t)
+                g.scatter_add_(1, y[:, None], torch.full((b - a, 1), -ce_weight, device=g.device))
+                if need_h:
+                    grad_h[a:b] = g @ w_s.float()  # [c, D]
+                if need_w:
+                    grad_w += g.t() @ h_s[a:b].float()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.h_dtype, ctx.w_dtype = h_s.dtype, w_s.dtype
+        loss = kl_sum + ce_weight * ce_sum
+        ctx.mark_non_differentiable(kl_sum, ce_sum)
+        return loss, kl_sum, ce_sum
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_kl, _g_ce):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = (grad_h * g_loss).to(ctx.h_dtype) if grad_h is not None else None
+        gw = (grad_w * g_loss).to(ctx.w_dtype) if grad_w is not None else None
+        return gh, gw, None, None, None, None, None
+
+
+def kl_ce_sums(h_s: torch.Tensor, w_s: torch.Tensor, h_t: torch.Tensor | None, w_t: torch.Tensor | None,
+               targets: torch.Tensor, ce_weight: float = 0.1,
+               chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sums over positions of KL(teacher ‖ student) + ce_weight·CE, of KL, and of CE.
+
+    h_s, h_t: [..., D] hidden states (the LM heads' inputs), w_s, w_t: [V, D], targets [...].
+    Only the first output is differentiable (w.r.t. h_s, and w_s if it requires grad); without
+    a teacher (h_t None) KL is 0 and the loss is ce_weight·CE.
+    """
+    D = h_s.shape[-1]
+    h_s = h_s.reshape(-1, D)
+    if h_t is not None:
+        h_t = h_t.reshape(-1, D).detach()
+        w_t = w_t.detach()
+    chunk = chunk or chunk_tokens(w_s.shape[0])
+    return _FusedKLCE.apply(h_s, w_s, h_t, w_t, targets.reshape(-1), float(ce_weight), int(chunk))
