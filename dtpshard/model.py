@@ -71,9 +71,6 @@ class Proj(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def rows(self, devices: int) -> torch.Tensor:  # [L, out/L, in]: device l's rows
-        return self.weight.view(devices, -1, self.weight.shape[1])
-
     def cols(self, devices: int) -> torch.Tensor:  # [L, in/L, out]: device l's columns, transposed
         out, inp = self.weight.shape
         return self.weight.view(out, devices, inp // devices).permute(1, 2, 0)
@@ -91,10 +88,43 @@ class Norm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def _device_matmul(h: torch.Tensor, w_rows: torch.Tensor) -> torch.Tensor:
-    """h [L, B, T, D] times each device's rows [L, E, D] -> [L, B, T, E]."""
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    kind = t.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else t.dtype
+
+
+class _RowsMatmul(torch.autograd.Function):
+    """y[l] = h[l] @ W_l^T, W_l device l's rows of a dense [out, in] weight.
+
+    Autograd through the [L, out/L, in] view would form dW transposed and copy it back into
+    the weight's layout; dW = dy^T h is computed here directly in that layout. Follows
+    autocast by hand (compute in the autocast dtype, gradients in the inputs' dtypes).
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, devices):  # h [L, N, in] -> [L, N, out/L]
+        dt = _compute_dtype(h)
+        hc, w = h.to(dt), weight.to(dt).view(devices, -1, weight.shape[1])
+        ctx.save_for_backward(hc, weight)
+        ctx.devices, ctx.h_dtype = devices, h.dtype
+        return torch.bmm(hc, w.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, dy):
+        hc, weight = ctx.saved_tensors
+        dy = dy.to(hc.dtype)
+        dh = dw = None
+        if ctx.needs_input_grad[0]:
+            dh = torch.bmm(dy, weight.to(hc.dtype).view(ctx.devices, -1, weight.shape[1])).to(ctx.h_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = torch.bmm(dy.transpose(1, 2), hc).view(weight.shape).to(weight.dtype)
+        return dh, dw, None
+
+
+def _device_matmul(h: torch.Tensor, proj: "Proj") -> torch.Tensor:
+    """h [L, B, T, D] times each device's rows of proj -> [L, B, T, out/L]."""
     L, B, T, D = h.shape
-    return torch.bmm(h.reshape(L, B * T, D), w_rows.transpose(1, 2)).view(L, B, T, -1)
+    return _RowsMatmul.apply(h.reshape(L, B * T, D), proj.weight, L).view(L, B, T, -1)
 
 
 class Attention(nn.Module):
@@ -111,7 +141,7 @@ class Attention(nn.Module):
 
     def _heads(self, proj: Proj, h: torch.Tensor, L: int) -> torch.Tensor:
         """[L, B, T, D] -> [L*B, heads/L, T, hd] for this device's rows of proj."""
-        y = _device_matmul(h, proj.rows(L))
+        y = _device_matmul(h, proj)
         if proj.bias is not None:
             y = y + proj.bias.view(L, 1, 1, -1)
         Lx, B, T, E = y.shape
@@ -155,7 +185,7 @@ class FFN(nn.Module):
     def partials(self, h: torch.Tensor) -> torch.Tensor:
         """h [L, B, T, D] -> partials [L, B, T, D]: device l's neurons through its down_proj columns."""
         L, B, T, D = h.shape
-        act = F.silu(_device_matmul(h, self.gate_proj.rows(L))) * _device_matmul(h, self.up_proj.rows(L))
+        act = F.silu(_device_matmul(h, self.gate_proj)) * _device_matmul(h, self.up_proj)
         return torch.bmm(act.view(L, B * T, -1), self.down_proj.cols(L)).view(L, B, T, D)
 
 
