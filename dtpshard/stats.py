@@ -1,0 +1,141 @@
+"""The statistics of a study (spec sections 4 and 5): seed means, step matching, correlation.
+
+Curves are evaluation curves: increasing steps with a value (KL or perplexity) at each. A curve
+is read between evaluations by linear interpolation, which is what the paper's step matching
+does ("the first step at which the optimised arm's mean KL curve reaches the contiguous arm's KL
+at step s"). Seeds of one arm evaluate at the same steps; where they do not (an unfinished seed),
+the mean is taken over the steps all of them share, so a mean point is never an average of
+different numbers of seeds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class MeanSd:
+    mean: float
+    sd: float | None  # sample sd (ddof = 1); None for a single value
+    n: int
+
+    def format(self, digits: int = 3) -> str:
+        if math.isnan(self.mean):
+            return "–"
+        if self.sd is None:
+            return f"{self.mean:.{digits}f}"
+        return f"{self.mean:.{digits}f} ± {self.sd:.{digits}f}"
+
+
+def mean_sd(values: Sequence[float]) -> MeanSd:
+    """Mean and sample standard deviation (n - 1 in the denominator, as the paper's ± is)."""
+    v = np.asarray([x for x in values if x is not None], dtype=np.float64)
+    if v.size == 0:
+        return MeanSd(math.nan, None, 0)
+    sd = float(v.std(ddof=1)) if v.size > 1 else None
+    return MeanSd(float(v.mean()), sd, int(v.size))
+
+
+@dataclass(frozen=True)
+class Curve:
+    steps: np.ndarray  # [E] increasing evaluation steps
+    values: np.ndarray  # [E]
+
+    def at(self, step: float) -> float | None:
+        """The value at `step`, linearly interpolated; None outside the evaluated range."""
+        if len(self.steps) == 0 or step < self.steps[0] or step > self.steps[-1]:
+            return None
+        return float(np.interp(step, self.steps, self.values))
+
+
+def make_curve(steps: Sequence[float], values: Sequence[float]) -> Curve:
+    """A curve from (step, value) pairs; a repeated step keeps its last value (a re-evaluation)."""
+    last: dict[float, float] = {}
+    for s, v in zip(steps, values):
+        if v is not None and math.isfinite(v):
+            last[float(s)] = float(v)
+    order = sorted(last)
+    return Curve(np.asarray(order, dtype=np.float64), np.asarray([last[s] for s in order], dtype=np.float64))
+
+
+def mean_curve(curves: Sequence[Curve]) -> Curve:
+    """The seed mean at the steps every curve evaluated."""
+    if not curves:
+        return Curve(np.zeros(0), np.zeros(0))
+    common = set(curves[0].steps.tolist())
+    for c in curves[1:]:
+        common &= set(c.steps.tolist())
+    steps = np.asarray(sorted(common), dtype=np.float64)
+    vals = [np.mean([c.values[np.searchsorted(c.steps, s)] for c in curves]) for s in steps]
+    return Curve(steps, np.asarray(vals, dtype=np.float64))
+
+
+def first_reach(curve: Curve, target: float) -> float | None:
+    """The first step at which the interpolated curve is at or below `target`; None if never."""
+    s, v = curve.steps, curve.values
+    if len(s) == 0:
+        return None
+    if v[0] <= target:
+        return float(s[0])
+    for i in range(len(s) - 1):
+        if v[i] > target >= v[i + 1]:  # crosses inside this segment: solve the line for target
+            frac = (v[i] - target) / (v[i] - v[i + 1])
+            return float(s[i] + frac * (s[i + 1] - s[i]))
+    return None
+
+
+@dataclass(frozen=True)
+class StepMatch:
+    step: float  # s: the contiguous arm's step
+    target: float  # the contiguous arm's mean KL at s
+    reached: float | None  # the first step the optimised arm's mean reaches it
+    multiplier: float | None  # s / reached (None if never reached, inf if reached at step 0)
+
+    def format(self) -> str:
+        if self.reached is None:
+            return f"not reached by step {self.step:g}"
+        if self.multiplier is None or math.isinf(self.multiplier):
+            return f"{self.reached:.0f} (at the start)"
+        return f"{self.reached:.0f} ({self.multiplier:.1f}×)"
+
+
+def step_matching(optimised: Curve, contiguous: Curve, step: float) -> StepMatch | None:
+    """Spec section 4: where `optimised` reaches contiguous@step, and the multiplier step / that."""
+    target = contiguous.at(step)
+    if target is None:
+        return None
+    reached = first_reach(optimised, target)
+    if reached is None:
+        return StepMatch(step, target, None, None)
+    return StepMatch(step, target, reached, step / reached if reached > 0 else math.inf)
+
+
+@dataclass(frozen=True)
+class Fit:
+    r: float | None  # Pearson r (scipy.stats.pearsonr); None with < 3 points or constant data
+    p: float | None
+    slope: float | None  # least-squares line y = slope·x + intercept
+    intercept: float | None
+    n: int
+
+
+def correlate(x: Sequence[float], y: Sequence[float]) -> Fit:
+    """Pearson r and the least-squares line of y on x, over the pairs where both are known."""
+    pairs = [(a, b) for a, b in zip(x, y) if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
+    n = len(pairs)
+    if n < 2:
+        return Fit(None, None, None, None, n)
+    xs, ys = (np.asarray(v, dtype=np.float64) for v in zip(*pairs))
+    if np.ptp(xs) == 0:
+        return Fit(None, None, None, None, n)
+    slope, intercept = np.polyfit(xs, ys, 1)
+    r = p = None
+    if n >= 3 and np.ptp(ys) > 0:
+        from scipy.stats import pearsonr
+
+        res = pearsonr(xs, ys)
+        r, p = float(res.statistic), float(res.pvalue)
+    return Fit(r, p, float(slope), float(intercept), n)

@@ -1,0 +1,129 @@
+"""The report on synthetic experiment directories: numbers recomputed here, figures written."""
+import json
+import re
+
+import numpy as np
+from scipy.stats import pearsonr
+
+from dtpshard.cli import main
+from dtpshard.report import load_study, write_report
+
+STEPS = [0, 50, 100]
+# layout -> (kind, J, {seed: KL curve}); ppl = exp(3 + KL) so it is known too
+PLAN = {
+    "optimised": ("optimised", 9.0, {0: [1.0, 0.50, 0.30], 1: [1.1, 0.52, 0.32], 2: [1.0, 0.49, 0.31]}),
+    "contiguous": ("contiguous", 5.0, {0: [1.2, 0.70, 0.42], 1: [1.3, 0.72, 0.40], 2: [1.2, 0.69, 0.41]}),
+    "random-0": ("random", 5.2, {0: [1.2, 0.66, 0.38]}),
+    "random-1": ("random", 5.1, {0: [1.3, 0.68, 0.39]}),
+    "anti": ("anti", 2.0, {}),  # scored only: zero-shot KL
+}
+ZERO = {"optimised": 1.0, "contiguous": 1.2, "random-0": 1.2, "random-1": 1.3, "anti": 1.9}
+
+
+def make_experiment(d, unfinished=None):
+    (d / "layouts").mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"model": "synthetic", "devices": 4, "delay": 1,
+                                               "training": {"steps": 100, "micro_batch": 2, "grad_accum": 1,
+                                                            "seq_len": 64}}))
+    zero = {}
+    for name, (kind, J, seeds) in PLAN.items():
+        up = [J / 10, J / 12, J / 9]
+        layout = {"format": "dtpshard.layout/1", "kind": kind, "score": {
+            "J": J, "ratio_to_random": J / 5, "layers": [{"layer": i, "up": u, "down": 0.3} for i, u in enumerate(up)]}}
+        (d / "layouts" / f"{name}.json").write_text(json.dumps(layout))
+        zero[name] = {"kl": ZERO[name], "ppl": float(np.exp(3 + ZERO[name])), "tokens": 100}
+        for seed, kl in seeds.items():
+            run = d / "runs" / f"{name}-s{seed}"
+            run.mkdir(parents=True)
+            rows = [{"kind": "train", "step": 1, "loss": 1.0}]
+            n = 2 if unfinished == run.name else len(STEPS)
+            rows += [{"kind": "eval", "step": s, "tokens": s * 128, "eval_kl": k, "eval_ppl": float(np.exp(3 + k)),
+                      "wall": s} for s, k in zip(STEPS[:n], kl[:n])]
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            if unfinished != run.name:
+                (run / "final").mkdir()
+                (run / "DONE").write_text("{}\n")
+    (d / "zeroshot.json").write_text(json.dumps(zero))
+    return d
+
+
+def _row(md, first_cell):
+    line = next(li for li in md.splitlines() if li.startswith(f"| {first_cell} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_report_tables_and_figures(tmp_path):
+    d = make_experiment(tmp_path / "exp")
+    assert main(["report", str(d)]) == 0
+    md = (d / "report.md").read_text()
+    for fig in ("curves", "j_vs_kl", "up_edge"):
+        png = d / "figures" / f"{fig}.png"
+        assert png.read_bytes()[:4] == b"\x89PNG" and f"figures/{fig}.png" in md
+
+    opt_end = [c[2] for c in PLAN["optimised"][2].values()]
+    cont_mid = [c[1] for c in PLAN["contiguous"][2].values()]
+    row = _row(md, "optimised")
+    assert row[5] == f"{np.mean(opt_end):.3f} ± {np.std(opt_end, ddof=1):.3f}"
+    assert _row(md, "contiguous")[4] == f"{np.mean(cont_mid):.3f} ± {np.std(cont_mid, ddof=1):.3f}"
+    rnd = _row(md, "random")
+    assert rnd[1:3] == ["2", "2"]  # two random layouts pooled, one run each
+    assert rnd[5] == f"{np.mean([0.38, 0.39]):.3f} ± {np.std([0.38, 0.39], ddof=1):.3f}"
+    ppl = [np.exp(3 + k) for k in opt_end]
+    assert row[6] == f"{np.mean(ppl):.2f} ± {np.std(ppl, ddof=1):.2f}"
+
+    # step matching: contiguous mean at 100 is 0.41; optimised mean curve crosses it between 50 and 100
+    opt_mean = np.mean([c for c in PLAN["optimised"][2].values()], axis=0)
+    target = 0.41
+    reached = 50 + 50 * (opt_mean[1] - target) / (opt_mean[1] - opt_mean[2])
+    assert row[7] == f"{reached:.0f} ({100 / reached:.1f}×)"
+
+    # Pearson at the end over the trained layouts (the anti layout has no step-100 KL)
+    names = ["optimised", "contiguous", "random-0", "random-1"]
+    J = [PLAN[n][1] for n in names]
+    kl = [np.mean([c[2] for c in PLAN[n][2].values()]) for n in names]
+    r_end = pearsonr(J, kl).statistic
+    assert f"KL step 100 against J over 4 layouts: Pearson r = {r_end:+.3f}" in md
+    r0 = pearsonr([PLAN[n][1] for n in PLAN], [np.mean([c[0] for c in PLAN[n][2].values()]) if PLAN[n][2] else ZERO[n]
+                                               for n in PLAN]).statistic
+    assert f"untrained (step 0) against J over 5 layouts: Pearson r = {r0:+.3f}" in md
+    anti = _row(md, "anti")
+    assert anti[4] == f"{ZERO['anti']:.4f}" and anti[7] == "–"
+
+
+def test_partial_experiment_is_reported(tmp_path):
+    d = make_experiment(tmp_path / "exp", unfinished="contiguous-s1")
+    study = load_study(d)
+    assert sum(not r.done for r in study.runs) == 1
+    md = write_report(d).read_text()
+    assert "Partial results" in md
+    assert re.search(r"\| contiguous \| contiguous \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| 3 \(1 running\)", md)
+    # the unfinished seed has no step-100 value: the end mean is over the two finished seeds
+    assert _row(md, "contiguous")[5] == f"{np.mean([0.42, 0.41]):.3f} ± {np.std([0.42, 0.41], ddof=1):.3f}"
+
+
+def test_report_refuses_a_non_experiment(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "no such experiment directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert "not an experiment directory" in err and len(err.strip().splitlines()) == 1
+
+
+def _png_width(path):
+    import struct
+
+    return struct.unpack(">I", path.read_bytes()[16:20])[0]
+
+
+def test_j_figure_has_a_panel_only_where_there_is_data(tmp_path):
+    from dtpshard.report_figures import draw_j_vs_kl
+
+    full = load_study(make_experiment(tmp_path / "full"))
+    untrained = load_study(make_experiment(tmp_path / "untrained"))
+    for info in untrained.layouts.values():  # as if no run had got past its step-0 evaluation
+        for r in info.runs:
+            r.kl = type(r.kl)(r.kl.steps[:1], r.kl.values[:1])
+    w3 = _png_width(draw_j_vs_kl(full, tmp_path / "a.png"))
+    w1 = _png_width(draw_j_vs_kl(untrained, tmp_path / "b.png"))
+    assert 2.5 < w3 / w1 < 3.5  # three panels (untrained, middle, end) against the untrained one alone

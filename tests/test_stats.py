@@ -1,0 +1,80 @@
+import math
+
+import numpy as np
+import pytest
+from scipy.stats import pearsonr
+
+from dtpshard.stats import correlate, first_reach, make_curve, mean_curve, mean_sd, step_matching
+
+
+def test_mean_and_sample_sd():
+    m = mean_sd([0.30, 0.303, 0.306])
+    assert m.mean == pytest.approx(0.303)
+    assert m.sd == pytest.approx(np.std([0.30, 0.303, 0.306], ddof=1))  # n - 1, not n
+    assert m.sd != pytest.approx(np.std([0.30, 0.303, 0.306], ddof=0))
+    assert m.format() == "0.303 ± 0.003"
+    one = mean_sd([0.5, None])
+    assert one.n == 1 and one.sd is None and one.format() == "0.500"
+    assert mean_sd([]).format() == "–"
+
+
+def test_curve_interpolates_between_evaluations():
+    c = make_curve([0, 100, 200], [1.0, 0.6, 0.5])
+    assert c.at(50) == pytest.approx(0.8)
+    assert c.at(150) == pytest.approx(0.55)
+    assert c.at(250) is None and c.at(-1) is None
+    again = make_curve([0, 100, 100], [1.0, 0.7, 0.6])  # a re-evaluated step keeps its last value
+    assert again.at(100) == pytest.approx(0.6)
+
+
+def test_first_reach_interpolates_inside_the_crossing_segment():
+    c = make_curve([0, 100, 200, 300], [1.0, 0.6, 0.4, 0.35])
+    assert first_reach(c, 0.5) == pytest.approx(150.0)  # halfway between 0.6 and 0.4
+    assert first_reach(c, 0.6) == pytest.approx(100.0)
+    assert first_reach(c, 2.0) == 0.0
+    assert first_reach(c, 0.1) is None
+    bumpy = make_curve([0, 100, 200, 300], [1.0, 0.45, 0.55, 0.4])
+    assert first_reach(bumpy, 0.5) == pytest.approx(100 * (1.0 - 0.5) / (1.0 - 0.45))  # the first crossing
+
+
+def test_step_matching_multiplier():
+    # contiguous reaches 0.415 at step 1000; optimised gets there between 300 (0.45) and 400 (0.38)
+    cont = make_curve([0, 500, 1000], [1.2, 0.5, 0.415])
+    opt = make_curve([0, 100, 200, 300, 400, 1000], [1.1, 0.8, 0.6, 0.45, 0.38, 0.30])
+    m = step_matching(opt, cont, 1000)
+    want = 300 + 100 * (0.45 - 0.415) / (0.45 - 0.38)
+    assert m.target == pytest.approx(0.415)
+    assert m.reached == pytest.approx(want)
+    assert m.multiplier == pytest.approx(1000 / want)
+    assert m.format() == f"{want:.0f} ({1000 / want:.1f}×)"
+    never = step_matching(cont, opt, 1000)  # contiguous never reaches optimised@1000
+    assert never.reached is None and never.multiplier is None
+    assert step_matching(opt, cont, 2000) is None  # contiguous not evaluated there
+
+
+def test_mean_curve_uses_the_steps_every_seed_has():
+    a = make_curve([0, 10, 20], [1.0, 0.8, 0.6])
+    b = make_curve([0, 10], [0.9, 0.7])  # an unfinished seed
+    m = mean_curve([a, b])
+    assert m.steps.tolist() == [0, 10]
+    assert m.values.tolist() == pytest.approx([0.95, 0.75])
+
+
+def test_correlation_matches_scipy_and_least_squares():
+    rng = np.random.default_rng(3)
+    x = rng.uniform(5, 20, 17)
+    y = 0.5 - 0.01 * x + rng.normal(0, 0.02, 17)
+    fit = correlate(list(x), list(y))
+    ref = pearsonr(x, y)
+    assert fit.r == pytest.approx(ref.statistic, abs=1e-12)
+    assert fit.p == pytest.approx(ref.pvalue, rel=1e-9)
+    slope, intercept = np.linalg.lstsq(np.stack([x, np.ones_like(x)], 1), y, rcond=None)[0]
+    assert fit.slope == pytest.approx(slope) and fit.intercept == pytest.approx(intercept)
+    assert fit.n == 17
+
+
+def test_correlation_degenerate_inputs():
+    assert correlate([1.0, 2.0], [3.0, 1.0]).r is None  # two points: a line, no r
+    assert correlate([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]).slope is None  # constant x
+    fit = correlate([1.0, 2.0, None, 3.0, 4.0], [2.0, 4.0, 5.0, math.nan, 8.0])
+    assert fit.n == 3 and fit.r == pytest.approx(1.0)
