@@ -29,11 +29,14 @@ the down edge (FFN i -> attention i+1, "add": mean act²/ρ'² · ‖W_g(γ'⊙W
 FFN -> later attention, attention -> attention and FFN -> FFN. The missing contribution is taken
 away from b's input only (no propagation through the modules in between).
 
-Costs per token, all on matmuls: heads -> FFN and heads -> attention materialise one
-[units, rows, tokens] chunk (rows 2N or G·(r+2)·hd); neurons -> attention/FFN reduce over tokens
-with matmuls ([N, T] @ [T, ·]) except FFN -> FFN ablation, which materialises [tokens, N, N].
-Chunk sums are computed in the model dtype and accumulated in float64; scores are divided by the
-token count at the end. With float64 compute the result does not depend on chunking.
+Cost. Each edge first folds its weights once, W_b diag(γ_b) W_src ([rows, cols]). Head sources
+then cost one matmul per token chunk, [units, rows, w] @ [units, w, tokens] (rows 2N or
+G·(r+2)·hd), and a few elementwise passes over its output: in one batched block on a GPU, per
+(unit, ~ROW_BLOCK rows) block on a CPU so the temporaries stay in cache. Neuron sources reduce
+over tokens with matmuls ([N, T] @ [T, ·]), except FFN -> FFN ablation, which materialises
+[tokens, N, N]. Chunk sums are computed in the model dtype and accumulated in float64; scores are
+divided by the token count at the end. With float64 compute the result does not depend on the
+chunking, the micro-batch or the blocking beyond float64 rounding.
 """
 from __future__ import annotations
 
@@ -48,7 +51,9 @@ from .affinity_file import edges_for_delay
 from .dense import DenseModel
 from .errors import UserError
 
-CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 26}  # largest temporary per token chunk, in elements
+CHUNK_ELEMENTS = {"cpu": 1 << 21, "cuda": 1 << 26}  # largest temporary per token chunk, in elements
+BLOCKED = {"cpu": True, "cuda": False}  # loop over (unit, row block) rather than one batched block
+ROW_BLOCK = 512  # blocked: target rows (gate+up rows, or q/k/v rows of whole groups) per block
 
 
 @dataclass(frozen=True)
@@ -111,8 +116,8 @@ class EdgeScorer:
         if self.heads:  # source units: heads (width hd) or whole KV groups (width r·hd)
             self.n_src, self.width = (s.kv_groups, s.heads_per_group * s.head_dim) if opts.group_unit \
                 else (s.heads, s.head_dim)
-            # [U, rows, w]: W_b diag(γ) W_o[:, unit u's columns]
-            self.fold = w_tgt @ gw_src.view(s.hidden, self.n_src, self.width).transpose(0, 1)
+            # [U, rows, w]: W_b diag(γ) W_o[:, unit u's columns] (a strided view of one matmul)
+            self.fold = (w_tgt @ gw_src).view(self.rows, self.n_src, self.width).transpose(0, 1)
             if opts.ablation:
                 wu = self.w_src.view(s.hidden, self.n_src, self.width).permute(1, 0, 2)  # [U, D, w]
                 self.gram = wu.transpose(1, 2) @ wu  # [U, w, w]: ‖c_u‖² = o_uᵀ Gram_u o_u
@@ -122,8 +127,23 @@ class EdgeScorer:
             self.col2 = self.w_src.pow(2).sum(0)  # [N_src] ‖W_down[:, n]‖²
         self.n_dst = s.neurons if self.to_ffn else s.kv_groups
         self.down2 = tgt.down.pow(2).sum(0).double() if self.to_ffn else None  # [N] ‖W_down[:, m]‖²
-        per_token = self.n_src * (self.rows if self.heads else (s.neurons if self.to_ffn and opts.ablation else 1))
-        budget = CHUNK_ELEMENTS.get(self.fold.device.type, CHUNK_ELEMENTS["cpu"])
+        device = self.fold.device.type
+        if self.heads:
+            # (source units, target units) blocks: on a GPU one block (big batched matmuls); on a
+            # CPU one unit and ~ROW_BLOCK target rows at a time, so the [rows, tokens] temporaries
+            # of a block stay in cache
+            dst_rows = 2 if self.to_ffn else self.rows // s.kv_groups  # rows per target unit
+            blocked = BLOCKED.get(device, True)
+            step = min(self.n_dst, max(1, ROW_BLOCK // dst_rows)) if blocked else self.n_dst
+            self.blocks = [(slice(u, u + 1), slice(v, v + step)) for u in range(self.n_src)
+                           for v in range(0, self.n_dst, step)] if blocked else [(slice(None), slice(None))]
+            self.fold = self.fold if blocked else self.fold.contiguous()
+            per_token = (1 if blocked else self.n_src) * step * dst_rows
+        else:
+            per_token = self.n_src * (s.neurons if self.to_ffn and opts.ablation else 1)
+            if not self.to_ffn:  # [N, G] ‖W_g(γ⊙W_down[:, n])‖²
+                self.v2 = self.fold.view(self.n_src, s.kv_groups, -1).pow(2).sum(-1)
+        budget = CHUNK_ELEMENTS.get(device, CHUNK_ELEMENTS["cpu"])
         self.chunk = max(1, min(chunk or budget, budget // per_token))
         self.acc = torch.zeros(self.n_src, self.n_dst, dtype=torch.float64, device=self.fold.device)
         self.tokens = 0
@@ -162,43 +182,65 @@ class EdgeScorer:
     def _add_chunk(self, src: torch.Tensor, t: Target) -> torch.Tensor:
         alpha, beta = self._coefficients(src, t)
         if self.heads:  # token axis last: the sums over tokens run along contiguous memory
-            z = torch.bmm(self.fold, src.permute(1, 2, 0))  # [U, rows, T] = W_b(γ⊙c_u)
+            o = src.permute(1, 2, 0)  # [U, w, T]
             beta = beta.T[:, None, :]  # [U|1, 1, T]
             alpha = None if alpha is None else alpha.T[:, None, :]
-            if self.to_ffn:
-                return self._heads_to_ffn(z, alpha, beta, t)
-            z = z.view(z.shape[0], self.shape.kv_groups, -1, z.shape[-1])  # [U, G, Rg, T]
-            v = beta[:, None] * z
-            if alpha is not None:
-                v += alpha[:, None] * t.w.permute(1, 2, 0)  # w: [T, G, Rg] -> [G, Rg, T]
-            return torch.linalg.vector_norm(v, dim=(2, 3)).square_()  # [U, G]
+            side = self._ffn_side(t) if self.to_ffn else \
+                {"w": None if alpha is None else t.w.permute(1, 2, 0).contiguous()}  # w: [G, Rg, T]
+            out = o.new_empty(self.n_src, self.n_dst)
+            score = self._heads_to_ffn if self.to_ffn else self._heads_to_attention
+            for us, vs in self.blocks:
+                out[us, vs] = score(o[us], None if alpha is None else alpha[us],
+                                    beta if beta.shape[0] == 1 else beta[us], side, us, vs)
+            return out
         lam = beta * src  # [T, N_src]: coefficient of W_b(γ⊙W_down[:, n])
         mu = alpha  # [T, N_src] | None: coefficient of W_b(γ⊙x)
         return self._ffn_to_ffn(lam, mu, t) if self.to_ffn else self._ffn_to_attention(lam, mu, t)
 
-    def _heads_to_ffn(self, z: torch.Tensor, alpha: torch.Tensor | None, beta: torch.Tensor,
-                      t: Target) -> torch.Tensor:
-        """Σ_t d² [U, N] from z [U, 2N, T] = W_gate|up(γ⊙c_u); α, β [U|1, 1, T]."""
-        n = self.shape.neurons
-        zg, zu = z[:, :n], z[:, n:]
+    def _ffn_side(self, t: Target) -> dict[str, torch.Tensor]:
+        """Target-side [N, T] arrays of an FFN target (token axis last)."""
         g, u, rho = t.g.T, t.u.T, t.rho.T  # [N, T], [N, T], [1, T]
+        if self.opts.ablation:
+            return {"g": g.contiguous(), "u": u.contiguous(), "act": t.act.T.contiguous(), "rho": rho}
+        a, bs = silu_grad(g) * u, F.silu(g)  # a = silu'(g)u, b = silu(g); β = 1/ρ (per token)
+        side = {"a": (a / rho).contiguous(), "b": (bs / rho).contiguous(), "rho": rho}
+        if self.opts.exact_jacobian:
+            side["e"] = (a * g + bs * u).contiguous()
+        return side
+
+    def _heads_to_ffn(self, o: torch.Tensor, alpha: torch.Tensor | None, beta: torch.Tensor,
+                      side: dict[str, torch.Tensor], us: slice, vs: slice) -> torch.Tensor:
+        """Σ_t d² [u, nb] of source units us [u, w, T] and target neurons vs; α, β [u|1, 1, T]."""
+        n = self.shape.neurons
+        v0, v1 = vs.start or 0, min(vs.stop or n, n)
+        zg = torch.matmul(self.fold[us, v0:v1], o)  # [u, nb, T] W_gate(γ⊙c)
+        zu = torch.matmul(self.fold[us, n + v0:n + v1], o)  # W_up(γ⊙c)
         if self.opts.ablation:  # g' = g − Δg, Δg = β zg + α ρ g (and u alike); d = act − silu(g')u'
-            keep = 1 - alpha * rho  # [U, 1, T]
-            g2 = torch.addcmul(g * keep, beta, zg, value=-1)
-            u2 = torch.addcmul(u * keep, beta, zu, value=-1)
-            d = torch.sub(t.act.T, F.silu(g2).mul_(u2))
-        else:  # d = a Δg + b Δu with a = silu'(g)u, b = silu(g); β = 1/ρ is per token here
-            a, bs = silu_grad(g) * u, F.silu(g)
-            d = zg * (a * beta[0])
-            d.addcmul_(zu, bs * beta[0])
-            if alpha is not None:  # exact Jacobian: + α ρ (a g + b u)
-                d.addcmul_(alpha * rho, a * g + bs * u)
-        return torch.linalg.vector_norm(d, dim=2).square_()  # [U, N] Σ_t d²
+            keep = 1 - alpha * side["rho"]  # [u, 1, T]
+            g2 = torch.addcmul(side["g"][vs] * keep, beta, zg, value=-1)
+            u2 = torch.addcmul(side["u"][vs] * keep, beta, zu, value=-1)
+            d = torch.sub(side["act"][vs], F.silu(g2).mul_(u2))
+        else:  # d = a Δg + b Δu, Δg = zg/ρ (+ α ρ g for the exact Jacobian)
+            d = zg.mul_(side["a"][vs]).addcmul_(zu, side["b"][vs])
+            if alpha is not None:
+                d.addcmul_(alpha * side["rho"], side["e"][vs])
+        return torch.linalg.vector_norm(d, dim=-1).square_()
+
+    def _heads_to_attention(self, o: torch.Tensor, alpha: torch.Tensor | None, beta: torch.Tensor,
+                            side: dict[str, torch.Tensor | None], us: slice, vs: slice) -> torch.Tensor:
+        """Σ_t ‖W_g δn‖² [u, k] of source units us [u, w, T] and target groups vs."""
+        rg = self.rows // self.shape.kv_groups
+        g0, g1 = vs.start or 0, vs.stop or self.shape.kv_groups
+        z = torch.matmul(self.fold[us, g0 * rg:min(g1, self.shape.kv_groups) * rg], o)  # [u, k·Rg, T]
+        v = (beta * z).view(z.shape[0], -1, rg, z.shape[-1])  # [u, k, Rg, T]
+        if alpha is not None:
+            v += alpha[:, None] * side["w"][vs]
+        return torch.linalg.vector_norm(v, dim=(2, 3)).square_()
 
     def _ffn_to_attention(self, lam: torch.Tensor, mu: torch.Tensor | None, t: Target) -> torch.Tensor:
         G = self.shape.kv_groups
         v = self.fold.view(self.n_src, G, -1)  # [N, G, Rg] W_g(γ⊙W_down[:, n])
-        out = lam.pow(2).sum(0)[:, None] * v.pow(2).sum(-1)  # [N, G]
+        out = lam.pow(2).sum(0)[:, None] * self.v2  # [N, G]
         if mu is not None:  # ‖μ w_g + λ v_ng‖² = μ²‖w_g‖² + 2μλ w_g·v_ng + λ²‖v_ng‖²
             w = t.w  # [T, G, Rg]
             out = out + mu.pow(2).T @ w.pow(2).sum(-1)

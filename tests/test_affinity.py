@@ -166,14 +166,20 @@ def test_options_change_the_scores(setup):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_chunk_and_micro_batch_do_not_change_the_result(setup, mode):
+@pytest.mark.parametrize("group_unit", [False, True])
+def test_chunk_micro_batch_and_blocking_do_not_change_the_result(setup, mode, group_unit, monkeypatch):
+    import dtpshard.affinity as affinity
+
     _, _, dense, ids, _ = setup
-    opts = ScoreOptions(**MODES[mode])
+    opts = ScoreOptions(group_unit=group_unit, **MODES[mode])
     ref = compute_affinity(dense, ids, delay=3, opts=opts, micro_batch=2)
-    for mb, chunk in ((1, 1), (1, 4), (2, 5)):
-        got = compute_affinity(dense, ids, delay=3, opts=opts, micro_batch=mb, chunk=chunk)
+    runs = [dict(micro_batch=1, chunk=1), dict(micro_batch=1, chunk=4), dict(micro_batch=2, chunk=5)]
+    for i, kw in enumerate(runs + [{"row_block": 8}, {"blocked": False}]):  # several blocks; one batched block
+        monkeypatch.setitem(affinity.BLOCKED, "cpu", kw.pop("blocked", True))
+        monkeypatch.setattr(affinity, "ROW_BLOCK", kw.pop("row_block", 512))
+        got = compute_affinity(dense, ids, delay=3, opts=opts, **kw)
         for e in ref:
-            np.testing.assert_allclose(got[e], ref[e], rtol=1e-12, atol=1e-14 * ref[e].max())
+            np.testing.assert_allclose(got[e], ref[e], rtol=1e-12, atol=1e-14 * ref[e].max(), err_msg=str((i, e)))
 
 
 def test_float32_pass_is_close_to_float64(setup):
