@@ -35,15 +35,6 @@ def random_docs(n, seed, words=(30, 60)):
                      for _ in range(rng.randint(*words))) for _ in range(n)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine: a second thread only spins (100x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def setup(tiny_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("distill")

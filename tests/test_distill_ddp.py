@@ -8,21 +8,12 @@ import sys
 import pytest
 import torch
 
-from dtpshard import rundir
 from dtpshard.cli import main
 from dtpshard.layout import Layout
 from dtpshard.model import DTPModel
 from test_distill import ROOT, args_for, random_docs, rows_without_wall
 
 STEPS = {"steps": 6, "eval-every": 3, "checkpoint-every": 2}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,6 @@ from dtpshard.losses import kl_ce_sums
 from dtpshard.model import DTPModel
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine: a second thread only spins."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def reference_sums(h_s, w_s, h_t, w_t, y, ce_weight):
     """Full [N, V] logits, the textbook formulas."""
     ls, lt = F.log_softmax(h_s @ w_s.T, -1), F.log_softmax(h_t @ w_t.T, -1)
