@@ -17,7 +17,8 @@ Sources (`load_texts`), exactly one of:
   (HuggingFaceFW/fineweb-edu, sample-10BT, streamed), ``wikitext-2`` (Salesforce/wikitext,
   wikitext-2-raw-v1, one document per article), or any ``owner/name[:config]`` (its train split,
   streamed).
-- neither: the built-in offline corpus (`dtpshard.corpus`, Python standard-library docstrings).
+- neither, or ``dataset="offline"``: the built-in offline corpus (`dtpshard.corpus`, Python
+  standard-library docstrings).
 
 Roles keep evaluation data apart from everything else. ``"eval"`` takes the held-out share of a
 source, ``"calibration"`` and ``"train"`` both take the rest (they may share documents), ``"all"``
@@ -54,6 +55,7 @@ import torch
 from .errors import UserError
 
 ROLES = ("calibration", "train", "eval", "all")
+OFFLINE = "offline"
 EVAL_MODULUS = 10
 STREAM_SHUFFLE_BUFFER = 1000
 TOKENIZE_BATCH = 64
@@ -104,6 +106,8 @@ def load_texts(text: Sequence[str | Path] | None = None, dataset: str | None = N
         raise ValueError(f"role={role!r}: one of {ROLES}")
     if text is not None and dataset is not None:
         raise UserError("give --text or --dataset, not both")
+    if dataset == OFFLINE:  # the built-in corpus, asked for by name (no hub attempt first)
+        dataset = None
     if dataset is not None:
         return _hf_texts(dataset, role, text_field)
     if text is not None:

@@ -31,9 +31,9 @@ def demo_config(model: Path, *, steps: int, seq_len: int, calibration_blocks: in
     """The demo as an experiment config (the same dict a config file would give)."""
     return {
         "model": str(model), "devices": 3, "delay": 1, "device": device,
-        "calibration": {"blocks": calibration_blocks, "seq_len": seq_len},
-        "evaluation": {"blocks": eval_blocks},
-        "training": {"steps": steps, "seq_len": seq_len, "micro_batch": micro_batch, "grad_accum": grad_accum,
+        "calibration": {"dataset": "offline", "blocks": calibration_blocks, "seq_len": seq_len},
+        "evaluation": {"dataset": "offline", "blocks": eval_blocks},
+        "training": {"dataset": "offline", "steps": steps, "seq_len": seq_len, "micro_batch": micro_batch, "grad_accum": grad_accum,
                      "lr": lr, "warmup": warmup, "eval_every": eval_every, "checkpoint_every": eval_every},
         "arms": [
             {"kind": "optimised", "seeds": list(range(seeds))},

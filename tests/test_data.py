@@ -237,3 +237,10 @@ def test_role_names_are_checked():
     with pytest.raises(ValueError):
         load_texts(role="validation")
     assert data.ROLES == ("calibration", "train", "eval", "all")
+
+
+def test_offline_dataset_name_is_the_builtin_corpus():
+    from dtpshard.data import load_texts
+
+    named, default = load_texts(dataset="offline", role="eval"), load_texts(role="eval")
+    assert named.source == default.source and list(named.docs) == list(default.docs)

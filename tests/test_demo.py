@@ -19,7 +19,8 @@ def test_demo_config_is_a_valid_experiment(tmp_path):
     assert names == ["optimised", "contiguous", "random-0", "random-1", "anti"]
     trained = [spec["name"] for arm in cfg["arms"] for spec in arm["layouts"] if arm["seeds"]]
     assert trained == ["optimised", "contiguous"]
-    assert cfg["calibration"]["text"] is None and cfg["training"]["dataset"] is None  # the offline corpus
+    for part in ("calibration", "evaluation", "training"):  # the offline corpus, named: no hub attempt
+        assert cfg[part].get("text") is None and cfg[part]["dataset"] == "offline"
 
 
 def test_missing_wheel_or_gguf_reader_is_one_line(monkeypatch, tmp_path):
