@@ -144,9 +144,9 @@ class Attention(nn.Module):
         y = _device_matmul(h, proj)
         if proj.bias is not None:
             y = y + proj.bias.view(L, 1, 1, -1)
-        Lx, B, T, E = y.shape
-        return y.view(L, B, T, E // self.s.head_dim, self.s.head_dim).permute(0, 1, 3, 2, 4).reshape(
-            L * B, E // self.s.head_dim, T, self.s.head_dim)
+        _, B, T, E = y.shape
+        # a strided view, no copy: q/k-norm and RoPE write new tensors anyway
+        return y.view(L * B, T, E // self.s.head_dim, self.s.head_dim).transpose(1, 2)
 
     def partials(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv: "tuple[torch.Tensor, torch.Tensor] | None") -> tuple[torch.Tensor, tuple]:
@@ -170,7 +170,7 @@ class Attention(nn.Module):
             mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(past)
             o = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask)
         Hl = o.shape[1]
-        o = o.view(L, B, Hl, T, self.s.head_dim).permute(0, 1, 3, 2, 4).reshape(L, B * T, Hl * self.s.head_dim)
+        o = o.transpose(1, 2).reshape(L, B * T, Hl * self.s.head_dim)  # [L*B, Hl, T, hd] -> [L, B*T, Hl*hd]
         p = torch.bmm(o, self.o_proj.cols(L)).view(L, B, T, D)
         return p, (k, v)
 
