@@ -34,7 +34,7 @@ from .delay import schedule
 from .errors import UserError
 from .launch import RankFailure, cause, launch_local, process_group, set_threads, world_from_env
 from .layout import Layout, as_layout
-from .model import _rotary_for, rms_norm, rotate_half
+from .model import KVCache, _rotary_for, rms_norm, rotate_half  # a rank's cache: [B, G/L, T, hd]
 from .permute import permutation_spec, unit_index
 
 KILL_ENV = "DTPSHARD_TEST_KILL"  # "rank:module": that rank dies (os._exit) at that module; for tests
@@ -145,17 +145,6 @@ class Link:
 
 
 # -- the per-rank model ----------------------------------------------------------------------
-class RankCache:
-    """Per layer (k, v), each [B, G/L, T, hd]: this rank's KV groups only."""
-
-    def __init__(self, layers: int):
-        self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layers
-
-    @property
-    def length(self) -> int:
-        return 0 if self.kv[0] is None else self.kv[0][0].shape[2]
-
-
 class RankModel:
     """Device `rank` of a DTP model with `world` devices. Calling it is collective: every rank must
     make the same calls in the same order (same input shapes), as with any tensor-parallel model."""
@@ -184,11 +173,11 @@ class RankModel:
     def sharded_bytes(self) -> int:
         return sum(self.w[n].numel() * self.w[n].element_size() for n in self.sharded)
 
-    def new_cache(self) -> RankCache:
-        return RankCache(self.shape.layers)
+    def new_cache(self) -> KVCache:
+        return KVCache(self.shape.layers)
 
     def _attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   cache: RankCache | None) -> torch.Tensor:
+                   cache: KVCache | None) -> torch.Tensor:
         """x [B, T, D] -> this rank's partial [B, T, D]: its heads through its o_proj columns."""
         s, w, pre = self.shape, self.w, f"model.layers.{i}."
         h = rms_norm(x, w[pre + "input_layernorm.weight"], s.rms_eps)
@@ -224,7 +213,7 @@ class RankModel:
         return F.linear(act, w[pre + "mlp.down_proj.weight"])
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, cache: RankCache | None = None,
+    def __call__(self, input_ids: torch.Tensor, cache: KVCache | None = None,
                  logits_to_keep: int = 0) -> torch.Tensor:
         """input_ids [B, T] (the same on every rank) -> logits [B, T, V] (or the last `logits_to_keep`)."""
         x = F.embedding(input_ids, self.w["model.embed_tokens.weight"])  # x_l starts as the embedding
