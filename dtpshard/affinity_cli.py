@@ -49,6 +49,7 @@ def affinity_cmd(model: Path, out: Path | None = None, text: list[str] | None = 
     from .config import check_delay
     from .data import load_texts, make_blocks
     from .dense import DenseModel
+    from .generate import pick_device
 
     if out is None:
         raise UserError("--out FILE is required (the affinity file to write)")
@@ -57,10 +58,7 @@ def affinity_cmd(model: Path, out: Path | None = None, text: list[str] | None = 
         if value < low:
             raise UserError(f"--{name}={value}: must be at least {low}")
     opts = ScoreOptions(group_unit=group_unit, exact_jacobian=exact_jacobian, ablation=ablation)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {device}: no CUDA device available")
+    device = pick_device(device)
     ckpt = open_checkpoint(model)
     shape = ckpt.shape
     check_delay(shape, delay)

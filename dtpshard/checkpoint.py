@@ -7,7 +7,6 @@ Gemma post-norm, is refused by name).
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 
 from .config import ModelShape, shape_from_hf_config
 from .errors import UserError
+from .io import share
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
@@ -164,9 +164,7 @@ def save_checkpoint(out_dir: Path, hf_config: Any, state_dict: dict[str, torch.T
     if hf_config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(out_dir / "model.safetensors", 0o666 & ~umask)  # safetensors writes 0600
+    share(out_dir / "model.safetensors", 0o666)  # safetensors writes 0600
     if source is not None:
         for name in TOKENIZER_FILES:
             if (source / name).is_file():

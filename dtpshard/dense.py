@@ -17,7 +17,6 @@ and q rows of a group are contiguous. Weights are kept as [out, in] matrices lik
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,24 +25,11 @@ import torch.nn.functional as F
 
 from .checkpoint import Checkpoint
 from .config import ModelShape
-
-# family -> (module, class) of transformers' rotary embedding
-ROTARY = {
-    "llama": ("transformers.models.llama.modeling_llama", "LlamaRotaryEmbedding"),
-    "mistral": ("transformers.models.mistral.modeling_mistral", "MistralRotaryEmbedding"),
-    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2RotaryEmbedding"),
-    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3RotaryEmbedding"),
-}
-
+from .model import rotary_for, rotate_half
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """ρ = sqrt(mean(x²) + ε) over the last axis, keepdim: [..., D] -> [..., 1]."""
     return torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 @dataclass
@@ -110,8 +96,7 @@ class DenseModel:
                 o_w=get(p + "self_attn.o_proj.weight"), ln2=get(p + "post_attention_layernorm.weight"),
                 gate=get(p + "mlp.gate_proj.weight"), up=get(p + "mlp.up_proj.weight"),
                 down=get(p + "mlp.down_proj.weight")))
-        mod, cls = ROTARY[s.family]
-        self.rotary = getattr(importlib.import_module(mod), cls)(config=hf_config).to(self.device)
+        self.rotary = rotary_for(hf_config).to(self.device)
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod

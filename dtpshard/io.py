@@ -15,6 +15,13 @@ def _tmp_sibling(path: Path, suffix: str = "") -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}{suffix}")
 
 
+def share(path: Path, mode: int) -> None:
+    """Give `path` the permissions a plain create would (mode minus the umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, mode & ~umask)
+
+
 def check_writable_dir(path: Path) -> None:
     """The parent of `path` exists (created if missing) and can be written; else one line."""
     parent = path.parent if str(path.parent) else Path(".")
@@ -59,9 +66,7 @@ def atomic_dir(path: str | Path, force: bool = False) -> Iterator[Path]:
         raise UserError(f"output {path} exists (use --force to replace it)")
     check_writable_dir(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent if str(path.parent) else "."))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide the output from other users
+    share(tmp, 0o777)  # mkdtemp's 0700 would hide the output from other users
     try:
         yield tmp
         if path.exists():

@@ -209,7 +209,7 @@ class KVCache:
         return 0 if self.kv[0] is None else self.kv[0][0].shape[2]
 
 
-def _rotary_for(hf_config: Any) -> nn.Module:
+def rotary_for(hf_config: Any) -> nn.Module:
     import importlib
 
     family = hf_config.model_type
@@ -230,7 +230,7 @@ class DTPModel(nn.Module):
         self.model.layers = nn.ModuleList(Layer(s) for _ in range(s.layers))
         self.model.norm = Norm(s.hidden, s.rms_eps)
         self.lm_head = None if s.tied else Proj(s.vocab, s.hidden)
-        self.rotary = _rotary_for(hf_config)
+        self.rotary = rotary_for(hf_config)
         self.gradient_checkpointing = False
         self.set_dtp(devices, delay, stage3)
 
@@ -325,7 +325,7 @@ class DTPModel(nn.Module):
             sd = apply_layout(sd, model.shape, layout)
         sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
         model.load_state_dict(sd, strict=True, assign=True)
-        model.rotary = _rotary_for(hf_config)  # its buffers were built on meta
+        model.rotary = rotary_for(hf_config)  # its buffers were built on meta
         return model
 
     @classmethod

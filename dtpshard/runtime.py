@@ -34,7 +34,7 @@ from .delay import schedule
 from .errors import UserError
 from .launch import RankFailure, cause, launch_local, process_group, set_threads, world_from_env
 from .layout import Layout, as_layout
-from .model import KVCache, _rotary_for, rms_norm, rotate_half  # a rank's cache: [B, G/L, T, hd]
+from .model import KVCache, rotary_for, rms_norm, rotate_half  # a rank's cache: [B, G/L, T, hd]
 from .permute import permutation_spec, unit_index
 
 KILL_ENV = "DTPSHARD_TEST_KILL"  # "rank:module": that rank dies (os._exit) at that module; for tests
@@ -155,7 +155,7 @@ class RankModel:
         self.shape, self.rank, self.world = ckpt.shape, rank, world
         self.w = {k: v.to(device) for k, v in load_shard(ckpt, rank, world, layout, dtype).items()}
         self.sharded = set(permutation_spec(self.shape)) & set(self.w)
-        self.rotary = _rotary_for(ckpt.hf_config).to(device)
+        self.rotary = rotary_for(ckpt.hf_config).to(device)
         self.link = Link(rank, timeout, latency)
         self.lm_head = self.w["model.embed_tokens.weight" if self.shape.tied else "lm_head.weight"]
         kill = os.environ.get(KILL_ENV, "")
