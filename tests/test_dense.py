@@ -18,18 +18,11 @@ VOCAB = 320
 
 def tiny_config(family: str, layers: int = 2, heads: int = 4, kv: int = 2, head_dim: int = 16, hidden: int = 48,
                 neurons: int = 40, tied: bool = False):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from tiny import tiny_config as family_config
 
-    common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=neurons, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, rms_norm_eps=1e-5,
-                  max_position_embeddings=512, tie_word_embeddings=tied)
-    if family == "llama":
-        return LlamaConfig(**common)
-    if family == "mistral":
-        return MistralConfig(**common, sliding_window=None)
-    if family == "qwen2":
-        return Qwen2Config(**common, use_sliding_window=False)
-    return Qwen3Config(**common, use_sliding_window=False)
+    return family_config(family, vocab_size=VOCAB, hidden_size=hidden, intermediate_size=neurons,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                         head_dim=head_dim, rms_norm_eps=1e-5, max_position_embeddings=512, tie_word_embeddings=tied)
 
 
 def tiny_model(path: Path, family: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32, **kw):
