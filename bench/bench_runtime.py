@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dtpshard.runtime import Link, launch_local  # noqa: E402
+from dtpshard.runtime.ranks import Link, launch_local
 
 
 class NoLink(Link):
@@ -67,7 +67,7 @@ def _timed(net, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float]:
 
 
 def worker(model: str, args: dict, out: str) -> int:
-    from dtpshard.runtime import RankModel, check_world, process_group, set_threads
+    from dtpshard.runtime.ranks import RankModel, check_world, process_group, set_threads
 
     set_threads(args["threads"])
     with process_group(timeout=300) as (rank, world):

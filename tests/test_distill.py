@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtpshard import rundir
+from dtpshard.training import rundir
 from dtpshard.cli import main
-from dtpshard.distill import DistillConfig, distill_cmd, lr_factor, resolve, train_blocks_for
-from dtpshard.evaluate import eval_blocks_for, evaluate
-from dtpshard.layout import Layout
-from dtpshard.model import DTPModel
+from dtpshard.training.distill import DistillConfig, distill_cmd, lr_factor, resolve, train_blocks_for
+from dtpshard.training.evaluate import eval_blocks_for, evaluate
+from dtpshard.core.layout import Layout
+from dtpshard.model.dtp import DTPModel
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_KEYS = {"kind", "step", "tokens", "loss", "kl", "ce", "lr", "grad_norm", "wall"}
@@ -142,8 +142,8 @@ def test_cli_mirrors_the_config():
 
 
 def test_training_and_calibration_never_see_eval_documents(setup, tiny_dirs):
-    from dtpshard.checkpoint import load_tokenizer
-    from dtpshard.data import is_eval_doc, load_texts, make_blocks
+    from dtpshard.model.checkpoint import load_tokenizer
+    from dtpshard.data.blocks import is_eval_doc, load_texts, make_blocks
 
     tok = load_tokenizer(setup["model"])
     specials = {tok.bos_token_id, tok.eos_token_id}

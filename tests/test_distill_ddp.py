@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dtpshard.cli import main
-from dtpshard.layout import Layout
-from dtpshard.model import DTPModel
+from dtpshard.core.layout import Layout
+from dtpshard.model.dtp import DTPModel
 from test_distill import ROOT, args_for, random_docs, rows_without_wall
 
 STEPS = {"steps": 6, "eval-every": 3, "checkpoint-every": 2}
@@ -61,7 +61,7 @@ def test_two_processes_match_one_process_with_the_same_global_batch(single, two)
     a = DTPModel.from_pretrained(single / "final").state_dict()
     b = DTPModel.from_pretrained(two / "final").state_dict()
     for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)  # all-reduce order changes the float rounding of summed grads
 
 
 def test_resume_after_a_kill(setup, two, tmp_path, monkeypatch, capsys):

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from dtpshard.cli import main
-from dtpshard.evaluate import eval_blocks_for, evaluate
-from dtpshard.layout import Layout
-from dtpshard.losses import kl_ce_sums
-from dtpshard.model import DTPModel
+from dtpshard.training.evaluate import eval_blocks_for, evaluate
+from dtpshard.core.layout import Layout
+from dtpshard.training.losses import kl_ce_sums
+from dtpshard.model.dtp import DTPModel
 
 
 def reference_sums(h_s, w_s, h_t, w_t, y, ce_weight):

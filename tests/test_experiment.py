@@ -97,7 +97,7 @@ def test_other_config_refused_unless_force(study, tmp_path, capsys):
     out = tmp_path / "exp"
     changed = tmp_path / "changed.toml"
     changed.write_text(study.read_text().replace("devices = 2", "devices = 1"))
-    from dtpshard.experiment import _prepare_dir, load_config
+    from dtpshard.studies.experiment import _prepare_dir, load_config
 
     _prepare_dir(out, load_config(study), force=False)
     (out / "layouts").mkdir()
@@ -144,7 +144,7 @@ def test_yaml_config_is_read_and_checked(study, tmp_path, capsys):
 
     import yaml
 
-    from dtpshard.experiment import load_config
+    from dtpshard.studies.experiment import load_config
 
     raw = tomllib.loads(study.read_text())
     good = tmp_path / "study.yaml"

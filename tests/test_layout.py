@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from dtpshard.errors import UserError
-from dtpshard.layout import FORMAT, Layout, as_layout
+from dtpshard.core.errors import UserError
+from dtpshard.core.layout import FORMAT, Layout, as_layout
 
 MODEL = {"layers": 3, "kv_groups": 4, "heads_per_group": 2, "neurons": 12}
 

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from dtpshard.affinity_file import Affinity, edges_for_delay, units
+from dtpshard.affinity.file import Affinity, edges_for_delay, units
 from dtpshard.cli import main
-from dtpshard.layout import Layout
-from dtpshard.score import colocated_score
+from dtpshard.core.layout import Layout
+from dtpshard.layouts.score import colocated_score
 
 MODEL = {"layers": 4, "kv_groups": 8, "heads_per_group": 2, "neurons": 24}
 
@@ -81,8 +81,8 @@ def test_delay_two_uses_every_edge(tmp_path):
 
 
 def test_model_directory_source(tiny_dirs, tmp_path, capsys):
-    pytest.importorskip("dtpshard.checkpoint")
-    from dtpshard.checkpoint import read_shape
+    pytest.importorskip("dtpshard.model.checkpoint")
+    from dtpshard.model.checkpoint import read_shape
 
     model_dir = tiny_dirs["llama"]
     shape = read_shape(model_dir).summary()

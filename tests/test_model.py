@@ -4,7 +4,7 @@ import torch
 from reference import literal_dtp_logits
 from tiny import FAMILIES, tiny_hf_model
 
-from dtpshard.model import DTPModel
+from dtpshard.model.dtp import DTPModel
 
 TOL = 1e-4
 
@@ -120,7 +120,7 @@ def test_fractional_delay_is_continuous():
 
 
 def test_rms_norm_backward_matches_autograd():
-    from dtpshard.model import _RMSNormFn, rms_norm
+    from dtpshard.model.dtp import _RMSNormFn, rms_norm
 
     x = torch.randn(2, 3, 5, 16, dtype=torch.float64, requires_grad=True)
     w = torch.randn(16, dtype=torch.float64, requires_grad=True)
@@ -133,7 +133,7 @@ def test_rms_norm_backward_matches_autograd():
 
 
 def test_rows_matmul_backward_matches_autograd():
-    from dtpshard.model import _RowsMatmul
+    from dtpshard.model.dtp import _RowsMatmul
 
     h = torch.randn(4, 6, 8, dtype=torch.float64, requires_grad=True)
     w = torch.randn(12, 8, dtype=torch.float64, requires_grad=True)

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from scipy.optimize import linear_sum_assignment
 
-from dtpshard.affinity_file import Affinity, edges_for_delay, units
-from dtpshard.errors import UserError
-from dtpshard.layout import Layout
-from dtpshard.optimise import (Problem, ascend, balanced_assignment, evenly_spaced_layers,
+from dtpshard.affinity.file import Affinity, edges_for_delay, units
+from dtpshard.core.errors import UserError
+from dtpshard.core.layout import Layout
+from dtpshard.layouts.optimise import (Problem, ascend, balanced_assignment, evenly_spaced_layers,
                                exhaustive_assignment, family_blocks, labelled_partitions, optimise_layout)
-from dtpshard.score import colocated_score, j_of_devices
+from dtpshard.layouts.score import colocated_score, j_of_devices
 
 
 def structured_affinity(model, delay=1, seed=0, rank=3) -> Affinity:

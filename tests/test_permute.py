@@ -18,11 +18,12 @@ from safetensors.torch import load_file
 from tiny import FAMILIES, tiny_hf_model
 
 from dtpshard.cli import main
-from dtpshard.config import shape_from_hf_config
-from dtpshard.errors import UserError
-from dtpshard.layout import Layout
-from dtpshard.model import DTPModel
-from dtpshard.permute import LAYOUT_JSON, apply_layout, permutation_spec
+from dtpshard.core.shape import shape_from_hf_config
+from dtpshard.core.errors import UserError
+from dtpshard.core.layout import Layout
+from dtpshard.model.dtp import DTPModel
+from dtpshard.layouts.permute import LAYOUT_JSON
+from dtpshard.core.permutation import apply_layout, permutation_spec
 
 TOL = 1e-4
 
@@ -138,7 +139,7 @@ def permuted(tiny_dirs, tmp_path_factory):
 def test_permute_round_trip_with_transformers(permuted, family):
     from transformers import AutoModelForCausalLM
 
-    from dtpshard.checkpoint import load_tokenizer
+    from dtpshard.model.checkpoint import load_tokenizer
 
     src, layout_file, out, printed = permuted(family)
     m = re.search(r"max \|logits\(permuted\) - logits\(original\)\| = (\S+) over 256 tokens "
@@ -292,7 +293,7 @@ def test_refuses_unwritable_output(env, capsys):
 
 
 def test_failed_check_writes_nothing(env, capsys, monkeypatch):
-    import dtpshard.permute as permute
+    import dtpshard.layouts.permute as permute
 
     src, shape, good, tmp = env
 
@@ -307,7 +308,7 @@ def test_failed_check_writes_nothing(env, capsys, monkeypatch):
 @pytest.mark.slow
 def test_permute_smollm2_passes_the_check(tmp_path, capsys):
     """A real 30-layer model: fp32 rounding of the reordered sums stays under 1e-4 (measured 8e-5)."""
-    smollm2 = pytest.importorskip("dtpshard.smollm2")
+    smollm2 = pytest.importorskip("dtpshard.studies.smollm2")
     try:
         src = smollm2.smollm2_checkpoint()
     except UserError as e:

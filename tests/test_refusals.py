@@ -6,8 +6,8 @@ from safetensors.torch import load_file, save_file
 from tiny import save_tiny, tiny_config
 
 from dtpshard.cli import main
-from dtpshard.errors import UserError
-from dtpshard.model import DTPModel
+from dtpshard.core.errors import UserError
+from dtpshard.model.dtp import DTPModel
 
 
 def _config_dir(tmp_path, config):

@@ -6,7 +6,7 @@ import numpy as np
 from scipy.stats import pearsonr
 
 from dtpshard.cli import main
-from dtpshard.report import load_study, write_report
+from dtpshard.studies.report import load_study, write_report
 
 STEPS = [0, 50, 100]
 # layout -> (kind, J, {seed: KL curve}); ppl = exp(3 + KL) so it is known too
@@ -117,7 +117,7 @@ def _png_width(path):
 
 
 def test_j_figure_has_a_panel_only_where_there_is_data(tmp_path):
-    from dtpshard.report_figures import draw_j_vs_kl
+    from dtpshard.studies.figures import draw_j_vs_kl
 
     full = load_study(make_experiment(tmp_path / "full"))
     untrained = load_study(make_experiment(tmp_path / "untrained"))

@@ -12,12 +12,12 @@ import torch
 from tiny import save_tiny
 
 from dtpshard import cli
-from dtpshard.checkpoint import open_checkpoint
-from dtpshard.generate import generate_ids
-from dtpshard.layout import Layout
-from dtpshard.model import DTPModel
-from dtpshard.permute import permutation_spec
-from dtpshard.runtime import launch_local
+from dtpshard.model.checkpoint import open_checkpoint
+from dtpshard.model.generate import generate_ids
+from dtpshard.core.layout import Layout
+from dtpshard.model.dtp import DTPModel
+from dtpshard.core.permutation import permutation_spec
+from dtpshard.runtime.ranks import launch_local
 
 TOL = 1e-4
 DELAYS = (0, 1, 2, 1.5)
@@ -41,7 +41,7 @@ def _ids(T, seed, vocab=384):
 
 def _equivalence_worker(model_dir, layout_path, out_dir):
     """One rank: everything the test compares, saved to out_dir/rank{r}.pt."""
-    from dtpshard.runtime import RankModel, check_world, process_group, set_threads
+    from dtpshard.runtime.ranks import RankModel, check_world, process_group, set_threads
 
     set_threads()  # one core each: oversubscribed OpenMP threads make a forward ~10x slower
     ids, prompt = _ids(13, 0), _ids(5, 1)
@@ -151,7 +151,7 @@ def test_refused_before_any_collective(ckpt_dirs, tmp_path, capfd, monkeypatch):
 def test_rank_that_never_starts_times_out(ckpt_dirs, capfd, monkeypatch):
     import torch.distributed as dist
 
-    from dtpshard.launch import free_port
+    from dtpshard.core.launch import free_port
 
     if dist.is_initialized():
         pytest.skip("another test left a process group in this process; run_cmd would reuse it")

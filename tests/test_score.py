@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from dtpshard.affinity_file import Affinity, edges_for_delay, units
+from dtpshard.affinity.file import Affinity, edges_for_delay, units
 from dtpshard.cli import main
-from dtpshard.errors import UserError
-from dtpshard.layout import Layout
-from dtpshard.score import colocated_score, layout_devices, perm_from_devices
+from dtpshard.core.errors import UserError
+from dtpshard.core.layout import Layout
+from dtpshard.layouts.score import colocated_score, layout_devices, perm_from_devices
 
 MODEL = {"layers": 3, "kv_groups": 4, "heads_per_group": 2, "neurons": 8}
 

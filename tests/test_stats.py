@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy.stats import pearsonr
 
-from dtpshard.stats import correlate, first_reach, make_curve, mean_curve, mean_sd, step_matching
+from dtpshard.studies.stats import correlate, first_reach, make_curve, mean_curve, mean_sd, step_matching
 
 
 def test_mean_and_sample_sd():

@@ -1,0 +1,8 @@
+"""Stage 2, affinity (paper section 3.1): the per-edge scorer, the affinity file format and the
+calibration pass (`dtpshard affinity`). Imports core and model."""
+from dtpshard.core.lazy import lazy_exports
+
+__getattr__, __all__ = lazy_exports(__name__, {
+    "Affinity": "file", "edges_for_delay": "file", "units": "file", "ScoreOptions": "scorer",
+    "compute_affinity": "scorer", "affinity_cmd": "calibrate",
+})

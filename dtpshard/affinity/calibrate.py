@@ -1,0 +1,83 @@
+"""`dtpshard affinity`: one calibration pass over the dense model, written as an affinity file."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Literal
+
+from dtpshard.core.errors import UserError
+
+
+def affinity_cmd(model: Path, out: Path | None = None, text: list[str] | None = None, dataset: str | None = None,
+                 blocks: int = 64, seq_len: int = 1024, delay: float = 1.0, seed: int = 0,
+                 group_unit: bool = False, exact_jacobian: bool = False, ablation: bool = False,
+                 micro_batch: int = 4, chunk: int = 0, device: str = "auto",
+                 dtype: Literal["float32", "float64"] = "float32", progress: bool = True) -> int:
+    """Score how much every unit depends on every co-located unit (spec section 2), in one pass.
+
+    Calibration text (--text files, or --dataset, or by default the built-in offline corpus) is
+    tokenised and packed into --blocks blocks of --seq-len tokens; the dense model runs over them
+    once, layer by layer, and every edge (a, b) that delay δ creates gets a score matrix
+    [units(a), units(b)], the mean over tokens accumulated in float64. The defaults are the
+    paper's: the up edge is first order through SwiGLU per query head, summed per KV group, with ρ
+    held at its dense value; the down edge is the additive q/k/v score.
+
+    Args:
+        model: Hugging Face checkpoint directory (llama, mistral, qwen2 or qwen3 family)
+        out: affinity file to write (required; safetensors, format dtpshard.affinity/1)
+        text: calibration text files or directories (.txt split at blank lines, .jsonl with a "text" field, .parquet)
+        dataset: Hugging Face dataset instead of files: fineweb-edu, wikitext-2 or owner/name[:config] (needs the hub)
+        blocks: number of calibration blocks
+        seq_len: tokens per block
+        delay: DTP delay δ; every edge b-δ <= a <= b-1 is scored (δ >= 2 adds attention->attention, FFN->FFN, ...)
+        seed: seed of the document order
+        group_unit: score a KV group as one unit (sum its r heads' contributions before squaring)
+        exact_jacobian: use the exact RMSNorm Jacobian (ρ moves with the contribution) instead of γ/ρ
+        ablation: leave-one-out score: actually remove the contribution and recompute the norm and the unit
+        micro_batch: sequences per module call (memory)
+        chunk: cap on tokens per score chunk; 0 = automatic (memory)
+        device: auto, cpu, cuda or cuda:N
+        dtype: compute dtype of the pass (sums are always accumulated in float64)
+        progress: show a progress bar
+    """
+    import torch
+
+    from dtpshard.affinity.scorer import ScoreOptions, compute_affinity
+    from dtpshard.affinity.file import Affinity, edges_for_delay
+    from dtpshard.model.checkpoint import load_tokenizer, open_checkpoint
+    from dtpshard.core.shape import check_delay
+    from dtpshard.data.blocks import load_texts, make_blocks
+    from dtpshard.model.dense import DenseModel
+    from dtpshard.core.devices import pick_device
+
+    if out is None:
+        raise UserError("--out FILE is required (the affinity file to write)")
+    for name, value, low in (("blocks", blocks, 1), ("seq-len", seq_len, 1), ("micro-batch", micro_batch, 1),
+                             ("chunk", chunk, 0)):
+        if value < low:
+            raise UserError(f"--{name}={value}: must be at least {low}")
+    opts = ScoreOptions(group_unit=group_unit, exact_jacobian=exact_jacobian, ablation=ablation)
+    device = pick_device(device)
+    ckpt = open_checkpoint(model)
+    shape = ckpt.shape
+    check_delay(shape, delay)
+    if not edges_for_delay(shape.modules, delay):
+        raise UserError(f"--delay {delay}: no edges (every module sees all partials below δ = 1)")
+    tokenizer = load_tokenizer(model)
+    texts = load_texts(text, dataset, role="calibration")
+    ids = make_blocks(tokenizer, texts, seq_len, blocks, seed=seed)  # [blocks, seq_len]
+    if int(ids.max()) >= shape.vocab:
+        raise UserError(f"tokenizer produced id {int(ids.max())} >= vocab_size {shape.vocab}")
+
+    t0 = time.perf_counter()
+    dense = DenseModel.from_checkpoint(ckpt, dtype=getattr(torch, dtype), device=device)
+    edges = compute_affinity(dense, ids, delay, opts, micro_batch=micro_batch, chunk=chunk or None,
+                             progress=progress)
+    elapsed = time.perf_counter() - t0
+    options = dict(opts.to_dict(delay), blocks=blocks, seq_len=seq_len, seed=seed, dtype=dtype)
+    Affinity(shape.summary(), delay, edges, tokens=ids.numel(), options=options,
+             source=f"{texts.source} seed={seed}").save(out)
+    print(f"wrote {out}: {len(edges)} edges, {ids.numel()} tokens ({blocks} x {seq_len}), "
+          f"{elapsed:.1f} s on {device}", file=sys.stderr)
+    return 0

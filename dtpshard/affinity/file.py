@@ -1,0 +1,101 @@
+"""The affinity file: one float32 tensor `edge.{a}.{b}` per edge, shape [units(a), units(b)].
+
+Modules are numbered 2i (attention of layer i) and 2i+1 (FFN of layer i). Units are KV groups
+for attention and neurons for FFNs. Metadata (all strings, as safetensors requires): format,
+model (JSON: layers, kv_groups, heads_per_group, neurons), delay, tokens, options (JSON), source.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dtpshard.core.errors import UserError
+from dtpshard.core.io import atomic_path
+
+FORMAT = "dtpshard.affinity/1"
+
+
+def edges_for_delay(modules: int, delay: float) -> list[tuple[int, int]]:
+    """Edges (a, b) with b - δ <= a <= b - 1: module b runs before a's partials arrive."""
+    return [(a, b) for b in range(modules) for a in range(max(0, math.ceil(b - delay)), b)]
+
+
+def units(model: dict[str, int], module: int) -> int:
+    return model["kv_groups"] if module % 2 == 0 else model["neurons"]
+
+
+@dataclass
+class Affinity:
+    model: dict[str, int]
+    delay: float
+    edges: dict[tuple[int, int], np.ndarray]  # raw mean scores, float64 in memory
+    tokens: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+    source: str = ""
+
+    def save(self, path: str | Path) -> None:
+        from safetensors.numpy import save_file
+
+        tensors = {f"edge.{a}.{b}": np.ascontiguousarray(s, dtype=np.float32) for (a, b), s in self.edges.items()}
+        meta = {"format": FORMAT, "model": json.dumps(self.model), "delay": json.dumps(self.delay),
+                "tokens": str(int(self.tokens)), "options": json.dumps(self.options), "source": self.source}
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata=meta)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Affinity":
+        from safetensors import SafetensorError, safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"affinity file not found: {path}")
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                meta = f.metadata() or {}
+                names = list(f.keys())
+                arrays = {k: f.get_tensor(k) for k in names}
+        except (SafetensorError, OSError, ValueError) as e:
+            raise UserError(f"{path}: not a safetensors affinity file ({e})") from None
+        if meta.get("format") != FORMAT:
+            raise UserError(f"{path}: format={meta.get('format')!r}, expected {FORMAT!r}")
+        try:
+            model = json.loads(meta["model"])
+            delay = json.loads(meta.get("delay", "1"))
+            options = json.loads(meta.get("options", "{}"))
+        except (KeyError, json.JSONDecodeError) as e:
+            raise UserError(f"{path}: bad metadata ({e})") from None
+        if not isinstance(model, dict) or any(not isinstance(model.get(k), int) or model[k] < 1
+                                              for k in ("layers", "kv_groups", "heads_per_group", "neurons")):
+            raise UserError(f"{path}: metadata 'model' must give positive integer layers, kv_groups, "
+                            "heads_per_group, neurons")
+        edges: dict[tuple[int, int], np.ndarray] = {}
+        for name, arr in arrays.items():
+            parts = name.split(".")
+            if len(parts) != 3 or parts[0] != "edge" or not (parts[1].isdigit() and parts[2].isdigit()):
+                raise UserError(f"{path}: unexpected tensor {name!r}")
+            a, b = int(parts[1]), int(parts[2])
+            if not (0 <= a < b < 2 * model["layers"]):
+                raise UserError(f"{path}: {name} is not an edge of a {model['layers']}-layer model")
+            want = (units(model, a), units(model, b))
+            if arr.shape != want:
+                raise UserError(f"{path}: {name} has shape {list(arr.shape)}, expected {list(want)}")
+            if not np.isfinite(arr).all():
+                raise UserError(f"{path}: {name} contains NaN or infinite values")
+            if (arr < 0).any():
+                raise UserError(f"{path}: {name} has negative scores")
+            edges[(a, b)] = arr.astype(np.float64)
+        return cls(model, delay, edges, int(meta.get("tokens", 0)), options, meta.get("source", ""))
+
+    def require_edges(self, delay: float) -> list[tuple[int, int]]:
+        """The edges δ needs, each present, or one line saying which is missing."""
+        need = edges_for_delay(2 * self.model["layers"], delay)
+        for e in need:
+            if e not in self.edges:
+                raise UserError(f"affinity has no edge.{e[0]}.{e[1]}, needed at delay {delay} "
+                                f"(it was computed for delay {self.delay})")
+        return need

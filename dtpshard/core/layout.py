@@ -1,0 +1,179 @@
+"""Layouts (spec section 3): per layer, a permutation of its KV groups and one of its neurons.
+
+Position p after permutation holds original unit perm[p]; device d holds positions
+[d·units/L, (d+1)·units/L). A layout is plain data and is saved as JSON (`dtpshard.layout/1`).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dtpshard.core.errors import UserError
+from dtpshard.core.io import atomic_write_text
+
+FORMAT = "dtpshard.layout/1"
+SHAPE_KEYS = ("layers", "kv_groups", "heads_per_group", "neurons")
+
+
+@dataclass
+class Layout:
+    devices: int
+    delay: float
+    kind: str
+    model: dict[str, int]  # layers, kv_groups, heads_per_group, neurons
+    kv_perms: list[np.ndarray]  # per layer, [G] ints
+    ffn_perms: list[np.ndarray]  # per layer, [N] ints
+    seed: int | None = None
+    score: dict[str, Any] = field(default_factory=dict)
+
+    # -- construction --------------------------------------------------------------------
+    @classmethod
+    def contiguous(cls, model: dict[str, int], devices: int, delay: float = 1) -> "Layout":
+        check_divides(model, devices)
+        n, g, nn_ = model["layers"], model["kv_groups"], model["neurons"]
+        return cls(devices, delay, "contiguous", dict(model),
+                   [np.arange(g) for _ in range(n)], [np.arange(nn_) for _ in range(n)])
+
+    @classmethod
+    def random(cls, model: dict[str, int], devices: int, delay: float = 1, seed: int = 0) -> "Layout":
+        check_divides(model, devices)
+        rng = np.random.default_rng(seed)
+        n, g, nn_ = model["layers"], model["kv_groups"], model["neurons"]
+        kv = [rng.permutation(g) for _ in range(n)]
+        ffn = [rng.permutation(nn_) for _ in range(n)]
+        return cls(devices, delay, "random", dict(model), kv, ffn, seed=seed)
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def layers(self) -> int:
+        return self.model["layers"]
+
+    def kv_device(self, layer: int) -> np.ndarray:
+        """[G]: the device of each original KV group."""
+        return _device_of(self.kv_perms[layer], self.devices)
+
+    def ffn_device(self, layer: int) -> np.ndarray:
+        """[N]: the device of each original neuron."""
+        return _device_of(self.ffn_perms[layer], self.devices)
+
+    def is_identity(self) -> bool:
+        return all((p == np.arange(len(p))).all() for p in self.kv_perms + self.ffn_perms)
+
+    # -- serialisation -------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT, "devices": self.devices, "delay": self.delay, "kind": self.kind,
+            "seed": self.seed, "model": dict(self.model),
+            "layers": [{"kv_perm": [int(i) for i in k], "ffn_perm": [int(i) for i in f]}
+                       for k, f in zip(self.kv_perms, self.ffn_perms)],
+            "score": self.score,
+        }
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_text(path, json.dumps(self.to_json()) + "\n")
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = "layout") -> "Layout":
+        if not isinstance(obj, dict):
+            raise UserError(f"{where}: not a JSON object")
+        if obj.get("format") != FORMAT:
+            raise UserError(f"{where}: format={obj.get('format')!r}, expected {FORMAT!r}")
+        for key in ("devices", "delay", "model", "layers"):
+            if key not in obj:
+                raise UserError(f"{where}: missing field {key!r}")
+        model = obj["model"]
+        if not isinstance(model, dict) or any(not _is_int(model.get(k)) or model[k] < 1 for k in SHAPE_KEYS):
+            raise UserError(f"{where}: model must give positive integer {', '.join(SHAPE_KEYS)}")
+        model = dict(model)
+        devices, delay = obj["devices"], obj["delay"]
+        if not _is_int(devices) or devices < 1:
+            raise UserError(f"{where}: devices={devices!r} must be a positive integer")
+        if (isinstance(delay, bool) or not isinstance(delay, (int, float)) or not math.isfinite(delay)
+                or delay < 0):
+            raise UserError(f"{where}: delay={delay!r} must be a number >= 0")
+        score = obj.get("score") or {}
+        if not isinstance(score, dict):
+            raise UserError(f"{where}: score must be an object, not {type(score).__name__}")
+        check_divides(model, devices, where)
+        layers = obj["layers"]
+        if not isinstance(layers, list) or len(layers) != model["layers"]:
+            got = len(layers) if isinstance(layers, list) else type(layers).__name__
+            raise UserError(f"{where}: {got} layers listed, model has {model['layers']}")
+        kv, ffn = [], []
+        for i, entry in enumerate(layers):
+            if not isinstance(entry, dict):
+                raise UserError(f"{where}: layer {i} is not an object")
+            kv.append(_check_perm(entry.get("kv_perm"), model["kv_groups"], f"{where}: layer {i} kv_perm"))
+            ffn.append(_check_perm(entry.get("ffn_perm"), model["neurons"], f"{where}: layer {i} ffn_perm"))
+        seed = obj.get("seed")
+        return cls(devices, delay, str(obj.get("kind", "unknown")), model, kv, ffn,
+                   seed=seed if _is_int(seed) else None, score=dict(score))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Layout":
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise UserError(f"layout file not found: {path}") from None
+        except OSError as e:
+            raise UserError(f"cannot read layout {path}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise UserError(f"layout {path}: not a text (JSON) file") from None
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"layout {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+        return cls.from_json(obj, where=f"layout {path}")
+
+    def check_model(self, model: dict[str, int], where: str = "layout") -> None:
+        """Refuse a layout made for another model shape."""
+        for key in SHAPE_KEYS:
+            if self.model.get(key) != model.get(key):
+                raise UserError(f"{where}: {key}={self.model.get(key)} but the model has {key}={model.get(key)}")
+
+
+def as_layout(layout: "Layout | str | Path | None") -> "Layout | None":
+    if layout is None or isinstance(layout, Layout):
+        return layout
+    return Layout.load(layout)
+
+
+def check_divides(model: dict[str, int], devices: int, where: str = "layout") -> None:
+    if devices < 1:
+        raise UserError(f"{where}: devices={devices} must be at least 1")
+    for key in ("kv_groups", "neurons"):
+        if model[key] % devices:
+            raise UserError(f"{where}: devices={devices} does not divide {key}={model[key]}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a count
+
+
+def _device_of(perm: np.ndarray, devices: int) -> np.ndarray:
+    dev = np.empty(len(perm), dtype=np.int64)
+    dev[perm] = np.arange(len(perm)) // (len(perm) // devices)
+    return dev
+
+
+def _check_perm(values: Any, size: int, where: str) -> np.ndarray:
+    if not isinstance(values, list) or not all(_is_int(v) for v in values):
+        raise UserError(f"{where}: must be a list of integers")
+    if len(values) != size:
+        raise UserError(f"{where}: length {len(values)}, expected {size}")
+    arr = np.asarray(values, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() >= size):
+        bad = int(arr[(arr < 0) | (arr >= size)][0])
+        raise UserError(f"{where}: index {bad} out of range 0..{size - 1}")
+    counts = np.bincount(arr, minlength=size)
+    if (counts != 1).any():
+        dup = int(np.flatnonzero(counts > 1)[0])
+        missing = int(np.flatnonzero(counts == 0)[0])
+        raise UserError(f"{where}: index {dup} appears {counts[dup]} times and {missing} is missing")
+    return arr

@@ -1,0 +1,47 @@
+"""Applying a layout to dense weights, git-re-basin style: a permutation is data.
+
+`permutation_spec` says which axis of which tensor moves with which unit permutation, and in
+blocks of how many rows (a KV group carries its r query heads of head_dim rows each).
+`apply_layout` is the one function that applies it; the dense function is unchanged.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dtpshard.core.layout import Layout
+from dtpshard.core.shape import ModelShape
+
+
+def permutation_spec(shape: ModelShape) -> dict[str, tuple[str, int, int, int]]:
+    """tensor name -> (perm kind 'kv'|'ffn', layer, axis, rows per unit)."""
+    hd, r = shape.head_dim, shape.heads_per_group
+    spec: dict[str, tuple[str, int, int, int]] = {}
+    for i in range(shape.layers):
+        a, f = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for t in ("weight", "bias") if shape.qkv_bias else ("weight",):
+            spec[a + f"q_proj.{t}"] = ("kv", i, 0, r * hd)  # a group's query heads move with it
+            spec[a + f"k_proj.{t}"] = ("kv", i, 0, hd)
+            spec[a + f"v_proj.{t}"] = ("kv", i, 0, hd)
+        spec[a + "o_proj.weight"] = ("kv", i, 1, r * hd)
+        spec[f + "gate_proj.weight"] = ("ffn", i, 0, 1)
+        spec[f + "up_proj.weight"] = ("ffn", i, 0, 1)
+        spec[f + "down_proj.weight"] = ("ffn", i, 1, 1)
+    return spec
+
+
+def unit_index(perm: np.ndarray, rows: int) -> torch.Tensor:
+    """Row indices that put original unit perm[p] at position p, `rows` rows per unit."""
+    idx = np.asarray(perm)[:, None] * rows + np.arange(rows)[None, :]
+    return torch.from_numpy(idx.reshape(-1))
+
+
+def apply_layout(state_dict: dict[str, torch.Tensor], shape: ModelShape, layout: Layout) -> dict[str, torch.Tensor]:
+    """A new state dict with every layer's KV groups and neurons permuted as the layout says."""
+    out = dict(state_dict)
+    for name, (kind, layer, axis, rows) in permutation_spec(shape).items():
+        if name not in out:
+            continue
+        perm = layout.kv_perms[layer] if kind == "kv" else layout.ffn_perms[layer]
+        out[name] = out[name].index_select(axis, unit_index(perm, rows).to(out[name].device))
+    return out

@@ -1,0 +1,87 @@
+"""`dtpshard layout`: make a layout of any family from a model directory or an affinity file.
+
+Either source gives the model shape. Contiguous and random layouts need no affinity, so they
+can be made from a model directory (unscored); every other family optimises the co-located
+score J and needs an affinity file. With an affinity file every layout is scored.
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Literal
+
+from dtpshard.core.errors import UserError
+from dtpshard.core.layout import Layout, check_divides
+
+Kind = Literal["optimised", "contiguous", "random", "anti", "heads-only", "neurons-only"]
+
+
+def _shape_of_model_dir(path: Path) -> dict[str, int]:
+    from dtpshard.model.checkpoint import read_shape
+
+    return read_shape(path).summary()
+
+
+def _describe(layout: Layout) -> str:
+    s = layout.score
+    if "J" not in s:
+        return f"{layout.kind} layout, L = {layout.devices}, delay {layout.delay}: not scored (no affinity file)"
+    ratio = f" ({s['ratio_to_random']:.3f}x)" if s.get("ratio_to_random") is not None else ""
+    sweeps = f", {s['sweeps']} sweeps" if s.get("sweeps") else ""
+    return (f"{layout.kind} layout, L = {layout.devices}, delay {layout.delay}: J = {s['J']:.6f}{ratio}, "
+            f"random expectation {s['random_expectation']:.4f} ({s['n_edges']} edges), "
+            f"{s['seconds']:.2f} s{sweeps}")
+
+
+def layout_cmd(source: Path, out: Path | None = None, devices: int = 4, delay: float = 1.0,
+               kind: Kind = "optimised", layers: int | None = None, restarts: int = 1, seed: int = 0,
+               kv_search: Literal["assignment", "exhaustive"] = "assignment", max_sweeps: int = 20) -> int:
+    """Make a layout (spec section 3) and write it as JSON; prints J, its random expectation and the time.
+
+    Args:
+        source: a model directory (contiguous and random only) or an affinity file
+        out: the layout file to write (required)
+        devices: number of devices L (must divide the KV groups and the neurons)
+        delay: the delay δ the layout is for; the affinity must hold every edge it needs
+        kind: layout family; anti minimises J, heads-only/neurons-only leave the other side contiguous
+        layers: optimise only k evenly spaced layers round(j·n/k), j < k; the rest stay contiguous
+        restarts: keep the best of this many starts (the first contiguous, the rest random)
+        seed: seed of the random layout, or of the random restarts
+        kv_search: KV-group block update: exact assignment, or the paper's exhaustive search over labelled partitions
+        max_sweeps: stop after this many sweeps even if J still grows by more than 1e-9
+    """
+    if out is None:
+        raise UserError("missing --out FILE (where to write the layout)")
+    if devices < 1:
+        raise UserError(f"--devices {devices}: must be at least 1")
+    if not math.isfinite(delay) or delay < 0:
+        raise UserError(f"--delay {delay}: must be a finite number >= 0")
+    delay = int(delay) if float(delay).is_integer() else delay
+    source = Path(source)
+    if not source.exists():
+        raise UserError(f"{source}: no such model directory or affinity file")
+    if source.is_dir():
+        model = _shape_of_model_dir(source)
+        check_divides(model, devices, where=str(source))
+        if kind not in ("contiguous", "random"):
+            raise UserError(f"--kind {kind} optimises J and needs an affinity file; {source} is a model "
+                            "directory (run `dtpshard affinity` first)")
+        if layers is not None or restarts != 1:
+            raise UserError(f"--layers and --restarts apply to optimised kinds, not {kind}")
+        t0 = time.perf_counter()
+        layout = (Layout.contiguous(model, devices, delay) if kind == "contiguous"
+                  else Layout.random(model, devices, delay, seed=seed))
+        layout.score = {"kind": kind, "seconds": time.perf_counter() - t0}
+    else:
+        from dtpshard.affinity.file import Affinity
+        from dtpshard.layouts.optimise import optimise_layout
+
+        affinity = Affinity.load(source)
+        check_divides(affinity.model, devices, where=str(source))
+        layout = optimise_layout(affinity, devices, delay, kind, layers=layers, restarts=restarts,
+                                 seed=seed, kv_search=kv_search, max_sweeps=max_sweeps)
+        layout.score["affinity"] = str(source)
+    layout.save(out)
+    print(f"{_describe(layout)} -> {out}")
+    return 0

@@ -1,0 +1,335 @@
+"""The layout optimiser (spec section 3): block coordinate ascent on the co-located score J.
+
+With every other module fixed, J is linear in the device assignment of one module m: putting
+unit u on device d is worth gain[u, d], the sum of u's normalised affinities to the units on d
+of every module m shares an edge with (any δ, so several modules). A block update is therefore
+a balanced assignment (U/L units per device) maximising Σ_u gain[u, dev(u)]: a transportation
+problem, solved exactly here by cycle cancelling on the L-device residual graph (see
+`balanced_assignment`). Each accepted update is a block optimum, so J never decreases.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from dtpshard.affinity.file import Affinity, units
+from dtpshard.core.errors import UserError
+from dtpshard.core.layout import Layout, check_divides
+from dtpshard.layouts.score import (Edge, Edges, layout_devices, normalised_edges, one_hot, perm_from_devices,
+                    score_devices)
+
+OPTIMISING_KINDS = ("optimised", "anti", "heads-only", "neurons-only")
+KINDS = ("optimised", "contiguous", "random") + OPTIMISING_KINDS[1:]
+KvSearch = Literal["assignment", "exhaustive"]
+MAX_PARTITIONS = 200_000  # the exhaustive KV search is the paper's 2520 for G=8, L=4
+
+
+# -- exact balanced assignment --------------------------------------------------------------
+def _positive_cycle(best: np.ndarray, tol: float) -> list[int] | None:
+    """A cycle of devices d0 -> d1 -> ... -> d0 whose best single moves gain > 0, or None.
+
+    Bellman-Ford for longest paths from a virtual source joined to every device. Any cycle
+    in the predecessor graph is a positive cycle, so we stop at the first one we see; if
+    L + 1 passes relax nothing, no positive cycle exists (the optimality certificate).
+    """
+    n = len(best)
+    dist = np.zeros(n)
+    pred = np.full(n, -1)
+    for _ in range(n + 1):
+        cand = dist[:, None] + best  # cand[d, e]: reach e through d
+        src = cand.argmax(axis=0)
+        val = cand[src, np.arange(n)]
+        better = val > dist + tol
+        if not better.any():
+            return None
+        dist[better] = val[better]
+        pred[better] = src[better]
+        for start in np.flatnonzero(better):
+            seen: dict[int, int] = {}
+            v, k = int(start), 0
+            while v >= 0 and v not in seen:
+                seen[v] = k
+                v, k = int(pred[v]), k + 1
+            if v >= 0:  # walked back into a cycle: read it forwards
+                cyc = [v]
+                u = int(pred[v])
+                while u != v:
+                    cyc.append(u)
+                    u = int(pred[u])
+                return cyc[::-1]
+    raise AssertionError("Bellman-Ford kept relaxing without a predecessor cycle")
+
+
+def balanced_assignment(gain: np.ndarray, devices: int, start: np.ndarray | None = None) -> np.ndarray:
+    """Exact maximiser of Σ_u gain[u, dev(u)] subject to U/L units on every device.
+
+    The problem is a min-cost flow (units -> devices). A balanced assignment is optimal iff
+    its residual graph has no positive cycle; every such cycle alternates devices and units,
+    so it suffices to look at the L-node graph whose edge d -> e carries the best gain of
+    moving one unit from d to e. While a positive cycle exists, we push the largest batch of
+    units around it that still gains (the per-edge gains, sorted, are non-increasing, so the
+    batch stops at the first non-positive marginal sum). Moves along a simple cycle keep the
+    balance and touch distinct units, and the objective is separable, so the gain is exact.
+    Terminates (strict gain, finitely many assignments) with the certificate above, up to
+    rounding (`tol` is 1e-12 of the largest |gain|).
+    """
+    gain = np.asarray(gain, dtype=np.float64)
+    n_units, n_dev = gain.shape
+    if n_dev != devices or n_units % devices:
+        raise ValueError(f"gain {gain.shape} cannot be split evenly over {devices} devices")
+    per = n_units // devices
+    dev = (np.arange(n_units) // per) if start is None else np.array(start, dtype=np.int64)
+    if (np.bincount(dev, minlength=devices) != per).any():
+        raise ValueError("start assignment is not balanced")
+    scale = float(np.abs(gain).max()) if gain.size else 0.0
+    if devices == 1 or scale == 0.0:
+        return dev
+    tol = 1e-12 * scale
+    rows = np.arange(n_units)
+    while True:
+        delta = gain - gain[rows, dev][:, None]  # delta[u, e]: gain of moving u to e
+        members = [np.flatnonzero(dev == d) for d in range(devices)]
+        best = np.stack([delta[m].max(axis=0) for m in members])
+        np.fill_diagonal(best, -np.inf)
+        cycle = _positive_cycle(best, tol)
+        if cycle is None:
+            return dev
+        hops = list(zip(cycle, cycle[1:] + cycle[:1]))
+        movers, marginal = [], np.zeros(per)
+        for d, e in hops:
+            g = delta[members[d], e]
+            order = np.argsort(-g, kind="stable")
+            movers.append(members[d][order])
+            marginal += g[order]
+        batch = int(np.argmax(marginal <= tol)) if (marginal <= tol).any() else per
+        if batch == 0:  # the cycle's gain is below rounding: optimal to within tol
+            return dev
+        for (d, e), mv in zip(hops, movers):
+            dev[mv[:batch]] = e
+
+
+@functools.lru_cache(maxsize=8)
+def labelled_partitions(n_units: int, devices: int) -> np.ndarray:
+    """Every balanced assignment of n_units to labelled devices, as a [P, n_units] array."""
+    per = n_units // devices
+    count = math.factorial(n_units) // math.factorial(per) ** devices
+    if count > MAX_PARTITIONS:
+        raise UserError(f"exhaustive KV search over {count} labelled partitions of {n_units} groups "
+                        f"on {devices} devices is too large (limit {MAX_PARTITIONS}); use the exact assignment")
+    out: list[list[int]] = []
+
+    def rec(prefix: list[int], left: list[int]) -> None:
+        if len(prefix) == n_units:
+            out.append(list(prefix))
+            return
+        for d in range(devices):
+            if left[d]:
+                left[d] -= 1
+                prefix.append(d)
+                rec(prefix, left)
+                prefix.pop()
+                left[d] += 1
+
+    rec([], [per] * devices)
+    parts = np.asarray(out, dtype=np.int64).reshape(-1, n_units)
+    parts.flags.writeable = False  # cached and shared between calls
+    return parts
+
+
+def exhaustive_assignment(gain: np.ndarray, devices: int, start: np.ndarray | None = None) -> np.ndarray:
+    """The paper's KV search: try every labelled balanced partition, keep the best.
+
+    `start` is kept unless something beats it by more than rounding, as in the exact solver.
+    """
+    parts = labelled_partitions(gain.shape[0], devices)
+    values = gain[np.arange(gain.shape[0]), parts].sum(axis=1)
+    pick = parts[int(values.argmax())]
+    if start is not None:
+        tol = 1e-12 * max(float(np.abs(gain).max()), 1e-300) * gain.shape[0]
+        if values.max() <= gain[np.arange(gain.shape[0]), start].sum() + tol:
+            return np.array(start, dtype=np.int64)
+    return pick.copy()
+
+
+# -- block coordinate ascent ------------------------------------------------------------------
+@dataclass
+class Problem:
+    """Normalised edges, and for each module the edges it is an end of (which end, partner)."""
+    model: dict[str, int]
+    devices: int
+    delay: float
+    edges: Edges
+    partners: dict[int, list[tuple[bool, int, Edge]]] = field(default_factory=dict)
+    # (edge, end) -> (partner devices, product): see `_mass`
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, affinity: Affinity, devices: int, delay: float) -> "Problem":
+        if devices < 1:
+            raise UserError(f"devices={devices}: must be at least 1")
+        check_divides(affinity.model, devices, where="affinity model")
+        edges = normalised_edges(affinity, delay)
+        partners: dict[int, list[tuple[bool, int, Edge]]] = {}
+        for (a, b), e in edges.items():  # both ends see the edge: a through rows, b through columns
+            partners.setdefault(a, []).append((True, b, e))
+            partners.setdefault(b, []).append((False, a, e))
+        return cls(dict(affinity.model), devices, delay, edges, partners)
+
+    @property
+    def modules(self) -> int:
+        return 2 * self.model["layers"]
+
+    def _mass(self, e: Edge, is_source: bool, partner_dev: np.ndarray) -> np.ndarray:
+        """e.towards(partner_dev) (is_source) or e.back(partner_dev), kept between calls.
+
+        Reading a whole N x N edge (δ ≥ 2) for every block update is what costs; in later
+        sweeps few units move, so we update the cached product through the moved units only
+        (a few rows or columns), and recompute it whole when many moved.
+        """
+        key = (id(e), is_source)
+        hit = self._cache.get(key)
+        if hit is not None:
+            old, prod = hit
+            moved = np.flatnonzero(old != partner_dev)
+            if len(moved) == 0:
+                return prod
+            if 8 * len(moved) < len(partner_dev):
+                change = one_hot(partner_dev[moved], self.devices) - one_hot(old[moved], self.devices)
+                part = e.scores[:, moved] if is_source else e.scores[moved, :].T
+                prod = prod + e.weight * (part @ change)
+                self._cache[key] = (partner_dev.copy(), prod)
+                return prod
+        prod = e.towards(partner_dev, self.devices) if is_source else e.back(partner_dev, self.devices)
+        self._cache[key] = (partner_dev.copy(), prod)
+        return prod
+
+    def block_gain(self, devs: list[np.ndarray], m: int) -> np.ndarray:
+        """gain[u, d]: J gained by unit u of module m being on device d, all else fixed."""
+        g = np.zeros((units(self.model, m), self.devices))
+        for is_source, other, e in self.partners.get(m, []):
+            g += self._mass(e, is_source, devs[other])
+        return g
+
+    def contiguous(self) -> list[np.ndarray]:
+        return [np.arange(units(self.model, m)) // (units(self.model, m) // self.devices)
+                for m in range(self.modules)]
+
+    def j(self, devs: list[np.ndarray]) -> float:
+        """J through the cached products (the final score is recomputed from scratch)."""
+        return float(sum(self._mass(e, True, devs[b])[np.arange(len(devs[a])), devs[a]].sum()
+                         for (a, b), e in self.edges.items()))
+
+
+def ascend(problem: Problem, devs: list[np.ndarray], blocks: list[int], maximise: bool = True,
+           kv_search: KvSearch = "assignment", max_sweeps: int = 20, min_gain: float = 1e-9):
+    """Sweep the blocks until a sweep changes J by less than min_gain or max_sweeps is reached.
+
+    Returns (devs, J history per sweep, starting with the start's J). With maximise=False
+    every block minimises instead (the anti-optimised layout), by maximising -gain.
+    """
+    devs = [d.copy() for d in devs]
+    sign = 1.0 if maximise else -1.0
+    history = [problem.j(devs)]
+    for _ in range(max_sweeps):
+        for m in blocks:
+            gain = sign * problem.block_gain(devs, m)
+            if m % 2 == 0 and kv_search == "exhaustive":
+                devs[m] = exhaustive_assignment(gain, problem.devices, start=devs[m])
+            else:
+                devs[m] = balanced_assignment(gain, problem.devices, start=devs[m])
+        history.append(problem.j(devs))
+        if sign * (history[-1] - history[-2]) < min_gain:
+            break
+    return devs, history
+
+
+def evenly_spaced_layers(n_layers: int, k: int) -> list[int]:
+    """The paper's k-layer ablation: layers round(j·n/k) for j < k (always layer 0)."""
+    if not 1 <= k <= n_layers:
+        raise UserError(f"--layers {k}: must be between 1 and the number of layers ({n_layers})")
+    return sorted({int(round(j * n_layers / k)) for j in range(k)})
+
+
+def family_blocks(kind: str, n_layers: int, layers: list[int] | None = None) -> list[int]:
+    """Modules a family optimises; the rest stay contiguous. Neurons first in each sweep:
+    the paper starts from contiguous heads and places neurons against them."""
+    chosen = list(range(n_layers)) if layers is None else layers
+    ffn = [2 * i + 1 for i in chosen] if kind != "heads-only" else []
+    kv = [2 * i for i in chosen] if kind != "neurons-only" else []
+    return ffn + kv
+
+
+def _random_start(problem: Problem, blocks: list[int], rng: np.random.Generator) -> list[np.ndarray]:
+    devs = problem.contiguous()
+    for m in blocks:
+        devs[m] = rng.permutation(devs[m])
+    return devs
+
+
+def to_layout(problem: Problem, devs: list[np.ndarray], kind: str, seed: int | None = None) -> Layout:
+    n = problem.model["layers"]
+    return Layout(problem.devices, problem.delay, kind, dict(problem.model),
+                  [perm_from_devices(devs[2 * i], problem.devices) for i in range(n)],
+                  [perm_from_devices(devs[2 * i + 1], problem.devices) for i in range(n)], seed=seed)
+
+
+def optimise_layout(affinity: Affinity, devices: int, delay: float, kind: str = "optimised",
+                    layers: int | None = None, restarts: int = 1, seed: int = 0,
+                    kv_search: KvSearch = "assignment", max_sweeps: int = 20) -> Layout:
+    """A layout of family `kind`, scored; optimising kinds keep the best of `restarts` starts.
+
+    The first start is contiguous (the paper's); later ones are random permutations of the
+    optimised blocks, seeded by `seed`. `layers` = k restricts optimisation to k evenly spaced
+    layers. The layout's `score` records J, its parts, the random expectation and the time.
+    """
+    if kind not in KINDS:
+        raise UserError(f"kind {kind!r}: one of {', '.join(KINDS)}")
+    if restarts < 1:
+        raise UserError(f"--restarts {restarts}: must be at least 1")
+    if kv_search not in ("assignment", "exhaustive"):
+        raise UserError(f"--kv-search {kv_search!r}: one of assignment, exhaustive")
+    if max_sweeps < 1:
+        raise UserError(f"--max-sweeps {max_sweeps}: must be at least 1")
+    if not math.isfinite(delay) or delay < 0:
+        raise UserError(f"--delay {delay}: must be a finite number >= 0")
+    t0 = time.perf_counter()
+    problem = Problem.build(affinity, devices, delay)
+    n = problem.model["layers"]
+    chosen = evenly_spaced_layers(n, layers) if layers is not None else None
+    if kv_search == "exhaustive" and kind in ("optimised", "anti", "heads-only"):
+        labelled_partitions(problem.model["kv_groups"], devices)  # refuse a too-large search up front
+    if kind in ("contiguous", "random"):
+        if chosen is not None or restarts != 1:
+            raise UserError(f"--layers and --restarts apply to optimised kinds, not {kind}")
+        layout = (Layout.contiguous(problem.model, devices, delay) if kind == "contiguous"
+                  else Layout.random(problem.model, devices, delay, seed=seed))
+        devs, history, best_restart = layout_devices(layout), [], None
+    else:
+        blocks = family_blocks(kind, n, chosen)
+        maximise = kind != "anti"
+        rng = np.random.default_rng(seed)
+        best = None
+        for r in range(restarts):
+            start = problem.contiguous() if r == 0 else _random_start(problem, blocks, rng)
+            devs_r, hist_r = ascend(problem, start, blocks, maximise, kv_search, max_sweeps)
+            if best is None or (hist_r[-1] > best[1][-1] if maximise else hist_r[-1] < best[1][-1]):
+                best = (devs_r, hist_r, r)
+        devs, history, best_restart = best
+        layout = to_layout(problem, devs, kind if chosen is None else f"{kind}-layers-{layers}",
+                           seed=seed if restarts > 1 else None)
+    seconds = time.perf_counter() - t0
+    score = score_devices(problem.edges, devs, devices, n)
+    layout.score = {
+        "J": score["J"], "n_edges": score["n_edges"], "random_expectation": score["random_expectation"],
+        "ratio_to_random": score["ratio_to_random"], "seconds": seconds, "kind": kind,
+        "sweeps": max(len(history) - 1, 0), "history": history, "restarts": restarts,
+        "best_restart": best_restart, "kv_search": kv_search,
+        "optimised_layers": chosen if chosen is not None else (list(range(n)) if history else []),
+        "layers": score["layers"],
+    }
+    return layout

@@ -1,0 +1,173 @@
+"""Local Hugging Face checkpoints: config, (sharded) safetensors, tokenizer. The state-dict adapter.
+
+dtpshard's modules use Hugging Face's own parameter names, so the adapter is mostly a check
+that every tensor is one the DTP forward understands (anything else, such as a fused qkv or a
+Gemma post-norm, is refused by name).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtpshard.core.shape import ModelShape, shape_from_hf_config
+from dtpshard.core.errors import UserError
+from dtpshard.core.io import share
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
+
+_LAYER_KEYS = {
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+}
+_TOP_KEYS = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def load_hf_config(path: str | Path) -> Any:
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"model directory not found: {path}")
+    if not (path / "config.json").is_file():
+        raise UserError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{path}/config.json: {first}") from None
+
+
+def read_shape(path: str | Path) -> ModelShape:
+    """The model's shape from its config.json alone (no weights read)."""
+    return shape_from_hf_config(load_hf_config(path))
+
+
+class TensorFiles:
+    """Name -> safetensors file of a (possibly sharded) checkpoint; reads whole tensors or slices."""
+
+    def __init__(self, path: Path):
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.where = {k: path / v for k, v in weight_map.items()}
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise UserError(f"{path}: no *.safetensors weights (convert .bin checkpoints with transformers first)")
+            from safetensors import safe_open
+
+            self.where = {}
+            for f in files:
+                with safe_open(str(f), framework="pt") as st:
+                    self.where.update({k: f for k in st.keys()})
+        missing = sorted({str(f.name) for f in self.where.values() if not f.is_file()})
+        if missing:
+            raise UserError(f"{path}: missing weight file {missing[0]}")
+        # Some checkpoints store the backbone without the "model." prefix.
+        self.alias = {_canonical(k): k for k in self.where}
+
+    def keys(self) -> list[str]:
+        return list(self.alias)
+
+    def get(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """Tensor `name` (canonical HF name); `rows` reads only a slice of the first axis."""
+        from safetensors import safe_open
+
+        key = self.alias[name]
+        with safe_open(str(self.where[key]), framework="pt") as st:
+            if rows is None:
+                return st.get_tensor(key)
+            return st.get_slice(key)[rows]
+
+
+def _canonical(key: str) -> str:
+    if key.startswith(("model.", "lm_head.")):
+        return key
+    return "model." + key
+
+
+def check_keys(keys: list[str], shape: ModelShape) -> None:
+    """Refuse tensors the DTP forward would silently ignore (fused qkv, post-norms, o_proj bias...)."""
+    for k in keys:
+        if k.endswith("rotary_emb.inv_freq"):
+            continue
+        m = _LAYER_RE.fullmatch(k)
+        ok = (m is not None and m.group(2) in _LAYER_KEYS and int(m.group(1)) < shape.layers) or k in _TOP_KEYS
+        if not ok:
+            raise UserError(f"unsupported tensor {k!r} in checkpoint (fused projections, extra norms and "
+                            "o_proj/MLP biases are not supported)")
+    need = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if shape.tied else ["lm_head.weight"])
+    for i in range(shape.layers):
+        need += [f"model.layers.{i}.{n}" for n in sorted(_LAYER_KEYS)
+                 if (".bias" not in n or shape.qkv_bias) and ("_norm." not in n or shape.qk_norm)]
+    have = set(keys)
+    for k in need:
+        if k not in have:
+            raise UserError(f"checkpoint is missing tensor {k!r}")
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    hf_config: Any
+    shape: ModelShape
+    files: TensorFiles
+
+    def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        sd = {}
+        for k in self.files.keys():
+            if k.endswith("rotary_emb.inv_freq"):
+                continue
+            t = self.files.get(k)
+            sd[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        return sd
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    path = Path(path)
+    cfg = load_hf_config(path)
+    shape = shape_from_hf_config(cfg)
+    files = TensorFiles(path)
+    check_keys(files.keys(), shape)
+    return Checkpoint(path, cfg, shape, files)
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: no usable tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
+def save_checkpoint(out_dir: Path, hf_config: Any, state_dict: dict[str, torch.Tensor], source: Path | None = None,
+                    extra_json: dict[str, Any] | None = None) -> None:
+    """Write a transformers-loadable directory (into an already-temporary `out_dir`)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_config.save_pretrained(str(out_dir))
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    if hf_config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    share(out_dir / "model.safetensors", 0o666)  # safetensors writes 0600
+    if source is not None:
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, out_dir / name)
+    for name, obj in (extra_json or {}).items():
+        (out_dir / name).write_text(json.dumps(obj, indent=1) + "\n")

@@ -1,0 +1,363 @@
+"""DTPModel: a Llama-family decoder run as L devices with delay δ (spec section 1), on one machine.
+
+The devices are a leading tensor axis: every device's residual stream lives in x [L, B, T, D],
+and each module computes all devices' partials with batched matmuls over per-device weight
+views. Parameters keep Hugging Face's names and dense shapes, so the state dict is a plain HF
+state dict (of the permuted model) and device l's slice of a weight is a view, not a copy.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dtpshard.core.shape import ModelShape, check_delay, check_devices, shape_from_hf_config
+from dtpshard.model.delay import horizon, schedule
+from dtpshard.core.errors import UserError
+
+DTP_JSON = "dtp.json"  # devices/delay/stage3 saved next to a student's weights
+
+
+def _up(t: torch.Tensor) -> torch.Tensor:  # norms compute in at least fp32
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as transformers' LlamaRMSNorm, so fp32 logits agree to rounding.
+    x32 = _up(x)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """rms_norm with a hand-written backward that saves only x and 1/rms.
+
+    Autograd would also keep the normalised x and the output, each [L, B, T, D]: with L
+    residual streams that is what pushes DTP's activation memory over the dense model's.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x32 = _up(x)
+        r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
+        ctx.save_for_backward(x, weight, r)
+        return weight * (x32 * r).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, r = ctx.saved_tensors
+        n = _up(x) * r
+        dn = _up(dy) * _up(weight)
+        dx = r * (dn - n * (dn * n).mean(-1, keepdim=True))
+        dw = (_up(dy) * _up(n.to(x.dtype))).reshape(-1, n.shape[-1]).sum(0)
+        return dx.to(x.dtype), dw.to(weight.dtype), None
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Proj(nn.Module):
+    """A bare weight (and bias) with nn.Linear's names; the DTP code reads per-device views."""
+
+    def __init__(self, out_features: int, in_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def cols(self, devices: int) -> torch.Tensor:  # [L, in/L, out]: device l's columns, transposed
+        out, inp = self.weight.shape
+        return self.weight.view(out, devices, inp // devices).permute(1, 2, 0)
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormFn.apply(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    kind = t.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else t.dtype
+
+
+class _RowsMatmul(torch.autograd.Function):
+    """y[l] = h[l] @ W_l^T, W_l device l's rows of a dense [out, in] weight.
+
+    Autograd through the [L, out/L, in] view would form dW transposed and copy it back into
+    the weight's layout; dW = dy^T h is computed here directly in that layout. Follows
+    autocast by hand (compute in the autocast dtype, gradients in the inputs' dtypes).
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, devices):  # h [L, N, in] -> [L, N, out/L]
+        dt = _compute_dtype(h)
+        hc, w = h.to(dt), weight.to(dt).view(devices, -1, weight.shape[1])
+        ctx.save_for_backward(hc, weight)
+        ctx.devices, ctx.h_dtype = devices, h.dtype
+        return torch.bmm(hc, w.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, dy):
+        hc, weight = ctx.saved_tensors
+        dy = dy.to(hc.dtype)
+        dh = dw = None
+        if ctx.needs_input_grad[0]:
+            dh = torch.bmm(dy, weight.to(hc.dtype).view(ctx.devices, -1, weight.shape[1])).to(ctx.h_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = torch.bmm(dy.transpose(1, 2), hc).view(weight.shape).to(weight.dtype)
+        return dh, dw, None
+
+
+def _device_matmul(h: torch.Tensor, proj: "Proj") -> torch.Tensor:
+    """h [L, B, T, D] times each device's rows of proj -> [L, B, T, out/L]."""
+    L, B, T, D = h.shape
+    return _RowsMatmul.apply(h.reshape(L, B * T, D), proj.weight, L).view(L, B, T, -1)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.s = s
+        self.q_proj = Proj(s.heads * s.head_dim, s.hidden, s.qkv_bias)
+        self.k_proj = Proj(s.kv_groups * s.head_dim, s.hidden, s.qkv_bias)
+        self.v_proj = Proj(s.kv_groups * s.head_dim, s.hidden, s.qkv_bias)
+        self.o_proj = Proj(s.hidden, s.heads * s.head_dim)
+        if s.qk_norm:
+            self.q_norm = Norm(s.head_dim, s.rms_eps)
+            self.k_norm = Norm(s.head_dim, s.rms_eps)
+
+    def _heads(self, proj: Proj, h: torch.Tensor, L: int) -> torch.Tensor:
+        """[L, B, T, D] -> [L*B, heads/L, T, hd] for this device's rows of proj."""
+        y = _device_matmul(h, proj)
+        if proj.bias is not None:
+            y = y + proj.bias.view(L, 1, 1, -1)
+        _, B, T, E = y.shape
+        # a strided view, no copy: q/k-norm and RoPE write new tensors anyway
+        return y.view(L * B, T, E // self.s.head_dim, self.s.head_dim).transpose(1, 2)
+
+    def partials(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv: "tuple[torch.Tensor, torch.Tensor] | None") -> tuple[torch.Tensor, tuple]:
+        """h [L, B, T, D] (each device's normed stream) -> partials [L, B, T, D], new (k, v)."""
+        L, B, T, D = h.shape
+        q, k, v = self._heads(self.q_proj, h, L), self._heads(self.k_proj, h, L), self._heads(self.v_proj, h, L)
+        if self.s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin  # cos/sin [1, 1, T, hd]
+        k = k * cos + rotate_half(k) * sin
+        past = 0
+        if kv is not None:
+            past = kv[0].shape[2]
+            k, v = torch.cat([kv[0], k], dim=2), torch.cat([kv[1], v], dim=2)
+        r = self.s.heads_per_group
+        k_rep = k.repeat_interleave(r, dim=1) if r > 1 else k  # one attention call over all devices
+        v_rep = v.repeat_interleave(r, dim=1) if r > 1 else v
+        if past == 0 or T == 1:
+            o = F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=past == 0 and T > 1)
+        else:  # a chunk appended to a cache: query i sees keys up to past + i
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(past)
+            o = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask)
+        Hl = o.shape[1]
+        o = o.transpose(1, 2).reshape(L, B * T, Hl * self.s.head_dim)  # [L*B, Hl, T, hd] -> [L, B*T, Hl*hd]
+        p = torch.bmm(o, self.o_proj.cols(L)).view(L, B, T, D)
+        return p, (k, v)
+
+
+class FFN(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.gate_proj = Proj(s.neurons, s.hidden)
+        self.up_proj = Proj(s.neurons, s.hidden)
+        self.down_proj = Proj(s.hidden, s.neurons)
+
+    def partials(self, h: torch.Tensor) -> torch.Tensor:
+        """h [L, B, T, D] -> partials [L, B, T, D]: device l's neurons through its down_proj columns."""
+        L, B, T, D = h.shape
+        act = F.silu(_device_matmul(h, self.gate_proj)) * _device_matmul(h, self.up_proj)
+        return torch.bmm(act.view(L, B * T, -1), self.down_proj.cols(L)).view(L, B, T, D)
+
+
+class Layer(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.input_layernorm = Norm(s.hidden, s.rms_eps)
+        self.self_attn = Attention(s)
+        self.post_attention_layernorm = Norm(s.hidden, s.rms_eps)
+        self.mlp = FFN(s)
+
+
+class KVCache:
+    """Per layer (k, v), each [L*B, G/L, T, hd]: every device keeps only its own KV groups."""
+
+    def __init__(self, layers: int):
+        self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.kv[0] is None else self.kv[0][0].shape[2]
+
+
+def rotary_for(hf_config: Any) -> nn.Module:
+    import importlib
+
+    family = hf_config.model_type
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cls_name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[family] + "RotaryEmbedding"
+    return getattr(mod, cls_name)(config=hf_config)
+
+
+class DTPModel(nn.Module):
+    """L devices, delay δ. devices=1 or delay=0 is the dense model (up to float rounding)."""
+
+    def __init__(self, hf_config: Any, devices: int = 4, delay: float = 1, stage3: str = "sqrt"):
+        super().__init__()
+        self.hf_config = hf_config
+        self.shape = s = shape_from_hf_config(hf_config)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(s.vocab, s.hidden)
+        self.model.layers = nn.ModuleList(Layer(s) for _ in range(s.layers))
+        self.model.norm = Norm(s.hidden, s.rms_eps)
+        self.lm_head = None if s.tied else Proj(s.vocab, s.hidden)
+        self.rotary = rotary_for(hf_config)
+        self.gradient_checkpointing = False
+        self.set_dtp(devices, delay, stage3)
+
+    def set_dtp(self, devices: int, delay: float, stage3: str = "sqrt") -> None:
+        """Change L, δ or the stage-3 scale in place (weights are shared; only views change)."""
+        check_devices(self.shape, devices)
+        check_delay(self.shape, delay)
+        if stage3 not in ("sqrt", "one"):
+            raise UserError(f"stage3={stage3!r}: must be 'sqrt' or 'one'")
+        self.devices, self.delay, self.stage3 = devices, delay, stage3
+        self.steps = schedule(self.shape.modules, devices, delay, stage3)
+
+    def dtp_settings(self) -> dict[str, Any]:
+        return {"devices": self.devices, "delay": self.delay, "stage3": self.stage3}
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:  # [V, D]
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    # -- the forward pass ----------------------------------------------------------------
+    def module_partials(self, m: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        cache: KVCache | None = None) -> torch.Tensor:
+        """Partials p^m [L, B, T, D] of module m from the devices' residual streams x [L, B, T, D]."""
+        layer = self.model.layers[m // 2]
+        if m % 2:
+            return layer.mlp.partials(layer.post_attention_layernorm(x))
+        kv = None if cache is None else cache.kv[m // 2]
+        p, new_kv = layer.self_attn.partials(layer.input_layernorm(x), cos, sin, kv)
+        if cache is not None:
+            cache.kv[m // 2] = new_kv
+        return p
+
+    def rope(self, x: torch.Tensor, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(start, start + length, device=x.device)[None]
+        cos, sin = self.rotary(x, pos)  # [1, T, hd]
+        return cos[:, None], sin[:, None]
+
+    def streams(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """The devices' final residual streams x [L, B, T, D]."""
+        L = self.devices
+        emb = self.model.embed_tokens(input_ids)  # [B, T, D]
+        cos, sin = self.rope(emb, 0 if cache is None else cache.length, input_ids.shape[1])
+        x = emb.unsqueeze(0).expand(L, *emb.shape)  # every device starts from the embedding
+        recent: dict[int, torch.Tensor] = {}  # module -> its partials, kept for δ modules
+        keep = horizon(self.delay)
+        ckpt = self.gradient_checkpointing and torch.is_grad_enabled() and cache is None
+        for m, step in enumerate(self.steps):
+            if ckpt:
+                p = checkpoint(self.module_partials, m, x, cos, sin, use_reentrant=False)
+            else:
+                p = self.module_partials(m, x, cos, sin, cache)
+            recent[m] = p
+            x = x + p if step.own_scale == 1 else x + step.own_scale * p
+            for k, w in step.arrivals:
+                others = recent[k].sum(0, keepdim=True) - recent[k]  # Σ_{j≠l} p_j^k
+                x = x + others if w == 1 else x + w * others
+            recent.pop(m - keep, None)
+        return x
+
+    def hidden(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """h = mean_l FinalNorm(x_l): [B, T, D], the LM head's input."""
+        return self.model.norm(self.streams(input_ids, cache)).mean(0)
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V] (only the last `logits_to_keep` positions if > 0)."""
+        h = self.hidden(input_ids, cache)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        return F.linear(h, self.lm_head_weight)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.shape.layers)
+
+    # -- loading -------------------------------------------------------------------------
+    @classmethod
+    def from_state_dict(cls, hf_config: Any, state_dict: dict[str, torch.Tensor], devices: int = 4,
+                        delay: float = 1, stage3: str = "sqrt", layout: Any = None,
+                        dtype: torch.dtype = torch.float32) -> "DTPModel":
+        from dtpshard.core.layout import as_layout
+        from dtpshard.core.permutation import apply_layout
+
+        with torch.device("meta"):
+            model = cls(hf_config, devices, delay, stage3)
+        sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+        if model.shape.tied:
+            sd.pop("lm_head.weight", None)
+        layout = as_layout(layout)
+        if layout is not None:
+            layout.check_model(model.shape.summary())
+            if layout.devices != devices:
+                raise UserError(f"layout was made for devices={layout.devices}, the model runs devices={devices}")
+            sd = apply_layout(sd, model.shape, layout)
+        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+        model.load_state_dict(sd, strict=True, assign=True)
+        model.rotary = rotary_for(hf_config)  # its buffers were built on meta
+        return model
+
+    @classmethod
+    def from_hf(cls, hf_model: nn.Module, devices: int = 4, delay: float = 1, **kw: Any) -> "DTPModel":
+        """From an in-memory transformers model (e.g. one dequantised from GGUF)."""
+        sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
+        return cls.from_state_dict(hf_model.config, sd, devices, delay, **kw)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, devices: int | None = None, delay: float | None = None,
+                        dtype: torch.dtype = torch.float32, layout: Any = None, stage3: str | None = None,
+                        device: str | torch.device = "cpu") -> "DTPModel":
+        """Load a local HF checkpoint directory. Defaults come from its dtp.json if it has one
+        (a distilled student), else devices from the layout or 4, delay=1, stage3='sqrt'."""
+        from dtpshard.model.checkpoint import open_checkpoint
+        from dtpshard.core.layout import as_layout
+
+        ckpt = open_checkpoint(path)
+        saved = json.loads((Path(path) / DTP_JSON).read_text()) if (Path(path) / DTP_JSON).is_file() else {}
+        layout = as_layout(layout)
+        if devices is None:  # a student's own setting, else the layout's, else 4
+            devices = saved.get("devices", layout.devices if layout is not None else 4)
+        delay = saved.get("delay", 1) if delay is None else delay
+        stage3 = saved.get("stage3", "sqrt") if stage3 is None else stage3
+        check_devices(ckpt.shape, devices)
+        model = cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(dtype), devices, delay, stage3, layout, dtype)
+        model.source_path = Path(path)
+        return model.to(device)
+
+    def save_pretrained(self, out_dir: Path, source: Path | None = None) -> None:
+        """Write weights, HF config, tokenizer files (copied from `source`) and dtp.json."""
+        from dtpshard.model.checkpoint import save_checkpoint
+
+        save_checkpoint(Path(out_dir), self.hf_config, self.state_dict(), source or getattr(self, "source_path", None),
+                        extra_json={DTP_JSON: self.dtp_settings()})

@@ -1,0 +1,314 @@
+"""DTP across processes on torch.distributed: one rank is one device of spec section 1.
+
+The model definition (dtpshard.model) has no distributed code; this file is the runtime. Rank l
+reads only its own slices of the checkpoint (its KV groups' q/k/v rows and o_proj columns, its
+neurons' gate/up rows and down_proj columns; a layout's permutation is applied while reading),
+keeps its own residual stream x_l [B, T, D], and after module m posts its partial p_l^m as an
+asynchronous all-reduce. The sum is waited for only where the delay schedule lands it, δ modules
+later, so the transfer overlaps δ modules of compute; the others' share is Σ_j p_j^m - p_l^m.
+(An all-reduce rather than an all-gather: the same collective as the baseline, and less traffic
+for L ≥ 3.) Every rank issues the same collectives in the same order: the schedule decides them.
+δ = 0 is ordinary tensor parallelism, the baseline: a blocking all-reduce after every module.
+The end is the spec's mean over ranks of FinalNorm(x_l) (one all-reduce), then the LM head.
+
+Start: `torchrun --nproc-per-node L -m dtpshard run MODEL --prompt TEXT --delay D`, or
+`dtpshard run MODEL ... --nproc L`, which spawns L local gloo processes itself.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dtpshard.model.checkpoint import Checkpoint, open_checkpoint
+from dtpshard.core.shape import check_delay, check_devices
+from dtpshard.model.delay import schedule
+from dtpshard.core.errors import UserError
+from dtpshard.core.launch import RankFailure, cause, launch_local, process_group, set_threads, world_from_env
+from dtpshard.core.layout import Layout, as_layout
+from dtpshard.model.dtp import KVCache, rotary_for, rms_norm, rotate_half
+from dtpshard.core.permutation import permutation_spec, unit_index
+
+KILL_ENV = "DTPSHARD_TEST_KILL"  # "rank:module": that rank dies (os._exit) at that module; for tests
+
+
+# -- refusing a bad world size before any collective ---------------------------------------
+def check_world(model: Path, world: int, layout: Path | Layout | None = None,
+                delay: float = 1) -> tuple[Checkpoint, Layout | None]:
+    """Open the checkpoint (headers only) and refuse a shape or layout that `world` ranks cannot run."""
+    ckpt = open_checkpoint(model)
+    try:
+        check_devices(ckpt.shape, world)
+    except UserError as e:
+        raise UserError(f"world size {world} does not fit {model}: {e}") from None
+    check_delay(ckpt.shape, delay)
+    lay = as_layout(layout)
+    if lay is not None:
+        lay.check_model(ckpt.shape.summary(), where=f"layout {layout}")
+        if lay.devices != world:
+            raise UserError(f"layout {layout} was made for devices={lay.devices}, the world size is {world}")
+    return ckpt, lay
+
+
+# -- reading only this rank's slices ---------------------------------------------------------
+def _runs(idx: np.ndarray) -> list[slice]:
+    """Consecutive runs of an index list as slices, in order: [3, 4, 5, 9] -> [3:6, 9:10]."""
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    return [slice(int(r[0]), int(r[-1]) + 1) for r in np.split(idx, breaks)]
+
+
+def read_units(ckpt: Checkpoint, name: str, idx: np.ndarray, axis: int) -> torch.Tensor:
+    """Rows (axis 0) or columns (axis 1) `idx` of tensor `name`, read run by run from the file."""
+    from safetensors import safe_open
+
+    key = ckpt.files.alias[name]
+    with safe_open(str(ckpt.files.where[key]), framework="pt") as st:
+        sl = st.get_slice(key)
+        parts = [sl[r] if axis == 0 else sl[:, r] for r in _runs(idx)]
+    return torch.cat(parts, axis)
+
+
+def load_shard(ckpt: Checkpoint, rank: int, world: int, layout: Layout | None,
+               dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s state dict: its 1/world of every sharded tensor (after the layout's permutation:
+    position p holds original unit perm[p], rank l the positions [l·U/L, (l+1)·U/L)), the rest whole."""
+    s = ckpt.shape
+    spec = permutation_spec(s)
+    out = {}
+    for name in ckpt.files.keys():
+        if name.endswith("rotary_emb.inv_freq") or (s.tied and name == "lm_head.weight"):
+            continue
+        if name not in spec:  # embedding, norms, LM head: every rank needs them whole
+            out[name] = ckpt.files.get(name).to(dtype)
+            continue
+        kind, layer, axis, rows = spec[name]
+        units = s.kv_groups if kind == "kv" else s.neurons
+        perms = None if layout is None else (layout.kv_perms if kind == "kv" else layout.ffn_perms)
+        perm = np.arange(units) if perms is None else np.asarray(perms[layer])
+        own = perm[rank * units // world:(rank + 1) * units // world]
+        out[name] = read_units(ckpt, name, unit_index(own, rows).numpy(), axis).to(dtype)
+    return out
+
+
+# -- transfers -------------------------------------------------------------------------------
+class Link:
+    """This rank's transfers: sums over ranks, posted now and taken later (DTP) or at once (TP).
+
+    `latency` (seconds) emulates a slower link: a sum is not available before it was posted plus
+    `latency`. A blocking transfer therefore waits the whole latency; one taken δ modules later
+    waits only for what the compute in between has not covered.
+    """
+
+    def __init__(self, rank: int, timeout: float, latency: float = 0.0):
+        self.rank, self.latency = rank, latency
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.pending: dict[int, list[Any]] = {}  # module -> [work, sum buffer, own partial, posted at, others]
+
+    def _wait(self, work: Any, posted: float, what: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise RankFailure(f"rank {self.rank}: {what} failed ({cause(e)}); another rank died, hung "
+                              "or was stopped") from None
+        left = posted + self.latency - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+    def reduce(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """Σ over ranks of t, blocking (t is summed in place)."""
+        posted = time.perf_counter()
+        self._wait(dist.all_reduce(t, async_op=True), posted, what)
+        return t
+
+    def post(self, m: int, p: torch.Tensor) -> None:
+        buf = p.clone()  # summed in place by the backend while this rank computes on
+        self.pending[m] = [dist.all_reduce(buf, async_op=True), buf, p, time.perf_counter(), None]
+
+    def others(self, m: int) -> torch.Tensor:
+        """Σ_{j≠l} p_j^m: the other ranks' partials of module m (waits for them if needed)."""
+        entry = self.pending[m]
+        if entry[4] is None:  # a fractional δ lands the same sum twice: wait once
+            self._wait(entry[0], entry[3], f"the transfer of module {m}'s partials")
+            entry[4] = entry[1] - entry[2]
+        return entry[4]
+
+    def drop(self, m: int) -> None:
+        self.pending.pop(m, None)
+
+
+# -- the per-rank model ----------------------------------------------------------------------
+class RankModel:
+    """Device `rank` of a DTP model with `world` devices. Calling it is collective: every rank must
+    make the same calls in the same order (same input shapes), as with any tensor-parallel model."""
+
+    def __init__(self, ckpt: Checkpoint, rank: int, world: int, layout: Layout | None = None, delay: float = 1,
+                 stage3: str = "sqrt", dtype: torch.dtype = torch.float32, timeout: float = 60, latency: float = 0,
+                 device: str | torch.device = "cpu"):
+        self.shape, self.rank, self.world = ckpt.shape, rank, world
+        self.w = {k: v.to(device) for k, v in load_shard(ckpt, rank, world, layout, dtype).items()}
+        self.sharded = set(permutation_spec(self.shape)) & set(self.w)
+        self.rotary = rotary_for(ckpt.hf_config).to(device)
+        self.link = Link(rank, timeout, latency)
+        self.lm_head = self.w["model.embed_tokens.weight" if self.shape.tied else "lm_head.weight"]
+        kill = os.environ.get(KILL_ENV, "")
+        self.die_at = int(kill.split(":")[1]) if kill and int(kill.split(":")[0]) == rank else -1
+        self.set_delay(delay, stage3)
+
+    def set_delay(self, delay: float, stage3: str = "sqrt") -> None:
+        """Change δ (and the stage-3 rule); the weights stay. Collective order follows the schedule."""
+        check_delay(self.shape, delay)
+        self.delay, self.stage3 = delay, stage3
+        self.steps = schedule(self.shape.modules, self.world, delay, stage3)
+        # Only broadcasts that land are sent (stage 3's never do); the last module that uses each:
+        self.last_use = {k: m for m, st in enumerate(self.steps) for k, _ in st.arrivals}
+
+    def sharded_bytes(self) -> int:
+        return sum(self.w[n].numel() * self.w[n].element_size() for n in self.sharded)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.shape.layers)
+
+    def _attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache | None) -> torch.Tensor:
+        """x [B, T, D] -> this rank's partial [B, T, D]: its heads through its o_proj columns."""
+        s, w, pre = self.shape, self.w, f"model.layers.{i}."
+        h = rms_norm(x, w[pre + "input_layernorm.weight"], s.rms_eps)
+        B, T, _ = h.shape
+        q, k, v = (F.linear(h, w[pre + f"self_attn.{n}_proj.weight"], w.get(pre + f"self_attn.{n}_proj.bias"))
+                   .view(B, T, -1, s.head_dim).transpose(1, 2) for n in "qkv")  # [B, heads here, T, hd]
+        if s.qk_norm:
+            q = rms_norm(q, w[pre + "self_attn.q_norm.weight"], s.rms_eps)
+            k = rms_norm(k, w[pre + "self_attn.k_norm.weight"], s.rms_eps)
+        q = q * cos + rotate_half(q) * sin  # cos/sin [1, 1, T, hd]
+        k = k * cos + rotate_half(k) * sin
+        past = 0
+        if cache is not None:
+            if cache.kv[i] is not None:
+                past = cache.kv[i][0].shape[2]
+                k, v = torch.cat([cache.kv[i][0], k], 2), torch.cat([cache.kv[i][1], v], 2)
+            cache.kv[i] = (k, v)
+        r = s.heads_per_group
+        if r > 1:
+            k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+        if past == 0 or T == 1:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=past == 0 and T > 1)
+        else:  # a chunk appended to a cache: query i sees keys up to past + i
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(past)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.linear(o.transpose(1, 2).reshape(B, T, -1), w[pre + "self_attn.o_proj.weight"])
+
+    def _ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] -> this rank's partial [B, T, D]: its neurons through its down_proj columns."""
+        w, pre = self.w, f"model.layers.{i}."
+        h = rms_norm(x, w[pre + "post_attention_layernorm.weight"], self.shape.rms_eps)
+        act = F.silu(F.linear(h, w[pre + "mlp.gate_proj.weight"])) * F.linear(h, w[pre + "mlp.up_proj.weight"])
+        return F.linear(act, w[pre + "mlp.down_proj.weight"])
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, cache: KVCache | None = None,
+                 logits_to_keep: int = 0) -> torch.Tensor:
+        """input_ids [B, T] (the same on every rank) -> logits [B, T, V] (or the last `logits_to_keep`)."""
+        x = F.embedding(input_ids, self.w["model.embed_tokens.weight"])  # x_l starts as the embedding
+        start = 0 if cache is None else cache.length
+        cos, sin = self.rotary(x, torch.arange(start, start + x.shape[1], device=x.device)[None])  # [1, T, hd]
+        cos, sin = cos[:, None], sin[:, None]
+        link = self.link
+        for m, step in enumerate(self.steps):
+            if m == self.die_at:
+                os._exit(3)  # test hook: this rank dies mid-forward without a word
+            i = m // 2
+            p = self._ffn(i, x) if m % 2 else self._attention(i, x, cos, sin, cache)
+            if self.delay == 0:  # tensor parallelism: x_l ← x_l + Σ_j p_j^m, blocking
+                x = x + link.reduce(p, f"the all-reduce of module {m}")
+                continue
+            if m in self.last_use:
+                link.post(m, p)
+            x = x + p if step.own_scale == 1 else x + step.own_scale * p
+            for k, wt in step.arrivals:  # x_l += Σ_{j≠l} p_j^k, which left δ modules ago
+                x = x + link.others(k) if wt == 1 else x + wt * link.others(k)
+                if self.last_use[k] == m:
+                    link.drop(k)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        h = rms_norm(x, self.w["model.norm.weight"], self.shape.rms_eps)
+        if self.delay != 0 and self.world > 1:  # h = mean_l FinalNorm(x_l); under TP the x_l are equal
+            h = link.reduce(h, "the final mean over ranks") / self.world
+        return F.linear(h, self.lm_head)
+
+
+# -- the command ------------------------------------------------------------------------------
+def run_cmd(model: Path, *, prompt: str, delay: float = 1, layout: Path | None = None, max_new_tokens: int = 32,
+            timeout: float = 60, stage3: Literal["sqrt", "one"] = "sqrt", latency_ms: float = 0,
+            dtype: Literal["float32", "bfloat16"] = "float32", device: Literal["cpu", "cuda"] = "cpu",
+            nproc: int = 0, threads: int = 0) -> int:
+    """Greedy continuation of PROMPT with MODEL run as DTP across processes, one rank per device
+    (start it with torchrun --nproc-per-node L, or pass --nproc L). Rank 0 prints the text.
+
+    Args:
+        model: Hugging Face checkpoint directory (the world size L must divide its KV groups and neurons)
+        prompt: the text to continue
+        delay: δ in modules (fractional allowed); 0 is tensor parallelism with a blocking all-reduce
+        layout: a layout JSON made for L devices, applied while each rank reads its slices
+        max_new_tokens: how many tokens to generate
+        timeout: seconds to wait for the ranks to join and for any one transfer before giving up
+        stage3: own-partial scale for the last δ modules: sqrt (√L, the spec) or one
+        latency_ms: extra latency per transfer, emulating a slower link
+        dtype: weights and activations
+        device: cpu (gloo) or cuda (NCCL, one GPU per rank: cuda:LOCAL_RANK)
+        nproc: spawn this many local ranks instead of running under torchrun
+        threads: torch threads per rank (0: the cores divided by the local ranks, less two for the transfers)
+    """
+    from dtpshard.core.devices import DTYPES
+
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens={max_new_tokens}: must be at least 1")
+    if timeout <= 0:
+        raise UserError(f"timeout={timeout}: must be positive")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("device=cuda but CUDA is not available")
+    if device == "cuda" and latency_ms:
+        raise UserError("latency_ms emulates a link with host-side waits: only with device=cpu")
+    kwargs = dict(model=model, prompt=prompt, delay=delay, layout=layout, max_new_tokens=max_new_tokens,
+                  timeout=timeout, stage3=stage3, latency_ms=latency_ms, dtype=dtype, device=device, threads=threads)
+    if nproc and "RANK" not in os.environ:  # the launcher: refuse before spawning anything
+        check_world(model, nproc, layout, delay)
+        codes = launch_local(nproc, _run_rank, (kwargs,), grace=timeout)
+        bad = [f"rank {r} exit {c}" for r, c in enumerate(codes) if c]
+        if bad:
+            raise RankFailure(f"the run failed ({', '.join(bad)})")
+        return 0
+    rank, world = world_from_env()
+    ckpt, lay = check_world(model, world, layout, delay)  # before any collective
+    from dtpshard.model.checkpoint import load_tokenizer
+    from dtpshard.model.generate import generate_ids
+
+    tok = load_tokenizer(model)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        raise UserError("the prompt encodes to no tokens")
+    set_threads(threads)
+    dev = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if device == "cuda" else "cpu"
+    with process_group(timeout, "nccl" if device == "cuda" else "gloo") as (rank, world):
+        net = RankModel(ckpt, rank, world, lay, delay, stage3, DTYPES[dtype], timeout, latency_ms / 1000, dev)
+        out = generate_ids(net, ids.to(dev), max_new_tokens, eos_id=tok.eos_token_id)
+        if rank == 0:
+            print(prompt + tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), flush=True)
+    return 0
+
+
+def _run_rank(kwargs: dict[str, Any]) -> int:
+    return run_cmd(**kwargs)
+
+
+if __name__ == "__main__":
+    from dtpshard import cli
+
+    sys.exit(cli.main(["run"] + sys.argv[1:]))

@@ -1,0 +1,234 @@
+"""`dtpshard experiment`: a whole study (the paper's section 5) from one config file, resumably.
+
+The config (TOML, or YAML for files ending .yaml/.yml) names the model, L, δ, the calibration and
+evaluation data, the training recipe and the arms. Every key is checked: an unknown key or a bad
+value is refused with the key named. Example (the paper's study: dtpshard/configs/qwen3_0.6b_paper.toml)::
+
+    model = "/models/Qwen3-0.6B"   # a local HF checkpoint dir, or an HF id already in the HF cache
+    devices = 4
+    delay = 1
+    [calibration]                  # text = [files] | dataset = "fineweb-edu" | neither: offline corpus
+    blocks = 64
+    seq_len = 1024
+    [evaluation]                   # text | dataset; seq_len is the training one
+    blocks = 16
+    [training]                     # DistillConfig fields (spec section 4 recipe by default)
+    steps = 1000
+    [[arms]]
+    kind = "optimised"             # optimised contiguous random anti heads-only neurons-only
+    seeds = [0, 1, 2]              # training seeds; [] scores the layout (J, zero-shot KL) only
+    [[arms]]
+    kind = "random"
+    layout_seeds = [0, 1, 2, 3]    # one layout per seed
+    [[arms]]
+    kind = "optimised"
+    layers = 4                     # only 4 evenly spaced layers optimised
+
+Relative paths (model, text files) are read from the working directory, as on the command line.
+[training] defaults to the calibration data when it names neither text nor dataset.
+
+The experiment directory DIR:
+
+    DIR/config.json              the resolved config (a rerun must match it, unless --force)
+    DIR/affinity.safetensors     one calibration pass (dtpshard affinity)
+    DIR/layouts/NAME.json        every layout, scored (J and its per-layer parts)
+    DIR/zeroshot.json            per layout: KL and perplexity of the untrained student (step 0)
+    DIR/runs/NAME-sSEED/         one distillation run directory per arm (dtpshard distill)
+    DIR/report.md, DIR/figures/  the report (dtpshard report DIR)
+
+Each stage is skipped when its output exists, and a run with a DONE marker is not touched, so
+rerunning the same command after an interruption continues where it stopped (an interrupted
+run resumes from its last checkpoint).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from dtpshard.core.errors import UserError
+from dtpshard.studies.config import FORMAT, OPTIMISING, check_config, load_config, resolve_model
+from dtpshard.core.io import atomic_write_text
+
+AFFINITY, LAYOUT_DIR, ZEROSHOT, RUNS = "affinity.safetensors", "layouts", "zeroshot.json", "runs"
+
+
+# -- the pipeline ------------------------------------------------------------------------------
+def _say(msg: str) -> None:
+    print(f"[experiment] {msg}", flush=True)
+
+
+def _compared(record: dict[str, Any]) -> dict[str, Any]:
+    """The settings a resumed experiment must share: all but distill's operational ones (progress
+    bar, checkpoint cadence, ...), which do not change what is computed."""
+    from dtpshard.training.distill import OPERATIONAL
+
+    train = {k: v for k, v in (record.get("training") or {}).items() if k not in OPERATIONAL}
+    return {**record, "training": train}
+
+
+def _prepare_dir(out: Path, cfg: dict[str, Any], force: bool) -> None:
+    saved = out / "config.json"
+    record = {"format": FORMAT, **cfg}
+    if saved.is_file():
+        try:
+            old = json.loads(saved.read_text())
+        except (OSError, json.JSONDecodeError):
+            old = None
+        new = _compared(json.loads(json.dumps(record)))
+        old = _compared(old) if isinstance(old, dict) else {}
+        if old == new:
+            return
+        if not force:
+            diff = [k for k in sorted(set(new) | set(old)) if old.get(k) != new.get(k)]
+            raise UserError(f"--out {out}: an experiment with other settings ({', '.join(diff)}) is there "
+                            "(use --force to start it over)")
+        for name in (AFFINITY, LAYOUT_DIR, ZEROSHOT, RUNS, "report.md", "figures"):
+            p = out / name
+            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+    elif out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise UserError(f"--out {out}: exists and is not an experiment directory (use --force to use it anyway)")
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(saved, json.dumps(record, indent=1) + "\n")
+
+
+def _affinity(cfg: dict[str, Any], model: Path, out: Path) -> Path:
+    path = out / AFFINITY
+    if path.is_file():
+        _say(f"affinity: {path} (done before)")
+        return path
+    from dtpshard.affinity.calibrate import affinity_cmd
+
+    cal = cfg["calibration"]
+    _say(f"affinity: {cal['blocks']} blocks x {cal['seq_len']} tokens")
+    affinity_cmd(model, path, text=cal["text"], dataset=cal["dataset"], blocks=cal["blocks"], seq_len=cal["seq_len"],
+                 delay=cfg["delay"], seed=cal["seed"], micro_batch=cal["micro_batch"], device=cfg["device"],
+                 progress=cfg["training"].get("progress", True))
+    return path
+
+
+def _layouts(cfg: dict[str, Any], affinity_path: Path, out: Path) -> dict[str, Path]:
+    from dtpshard.affinity.file import Affinity
+    from dtpshard.layouts.optimise import optimise_layout
+
+    affinity, paths = None, {}
+    (out / LAYOUT_DIR).mkdir(exist_ok=True)
+    for spec in (s for arm in cfg["arms"] for s in arm["layouts"]):
+        path = paths[spec["name"]] = out / LAYOUT_DIR / f"{spec['name']}.json"
+        if path.is_file():
+            continue
+        affinity = affinity or Affinity.load(affinity_path)
+        lay = cfg["layouts"]
+        optimising = spec["kind"] in OPTIMISING
+        layout = optimise_layout(affinity, cfg["devices"], cfg["delay"], spec["kind"], layers=spec["layers"],
+                                 restarts=lay["restarts"] if optimising else 1, seed=spec["seed"],
+                                 kv_search=lay["kv_search"], max_sweeps=lay["max_sweeps"])
+        layout.score["name"] = spec["name"]
+        layout.save(path)
+        s = layout.score
+        _say(f"layout {spec['name']}: J = {s['J']:.4f} ({s['ratio_to_random']:.3f}x random), {s['seconds']:.1f} s")
+    return paths
+
+
+class _CachedTeacher:
+    """The dense teacher's LM-head input, computed once per evaluation batch and reused for
+    every layout (the teacher does not depend on the layout): half the zero-shot cost."""
+
+    def __init__(self, model: Any):
+        self.model, self.lm_head_weight, self._h = model, model.lm_head_weight, {}
+
+    def hidden(self, ids: Any) -> Any:
+        key = (tuple(ids.shape), ids.cpu().numpy().tobytes())
+        if key not in self._h:
+            self._h[key] = self.model.hidden(ids)
+        return self._h[key]
+
+
+def _zero_shot(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: Path) -> None:
+    """KL and perplexity of every layout's untrained student on the evaluation blocks (step 0)."""
+    path = out / ZEROSHOT
+    done = json.loads(path.read_text()) if path.is_file() else {}
+    todo = [n for n in layouts if n not in done]
+    if not todo:
+        return
+    import torch
+
+    from dtpshard.model.checkpoint import load_tokenizer, open_checkpoint
+    from dtpshard.training.evaluate import eval_blocks_for, evaluate
+    from dtpshard.core.devices import pick_device
+    from dtpshard.core.layout import Layout
+    from dtpshard.model.dtp import DTPModel
+
+    dev = pick_device(cfg["device"])
+    ckpt = open_checkpoint(model)
+    sd = ckpt.state_dict(torch.float32)
+    teacher = _CachedTeacher(DTPModel.from_state_dict(ckpt.hf_config, sd, devices=1, delay=0).to(dev).eval())
+    ev = cfg["evaluation"]
+    seq_len = cfg["training"].get("seq_len", 1024)
+    blocks, _ = eval_blocks_for(model, ev["text"], ev["dataset"], ev["blocks"], seq_len, load_tokenizer(model))
+    micro = ev["micro_batch"] or cfg["training"].get("micro_batch", 4)
+    autocast = cfg["training"].get("autocast", True)
+    for name in todo:
+        student = DTPModel.from_state_dict(ckpt.hf_config, sd, cfg["devices"], cfg["delay"], cfg["stage3"],
+                                           Layout.load(layouts[name])).to(dev)
+        done[name] = evaluate(student, teacher, blocks, micro, autocast)
+        del student
+        atomic_write_text(path, json.dumps(done, indent=1) + "\n")
+        _say(f"zero-shot {name}: KL {done[name]['kl']:.4f}, ppl {done[name]['ppl']:.2f}")
+
+
+def _arms(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: Path) -> None:
+    from dtpshard.training.distill import DistillConfig, distill
+    from dtpshard.training.rundir import is_done
+
+    ev = cfg["evaluation"]
+    runs = [(spec["name"], seed) for arm in cfg["arms"] for spec in arm["layouts"] for seed in arm["seeds"]]
+    for k, (name, seed) in enumerate(runs, 1):
+        run = out / RUNS / f"{name}-s{seed}"
+        if is_done(run):
+            _say(f"arm {k}/{len(runs)} {run.name}: done before")
+            continue
+        _say(f"arm {k}/{len(runs)} {run.name}: distilling")
+        distill(DistillConfig(teacher=model, out=run, layout=layouts[name], devices=cfg["devices"],
+                              delay=cfg["delay"], stage3=cfg["stage3"], seed=seed, device=cfg["device"],
+                              eval_blocks=ev["blocks"], eval_text=ev["text"], eval_dataset=ev["dataset"],
+                              eval_micro_batch=ev["micro_batch"], **cfg["training"]))
+
+
+def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False) -> Path:
+    """Every stage of a checked config (`check_config`) into `out`; returns the report path."""
+    from dtpshard.model.checkpoint import read_shape
+    from dtpshard.core.shape import check_delay, check_devices
+
+    out = Path(out)
+    model = resolve_model(cfg["model"])
+    shape = read_shape(model)
+    check_devices(shape, cfg["devices"])
+    check_delay(shape, cfg["delay"])
+    _prepare_dir(out, cfg, force)
+    affinity = _affinity(cfg, model, out)
+    layouts = _layouts(cfg, affinity, out)
+    _zero_shot(cfg, model, layouts, out)
+    _arms(cfg, model, layouts, out)
+    from dtpshard.studies.report import write_report
+
+    report = write_report(out)
+    _say(f"report: {report}")
+    return report
+
+
+def experiment_cmd(config: Path, *, out: Path, force: bool = False) -> int:
+    """Run a whole study from CONFIG (TOML or YAML): affinity once, every layout once with its J and
+    zero-shot KL, every arm distilled, then the report. Rerun the same command to resume.
+
+    Args:
+        config: the study's config file (.toml, or .yaml/.yml); see dtpshard/configs/ for the paper's
+        out: the experiment directory (created; an existing one is resumed if its config matches)
+        force: start over an experiment directory that was made with another config
+    """
+    cfg = load_config(config)
+    run_experiment(cfg, out, force)
+    print(f"report: {Path(out) / 'report.md'}", file=sys.stderr)
+    return 0

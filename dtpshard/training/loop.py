@@ -1,0 +1,201 @@
+"""The distillation loop: one process, or one rank of a data-parallel group (distill_ddp.Dist).
+
+Order of work per optimizer step k (1-based): train row → eval row (every eval_every steps and
+at the end) → checkpoint (every checkpoint_every steps, every checkpoint_minutes, and at the
+end). A checkpoint therefore covers every metrics row written before it.
+
+Global data order: step s takes training blocks [s·G, (s+1)·G), G = micro × accum × ranks;
+micro-batch a of rank r is rows s·G + (a·ranks + r)·micro ... + micro. Each micro-batch's summed
+loss is divided by micro × accum × seq_len, and DDP averages over ranks, so the gradient is the
+mean over the global batch whatever the split.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtpshard.training import rundir
+from dtpshard.training.distill import (DistillConfig, Student, _crash, build_models, compared_keys, lr_factor, resolve, rng_state,
+                      run_config, set_rng_state, train_blocks_for)
+from dtpshard.training.ddp import Dist
+from dtpshard.core.errors import UserError
+from dtpshard.training.evaluate import autocast_for, eval_blocks_for, eval_sums, summarise
+from dtpshard.training.losses import kl_ce_sums
+
+
+def _optimizer(cfg: DistillConfig, student: torch.nn.Module):
+    named = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]  # norms: never decayed
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=1e-8,
+                            weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: lr_factor(i, cfg.steps, cfg.warmup, cfg.min_lr_ratio))
+    return named, opt, sched
+
+
+def accumulate(net, ddp, student, teacher, batches: list[torch.Tensor], cfg: DistillConfig,
+               device: str) -> torch.Tensor:
+    """Forward/backward of this rank's micro-batches [micro, seq_len + 1] of one optimizer step
+    (gradients accumulate; DDP reduces after the last one). Returns [loss, kl, ce] sums (float64,
+    on the device: no host sync per micro-batch)."""
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    for a, b in enumerate(batches):
+        b = b.to(device)
+        ids, tgt = b[:, :-1], b[:, 1:]
+        with torch.no_grad(), autocast_for(device, cfg.autocast):
+            h_t = teacher.hidden(ids)
+        sync = ddp.no_sync() if ddp is not None and a < len(batches) - 1 else nullcontext()
+        with sync:
+            with autocast_for(device, cfg.autocast):
+                loss, kl, ce = kl_ce_sums(net(ids), student.lm_head_weight, h_t, teacher.lm_head_weight, tgt,
+                                          cfg.ce_weight)
+            (loss / (cfg.micro_batch * cfg.grad_accum * cfg.seq_len)).backward()
+        sums += torch.stack([loss.detach(), kl, ce]).double()
+    return sums
+
+
+def _evaluate(student, teacher, ev: torch.Tensor, cfg: DistillConfig, d: Dist) -> dict[str, Any]:
+    """Each rank scores every world-th block; the sums are added across ranks."""
+    sums = eval_sums(student, teacher, ev[d.rank::d.world], cfg.eval_micro_batch or cfg.micro_batch, cfg.autocast)
+    return summarise(d.sum(sums), True)
+
+
+def train(cfg: DistillConfig, d: Dist) -> Path:
+    from dtpshard.model.checkpoint import load_tokenizer
+
+    cfg = resolve(cfg)
+    run = Path(cfg.out)
+    teacher, student, layout = build_models(cfg, d.device)
+    tok = load_tokenizer(cfg.teacher)
+    train_data, train_src = train_blocks_for(cfg, d.world, tok)
+    ev, eval_src = eval_blocks_for(cfg.teacher, cfg.eval_text, cfg.eval_dataset, cfg.eval_blocks, cfg.seq_len, tok)
+    config = run_config(cfg, student.shape, layout, d.world, d.device, train_data, train_src, ev, eval_src)
+    resuming = rundir.check_run(run, config, compared_keys(), cfg.force)  # every rank refuses alike
+    d.barrier()
+    if d.main:
+        if not resuming:
+            rundir.start_over(run)
+            rundir.write_config(run, config)
+        rundir.clean_temporaries(run)
+    d.barrier()
+    if rundir.is_done(run):
+        if d.main:
+            rundir.remove_checkpoint(run)  # in case a kill came between DONE and its removal
+            print(f"{run}: already finished ({rundir.DONE} present)")
+        return run
+
+    named, opt, sched = _optimizer(cfg, student)
+    state = rundir.load_checkpoint(run)
+    start, wall0, metrics = 0, 0.0, rundir.Metrics(run)
+    if state is not None:
+        missing = [n for n, _ in named if n not in state["student"]]
+        if missing:
+            raise UserError(f"{run / rundir.CHECKPOINT}: has no tensor {missing[0]!r}; use --force to start over")
+        with torch.no_grad():
+            for n, p in named:
+                p.copy_(state["student"][n])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        start, wall0 = state["step"], state["wall"]
+        if d.main:
+            print(f"resuming {run} after step {start} of {cfg.steps}", file=sys.stderr)
+    if d.main:
+        metrics.truncate(state["metrics_bytes"] if state is not None else 0)
+    d.barrier()
+
+    student.gradient_checkpointing = cfg.grad_checkpointing
+    net: torch.nn.Module = Student(student)
+    ddp = None
+    if d.world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        net = ddp = DDP(net, device_ids=[d.local_rank] if d.device.startswith("cuda") else None)
+    if cfg.compile:
+        net = torch.compile(net)
+    t0 = time.perf_counter()
+    wall = lambda: wall0 + time.perf_counter() - t0  # noqa: E731 - training seconds, summed over resumes
+    G, T = cfg.micro_batch * cfg.grad_accum * d.world, cfg.seq_len
+
+    def eval_row(step: int) -> dict[str, Any]:
+        r = _evaluate(student, teacher, ev, cfg, d)
+        return {"kind": "eval", "step": step, "tokens": step * G * T, "eval_kl": r["kl"], "eval_ppl": r["ppl"],
+                "wall": wall()}
+
+    if start == 0:
+        row = eval_row(0)
+        if d.main:
+            metrics.append(row)
+    bar = _progress(cfg, d, start)
+    last_ckpt = time.perf_counter()
+    for step in range(start, cfg.steps):
+        lr = sched.get_last_lr()[0]
+        opt.zero_grad(set_to_none=True)
+        rows = [step * G + (a * d.world + d.rank) * cfg.micro_batch for a in range(cfg.grad_accum)]
+        sums = accumulate(net, ddp, student, teacher, [train_data[r:r + cfg.micro_batch] for r in rows], cfg, d.device)
+        params = [p for _, p in named]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf))
+        opt.step()
+        sched.step()
+        sums = d.sum(sums) / (G * T)
+        done = step + 1
+        row = {"kind": "train", "step": done, "tokens": done * G * T, "loss": float(sums[0]), "kl": float(sums[1]),
+               "ce": float(sums[2]), "lr": lr, "grad_norm": grad_norm, "wall": wall()}
+        if d.main:
+            metrics.append(row)
+        _crash("step", done, d.rank)
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            erow = eval_row(done)
+            if d.main:
+                metrics.append(erow)
+            bar.set_postfix_str(f"kl {row['kl']:.4f} eval_kl {erow['eval_kl']:.4f} ppl {erow['eval_ppl']:.2f}")
+        else:
+            bar.set_postfix_str(f"kl {row['kl']:.4f} ce {row['ce']:.3f} lr {lr:.2e}")
+        bar.update(1)
+        due = done % cfg.checkpoint_every == 0 or time.perf_counter() - last_ckpt > 60 * cfg.checkpoint_minutes
+        if d.main and (due or done == cfg.steps):
+            state = {"step": done, "wall": wall(), "metrics_bytes": metrics.size(), "rng": rng_state(),
+                     "student": {n: p.detach() for n, p in named}, "optimizer": opt.state_dict(),
+                     "scheduler": sched.state_dict(), "config": config}
+            rundir.save_checkpoint(run, state, crash_hook=lambda: _crash("checkpoint", done, d.rank))
+            last_ckpt = time.perf_counter()
+    bar.close()
+    if d.main:
+        _finish(run, student, cfg, config)
+    d.barrier()
+    return run
+
+
+def _progress(cfg: DistillConfig, d: Dist, start: int):
+    import threading
+
+    from tqdm import tqdm
+
+    if d.world > 1:  # tqdm's default lock is a multiprocessing semaphore, leaked when a rank is terminated
+        tqdm.set_lock(threading.RLock())
+    return tqdm(total=cfg.steps, initial=start, desc="distill", unit="step", dynamic_ncols=True,
+                disable=not (cfg.progress and d.main))
+
+
+def _finish(run: Path, student: torch.nn.Module, cfg: DistillConfig, config: dict[str, Any]) -> None:
+    """final/ (atomically), then DONE, then drop the checkpoint: a kill anywhere here is resumable."""
+    from dtpshard.core.io import atomic_dir
+
+    with atomic_dir(run / rundir.FINAL, force=True) as tmp:
+        student.save_pretrained(tmp, source=Path(cfg.teacher))
+        provenance = {k: config[k] for k in ("teacher", "layout", "layout_kind", "layout_sha256", "steps", "seed",
+                                              "train_data", "eval_data")}
+        (tmp / "distill.json").write_text(json.dumps(provenance, indent=1) + "\n")
+    rows = rundir.read_metrics(run)
+    last_eval = next((r for r in reversed(rows) if r["kind"] == "eval"), {})
+    rundir.mark_done(run, {"steps": cfg.steps, "eval_kl": last_eval.get("eval_kl"),
+                           "eval_ppl": last_eval.get("eval_ppl")})
+    rundir.remove_checkpoint(run)
