@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from dtpshard.core.errors import UserError
+from dtpshard.core.errors import explain
 
 # name -> (module:function, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -124,15 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(name, fn).parse_args(rest)
     try:
         result = fn(**vars(args))
-    except UserError as e:
-        print(f"dtpshard {name}: error: {e}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # e.g. piped into `head`
         sys.stderr.close()
         return 0
     except KeyboardInterrupt:
         print(f"dtpshard {name}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 -- `explain` decides what a user should see in one line
+        line = explain(e)
+        if line is None:
+            raise
+        print(f"dtpshard {name}: error: {line}", file=sys.stderr)
+        return 2
     return int(result) if isinstance(result, int) and not isinstance(result, bool) else 0
 
 
