@@ -1,21 +1,23 @@
-"""The `dtpshard` command. Each subcommand is a typed function; its flags come from its signature.
+"""The `dtpshard` command. Each subcommand is a typed function; jsonargparse makes its flags.
 
-Parameters without a default are positional (keyword-only ones are required flags), the others are `--flags` (underscores become
-dashes). Types: str, int, float, Path, bool (`--x/--no-x`), Literal[...] (choices), list[...]
-(one or more values), and `X | None`. The help text of a flag is its line under `Args:` in the
-function's docstring. Only the chosen subcommand's module is imported, so `--help` is fast.
+A command's flags come from its signature and the `Args:` lines of its docstring: parameters
+without a default before `*` are positional, keyword-only ones without a default are required
+flags, the rest are optional flags (underscores written as dashes; `--x`/`--no-x` for booleans).
+A parameter typed as a dataclass (distill's `DistillConfig`) contributes its fields as flags, so
+the recipe is written once. The constrained types of dtpshard.core.vocab check every number
+and choice while parsing, before any work. Every command takes `--config FILE` (YAML or JSON of
+its options; flags given after it override it). Only the chosen command's module is imported.
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import importlib
 import inspect
 import re
 import sys
-import types
 import typing
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 from dtpshard.core.errors import explain
 
@@ -33,69 +35,131 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("dtpshard.studies.demo:demo_cmd", "the whole pipeline on SmolLM2-135M, offline, on a CPU"),
     "run": ("dtpshard.runtime.ranks:run_cmd", "DTP across processes (use under torchrun)"),
 }
+_BOOL_WORDS = {"true", "false", "yes", "no", "1", "0", "on", "off"}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> typing.NoReturn:  # one line, exit 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
+class Refused(Exception):
+    """A command line that does not parse: the one line to print."""
 
 
-def _doc_args(fn: Callable) -> dict[str, str]:
-    doc = inspect.getdoc(fn) or ""
-    out: dict[str, str] = {}
-    if "Args:" in doc:
-        for line in doc.split("Args:", 1)[1].splitlines():
-            m = re.match(r"\s*(\w+)\s*:\s*(.+)", line)
-            if m:
-                out[m.group(1)] = m.group(2).strip()
+def _dashed(text: str) -> str:
+    return re.sub(r"--[A-Za-z0-9_.]+", lambda m: m.group().replace("_", "-"), text)
+
+
+def _dataclass_params(fn: Callable) -> dict[str, type]:
+    hints = typing.get_type_hints(fn)
+    return {n: hints[n] for n in inspect.signature(fn).parameters if dataclasses.is_dataclass(hints.get(n))}
+
+
+def build_parser(name: str, fn: Callable) -> Any:
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    class Parser(ArgumentParser):
+        def format_help(self) -> str:  # flags as typed: dashes, not the parameter names' underscores
+            return _dashed(super().format_help())
+
+        def error(self, message: str, ex: Exception | None = None) -> typing.NoReturn:
+            raise Refused(_one_line(message, [a.dest for a in self._actions if not a.option_strings]))
+
+    doc = (inspect.getdoc(fn) or "").split("Args:")[0].strip()
+    parser = Parser(prog=f"dtpshard {name}", description=doc, exit_on_error=False)
+    parser.add_argument("--config", action=ActionConfigFile,
+                        help="YAML or JSON file of this command's options; flags given after it override it")
+    nested = _dataclass_params(fn)
+    parser.add_function_arguments(fn, nested_key=None, as_positional=True, skip=set(nested), as_group=False)
+    own = set(inspect.signature(fn).parameters)
+    for cls in nested.values():
+        parser.add_class_arguments(cls, nested_key=None, skip=own & {f.name for f in dataclasses.fields(cls)})
+    return parser
+
+
+def _one_line(message: str, positionals: typing.Collection[str] = ()) -> str:
+    from dtpshard.core.vocab import parse_refusal
+
+    missing = re.search(r"arguments are required: (.+)", message)
+    if missing:
+        names = [n.strip() for n in missing.group(1).split(",")]
+        return "missing " + ", ".join(n.upper() if n in positionals else _flag_of(n) for n in names)
+    unknown = re.search(r"unrecognized arguments: (.+)", message)
+    if unknown:
+        return f"unknown argument {_dashed(unknown.group(1).split()[0])} (see --help)"
+    key, reason = parse_refusal(message)
+    if key is None:
+        return _dashed(reason)
+    given = re.search(r"(?:Given|Got) value: (.+)", message)
+    value = given.group(1).strip() if given else None
+    if value is None:
+        m = re.search(r"Not of type \w+: (\S+) does not", message)
+        value = m.group(1) if m else None
+    return f"{_flag_of(key)}{'' if value is None else ' ' + value}: {reason}"
+
+
+def _flag_of(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _normalise(argv: list[str], parser: Any) -> list[str]:
+    """`--seq-len` -> `--seq_len` (the parameter's name), `--no-x` -> `--x=false`, a bare boolean
+    `--x` -> `--x=true` (so the next word is never read as its value), `--text a b` -> a list."""
+    import json
+
+    hints = {a.dest: getattr(a, "_typehint", a.type) for a in parser._actions}
+    bools = {d for d, t in hints.items() if t is bool}
+    lists = {d for d, t in hints.items() if list in (typing.get_origin(t), *map(typing.get_origin, typing.get_args(t)))}
+    out, i = [], 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        if arg == "--" or not arg.startswith("--"):
+            out.append(arg)
+            continue
+        flag, eq, value = arg.partition("=")
+        flag = "--" + flag[2:].replace("-", "_")
+        if flag[2:] in lists and not eq:  # `--text a.txt b.txt`: the words up to the next flag
+            words = []
+            while i < len(argv) and not argv[i].startswith("--"):
+                words.append(argv[i])
+                i += 1
+            out.append(f"{flag}={json.dumps(words)}")
+        elif flag.startswith("--no_") and flag[5:] in bools and not eq:
+            out.append(f"--{flag[5:]}=false")
+        elif flag[2:] in bools and not eq and not (i < len(argv) and argv[i].lower() in _BOOL_WORDS):
+            out.append(f"{flag}=true")
+        else:
+            out.append(flag + eq + value)
     return out
 
 
-def _unwrap_optional(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
+def _plain(value: Any) -> Any:
+    """Parsed values as plain Python (a constrained int as an int), so JSON/YAML dumps stay as before."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, str) and not isinstance(value, Path):
+        return str(value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
-def _add_param(parser: argparse.ArgumentParser, name: str, param: inspect.Parameter, tp: Any, help_: str) -> None:
-    tp = _unwrap_optional(tp)
-    required = param.default is inspect.Parameter.empty
-    positional = required and param.kind is not inspect.Parameter.KEYWORD_ONLY  # keyword-only: a required flag
-    flag = "--" + name.replace("_", "-")
-    kw: dict[str, Any] = {"help": help_}
-    if not required:
-        kw["default"] = param.default
-        if param.default is not None and tp is not bool:
-            kw["help"] = f"{help_} (default: {param.default})".strip()
-    if tp is bool:
-        parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
-        return
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        kw["choices"] = list(typing.get_args(tp))
-        kw["type"] = type(kw["choices"][0])
-    elif origin in (list, tuple):
-        kw["nargs"] = "+"
-        kw["type"] = _unwrap_optional(typing.get_args(tp)[0])
-    elif tp in (int, float, str, Path):
-        kw["type"] = tp
-    if positional:
-        kw.pop("default", None)
-        parser.add_argument(name, metavar=name.upper(), **kw)
-    else:
-        parser.add_argument(flag, dest=name, required=required, **kw)
-
-
-def build_parser(name: str, fn: Callable) -> argparse.ArgumentParser:
-    doc = (inspect.getdoc(fn) or "").split("Args:")[0].strip()
-    parser = _Parser(prog=f"dtpshard {name}", description=doc)
-    hints = typing.get_type_hints(fn)
-    helps = _doc_args(fn)
-    for pname, param in inspect.signature(fn).parameters.items():
-        _add_param(parser, pname, param, hints.get(pname, str), helps.get(pname, ""))
-    return parser
+def parse(name: str, fn: Callable, argv: list[str]) -> dict[str, Any]:
+    """The keyword arguments of `fn` for a command line; raises Refused with one line."""
+    parser = build_parser(name, fn)
+    try:
+        ns = parser.parse_args(_normalise(argv, parser))
+    except Refused:
+        raise
+    except Exception as e:  # noqa: BLE001 -- jsonargparse's ArgumentError and friends: one line
+        raise Refused(_one_line(str(e), [a.dest for a in parser._actions if not a.option_strings])) from None
+    values = {k: _plain(v) for k, v in ns.as_dict().items() if k not in ("config", "__path__")}
+    values.pop("print_config", None)
+    kwargs = {k: values.pop(k) for k in list(values) if k in inspect.signature(fn).parameters}
+    for pname, cls in _dataclass_params(fn).items():
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs[pname] = cls(**{k: v for k, v in {**values, **kwargs}.items() if k in fields})
+    return kwargs
 
 
 def load_command(name: str) -> Callable:
@@ -104,9 +168,20 @@ def load_command(name: str) -> Callable:
     return getattr(importlib.import_module(mod), fn)
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("dtpshard")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def _usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: dtpshard COMMAND [ARGS...]   (dtpshard COMMAND --help for its flags)", "", "commands:"]
+    lines = ["usage: dtpshard COMMAND [ARGS...]   (dtpshard COMMAND --help for its flags)",
+             "       dtpshard --version", "", "commands:"]
     lines += [f"  {n.ljust(width)}  {s}" for n, (_, s) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -116,14 +191,23 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"dtpshard {version()}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"dtpshard: error: unknown command {name!r} (one of: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
     fn = load_command(name)
-    args = build_parser(name, fn).parse_args(rest)
     try:
-        result = fn(**vars(args))
+        kwargs = parse(name, fn, rest)
+    except Refused as e:
+        print(f"dtpshard {name}: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help, --print-config
+        return int(e.code or 0)
+    try:
+        result = fn(**kwargs)
     except BrokenPipeError:  # e.g. piped into `head`
         sys.stderr.close()
         return 0

@@ -79,8 +79,8 @@ def test_resume_after_a_kill(setup, two, tmp_path, monkeypatch, capsys):
 def test_a_failed_rank_ends_the_run_with_a_clear_error(setup, tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
     monkeypatch.setenv("DTPSHARD_CRASH", "step:2@1")
-    # --dist-timeout bounds the wait anyway; the launcher notices the death long before
-    assert main(ddp_args(setup, run, **{"dist-timeout": 120}) + ["--nproc", "2"]) == 2
+    # --timeout bounds the wait anyway; the launcher notices the death long before
+    assert main(ddp_args(setup, run, **{"timeout": 120}) + ["--nproc", "2"]) == 2
     lines = [s for s in capsys.readouterr().err.splitlines() if s.startswith("dtpshard distill: error")]
     assert len(lines) == 1 and "rank 1 of 2 died" in lines[0]
     assert not (run / "DONE").exists()

@@ -273,7 +273,7 @@ def test_refuses_existing_output_unless_forced(env, capsys):
     assert not [p for p in tmp.iterdir() if ".tmp" in p.name or ".old" in p.name]
     refused(capsys, [src, good, "--force"], src, "is the source model directory", exists=True)
     refused(capsys, [src, good, "--check-tokens", "0"], tmp / "o2", "--check-tokens 0")
-    refused(capsys, [src, good, "--tolerance", "0"], tmp / "o2", "--tolerance 0.0: must be a positive number")
+    refused(capsys, [src, good, "--tolerance", "0"], tmp / "o2", "--tolerance 0: must be a finite number > 0")
 
 
 def test_refuses_unwritable_output(env, capsys):

@@ -42,7 +42,7 @@ def test_refused_configs(tmp_path, capsys, make, needle):
 
 @pytest.mark.parametrize("devices,needle", [
     (3, "devices=3 does not divide num_key_value_heads=4"),
-    (0, "devices=0"),
+    (0, "--devices 0: must be an integer >= 1"),  # refused while parsing
 ])
 def test_devices_must_divide_kv_groups(tiny_dirs, capsys, devices, needle):
     assert needle in _refusal(capsys, tiny_dirs["llama"], "--devices", str(devices))
@@ -54,7 +54,7 @@ def test_devices_must_divide_neurons(tmp_path, capsys):
 
 
 def test_negative_delay(tiny_dirs, capsys):
-    assert "delay=-1.0" in _refusal(capsys, tiny_dirs["llama"], "--delay", "-1")
+    assert "--delay -1: must be a finite number >= 0" in _refusal(capsys, tiny_dirs["llama"], "--delay", "-1")
 
 
 def test_fused_qkv_tensor_refused(tmp_path, tiny_dirs, capsys):

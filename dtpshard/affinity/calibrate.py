@@ -4,16 +4,15 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Literal
-
 from dtpshard.core.errors import UserError
+from dtpshard.core.vocab import AffinityDType, Count, Delay, Device, NonNegativeInt, Seed
 
 
-def affinity_cmd(model: Path, out: Path | None = None, text: list[str] | None = None, dataset: str | None = None,
-                 blocks: int = 64, seq_len: int = 1024, delay: float = 1.0, seed: int = 0,
+def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, dataset: str | None = None,
+                 blocks: Count = 64, seq_len: Count = 1024, delay: Delay = 1.0, seed: Seed = 0,
                  group_unit: bool = False, exact_jacobian: bool = False, ablation: bool = False,
-                 micro_batch: int = 4, chunk: int = 0, device: str = "auto",
-                 dtype: Literal["float32", "float64"] = "float32", progress: bool = True) -> int:
+                 micro_batch: Count = 4, chunk: NonNegativeInt = 0, device: Device = "auto",
+                 dtype: AffinityDType = "float32", progress: bool = True) -> int:
     """Score how much every unit depends on every co-located unit (spec section 2), in one pass.
 
     Calibration text (--text files, or --dataset, or by default the built-in offline corpus) is
@@ -25,7 +24,7 @@ def affinity_cmd(model: Path, out: Path | None = None, text: list[str] | None = 
 
     Args:
         model: Hugging Face checkpoint directory (llama, mistral, qwen2 or qwen3 family)
-        out: affinity file to write (required; safetensors, format dtpshard.affinity/1)
+        out: affinity file to write (safetensors, format dtpshard.affinity/1)
         text: calibration text files or directories (.txt split at blank lines, .jsonl with a "text" field, .parquet)
         dataset: Hugging Face dataset instead of files: fineweb-edu, wikitext-2 or owner/name[:config] (needs the hub)
         blocks: number of calibration blocks
@@ -37,7 +36,7 @@ def affinity_cmd(model: Path, out: Path | None = None, text: list[str] | None = 
         ablation: leave-one-out score: actually remove the contribution and recompute the norm and the unit
         micro_batch: sequences per module call (memory)
         chunk: cap on tokens per score chunk; 0 = automatic (memory)
-        device: auto, cpu, cuda or cuda:N
+        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         dtype: compute dtype of the pass (sums are always accumulated in float64)
         progress: show a progress bar
     """
@@ -51,8 +50,6 @@ def affinity_cmd(model: Path, out: Path | None = None, text: list[str] | None = 
     from dtpshard.model.dense import DenseModel
     from dtpshard.core.devices import pick_device
 
-    if out is None:
-        raise UserError("--out FILE is required (the affinity file to write)")
     for name, value, low in (("blocks", blocks, 1), ("seq-len", seq_len, 1), ("micro-batch", micro_batch, 1),
                              ("chunk", chunk, 0)):
         if value < low:

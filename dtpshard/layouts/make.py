@@ -9,12 +9,9 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Literal
-
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout, check_divides
-
-Kind = Literal["optimised", "contiguous", "random", "anti", "heads-only", "neurons-only"]
+from dtpshard.core.vocab import FIXED_KINDS, Count, Delay, KvSearch, LayoutKind, Seed
 
 
 def _shape_of_model_dir(path: Path) -> dict[str, int]:
@@ -34,14 +31,14 @@ def _describe(layout: Layout) -> str:
             f"{s['seconds']:.2f} s{sweeps}")
 
 
-def layout_cmd(source: Path, out: Path | None = None, devices: int = 4, delay: float = 1.0,
-               kind: Kind = "optimised", layers: int | None = None, restarts: int = 1, seed: int = 0,
-               kv_search: Literal["assignment", "exhaustive"] = "assignment", max_sweeps: int = 20) -> int:
+def layout_cmd(source: Path, *, out: Path, devices: Count = 4, delay: Delay = 1.0, kind: LayoutKind = "optimised",
+               layers: Count | None = None, restarts: Count = 1, seed: Seed = 0, kv_search: KvSearch = "assignment",
+               max_sweeps: Count = 20) -> int:
     """Make a layout (spec section 3) and write it as JSON; prints J, its random expectation and the time.
 
     Args:
         source: a model directory (contiguous and random only) or an affinity file
-        out: the layout file to write (required)
+        out: the layout file to write
         devices: number of devices L (must divide the KV groups and the neurons)
         delay: the delay δ the layout is for; the affinity must hold every edge it needs
         kind: layout family; anti minimises J, heads-only/neurons-only leave the other side contiguous
@@ -51,10 +48,6 @@ def layout_cmd(source: Path, out: Path | None = None, devices: int = 4, delay: f
         kv_search: KV-group block update: exact assignment, or the paper's exhaustive search over labelled partitions
         max_sweeps: stop after this many sweeps even if J still grows by more than 1e-9
     """
-    if out is None:
-        raise UserError("missing --out FILE (where to write the layout)")
-    if devices < 1:
-        raise UserError(f"--devices {devices}: must be at least 1")
     if not math.isfinite(delay) or delay < 0:
         raise UserError(f"--delay {delay}: must be a finite number >= 0")
     delay = int(delay) if float(delay).is_integer() else delay
@@ -64,7 +57,7 @@ def layout_cmd(source: Path, out: Path | None = None, devices: int = 4, delay: f
     if source.is_dir():
         model = _shape_of_model_dir(source)
         check_divides(model, devices, where=str(source))
-        if kind not in ("contiguous", "random"):
+        if kind not in FIXED_KINDS:
             raise UserError(f"--kind {kind} optimises J and needs an affinity file; {source} is a model "
                             "directory (run `dtpshard affinity` first)")
         if layers is not None or restarts != 1:

@@ -11,13 +11,14 @@ from dtpshard.core.shape import ModelShape
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout
 from dtpshard.core.permutation import apply_layout
+from dtpshard.core.vocab import Count, PositiveNumber
 
 LAYOUT_JSON = "layout.json"  # the applied layout, saved next to the permuted weights
 CHECK_TOL = 1e-4  # max |Δlogits| in fp32 (spec section 3)
 
 
-def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False, check_tokens: int = 256,
-                tolerance: float = CHECK_TOL) -> int:
+def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False, check_tokens: Count = 256,
+                tolerance: PositiveNumber = CHECK_TOL) -> int:
     """Write a permuted Hugging Face checkpoint that any tensor-parallel engine loads as is.
 
     Device d of an L-way contiguous split of the output holds the units the layout gives it.

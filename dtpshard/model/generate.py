@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
-
 import torch
 
 from dtpshard.core.devices import DTYPES, pick_device
 from dtpshard.core.errors import UserError
+from dtpshard.core.vocab import Count, Delay, Device, DType, NonNegativeInt, NonNegativeNumber, Seed, Stage3
 
 
 @torch.no_grad()
@@ -34,10 +33,10 @@ def generate_ids(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_token
     return ids
 
 
-def generate_cmd(model: Path, *, prompt: str, devices: int | None = None, delay: float | None = None,
-                 layout: Path | None = None, max_new_tokens: int = 40, temperature: float = 0.0, top_k: int = 0,
-                 seed: int = 0, stage3: Literal["sqrt", "one"] | None = None,
-                 dtype: Literal["float32", "bfloat16"] = "float32", device: str = "auto") -> int:
+def generate_cmd(model: Path, *, prompt: str, devices: Count | None = None, delay: Delay | None = None,
+                 layout: Path | None = None, max_new_tokens: Count = 40, temperature: NonNegativeNumber = 0.0,
+                 top_k: NonNegativeInt = 0, seed: Seed = 0, stage3: Stage3 | None = None, dtype: DType = "float32",
+                 device: Device = "auto") -> int:
     """Print a continuation of PROMPT from the DTP form of MODEL (greedy unless --temperature > 0).
 
     Args:
@@ -52,7 +51,7 @@ def generate_cmd(model: Path, *, prompt: str, devices: int | None = None, delay:
         seed: sampling seed
         stage3: own-partial scale for the last δ modules: sqrt (√L, the spec) or one
         dtype: weights and activations
-        device: cpu, cuda, or auto
+        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
     """
     from dtpshard.model.checkpoint import load_tokenizer
     from dtpshard.model.dtp import DTPModel

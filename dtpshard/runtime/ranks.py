@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,6 +32,8 @@ from dtpshard.model.checkpoint import Checkpoint, open_checkpoint
 from dtpshard.core.shape import check_delay, check_devices
 from dtpshard.model.delay import schedule
 from dtpshard.core.errors import UserError
+from dtpshard.core.devices import pick_device
+from dtpshard.core.vocab import Count, Delay, Device, DType, NonNegativeInt, NonNegativeNumber, Seconds, Stage3
 from dtpshard.core.launch import RankFailure, cause, launch_local, process_group, set_threads, world_from_env
 from dtpshard.core.layout import Layout, as_layout
 from dtpshard.model.dtp import KVCache, rotary_for, rms_norm, rotate_half
@@ -245,10 +247,9 @@ class RankModel:
 
 
 # -- the command ------------------------------------------------------------------------------
-def run_cmd(model: Path, *, prompt: str, delay: float = 1, layout: Path | None = None, max_new_tokens: int = 32,
-            timeout: float = 60, stage3: Literal["sqrt", "one"] = "sqrt", latency_ms: float = 0,
-            dtype: Literal["float32", "bfloat16"] = "float32", device: Literal["cpu", "cuda"] = "cpu",
-            nproc: int = 0, threads: int = 0) -> int:
+def run_cmd(model: Path, *, prompt: str, delay: Delay = 1, layout: Path | None = None, max_new_tokens: Count = 40,
+            timeout: Seconds = 600, stage3: Stage3 = "sqrt", latency_ms: NonNegativeNumber = 0,
+            dtype: DType = "float32", device: Device = "auto", nproc: Count = 1, threads: NonNegativeInt = 0) -> int:
     """Greedy continuation of PROMPT with MODEL run as DTP across processes, one rank per device
     (start it with torchrun --nproc-per-node L, or pass --nproc L). Rank 0 prints the text.
 
@@ -262,23 +263,22 @@ def run_cmd(model: Path, *, prompt: str, delay: float = 1, layout: Path | None =
         stage3: own-partial scale for the last δ modules: sqrt (√L, the spec) or one
         latency_ms: extra latency per transfer, emulating a slower link
         dtype: weights and activations
-        device: cpu (gloo) or cuda (NCCL, one GPU per rank: cuda:LOCAL_RANK)
-        nproc: spawn this many local ranks instead of running under torchrun
+        device: auto (cuda if available, else cpu), cpu (gloo) or cuda (NCCL, one GPU per rank: cuda:LOCAL_RANK)
+        nproc: spawn this many local ranks; 1: this process is one rank of a torchrun
         threads: torch threads per rank (0: the cores divided by the local ranks, less two for the transfers)
     """
     from dtpshard.core.devices import DTYPES
 
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens={max_new_tokens}: must be at least 1")
-    if timeout <= 0:
-        raise UserError(f"timeout={timeout}: must be positive")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError("device=cuda but CUDA is not available")
+    if device.startswith("cuda:"):
+        raise UserError(f"--device {device}: each rank uses cuda:LOCAL_RANK; give --device cuda")
+    device = pick_device(device)
     if device == "cuda" and latency_ms:
         raise UserError("latency_ms emulates a link with host-side waits: only with device=cpu")
     kwargs = dict(model=model, prompt=prompt, delay=delay, layout=layout, max_new_tokens=max_new_tokens,
                   timeout=timeout, stage3=stage3, latency_ms=latency_ms, dtype=dtype, device=device, threads=threads)
-    if nproc and "RANK" not in os.environ:  # the launcher: refuse before spawning anything
+    if nproc > 1 and "RANK" not in os.environ:  # the launcher: refuse before spawning anything
         check_world(model, nproc, layout, delay)
         codes = launch_local(nproc, _run_rank, (kwargs,), grace=timeout)
         bad = [f"rank {r} exit {c}" for r, c in enumerate(codes) if c]

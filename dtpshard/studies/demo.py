@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dtpshard.core.vocab import Count, Device, NonNegativeInt, PositiveNumber
+
 
 def demo_config(model: Path, *, steps: int, seq_len: int, calibration_blocks: int, eval_blocks: int,
                 micro_batch: int, grad_accum: int, eval_every: int, lr: float, warmup: int, random_layouts: int,
@@ -44,10 +46,10 @@ def demo_config(model: Path, *, steps: int, seq_len: int, calibration_blocks: in
     }
 
 
-def demo_cmd(*, out: Path = Path("dtpshard-demo"), steps: int = 20, seq_len: int = 256, calibration_blocks: int = 8,
-             eval_blocks: int = 4, micro_batch: int = 2, grad_accum: int = 1, eval_every: int = 5, lr: float = 2e-4,
-             warmup: int = 3, random_layouts: int = 2, seeds: int = 1, device: str = "auto",
-             force: bool = False) -> int:
+def demo_cmd(*, out: Path = Path("dtpshard-demo"), steps: Count = 20, seq_len: Count = 256,
+             calibration_blocks: Count = 8, eval_blocks: Count = 4, micro_batch: Count = 2, grad_accum: Count = 1,
+             eval_every: Count = 5, lr: PositiveNumber = 2e-4, warmup: NonNegativeInt = 3, random_layouts: Count = 2,
+             seeds: NonNegativeInt = 1, device: Device = "auto", force: bool = False) -> int:
     """The README's main job: affinity, optimised / contiguous / random / anti layouts with their J and
     zero-shot KL, a short distillation of optimised against contiguous, and the report, on
     SmolLM2-135M-Instruct (L = 3, δ = 1, offline corpus), aimed at about 15 minutes on an idle 2-core CPU.
@@ -66,7 +68,7 @@ def demo_cmd(*, out: Path = Path("dtpshard-demo"), steps: int = 20, seq_len: int
         warmup: warm-up steps
         random_layouts: random layouts scored (J and zero-shot KL)
         seeds: training seeds per distilled arm (optimised and contiguous)
-        device: cpu, cuda, or auto
+        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         force: start over a demo directory made with other settings
     """
     from dtpshard.studies.experiment import check_config, run_experiment

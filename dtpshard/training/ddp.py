@@ -4,7 +4,7 @@ Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* in the environment) each pro
 group directly. `--nproc K` spawns K processes on 127.0.0.1 itself; when one of them fails the
 others are terminated and the run ends with that rank's one-line error, never a hang. The
 group's timeout bounds every collective, so a rank that dies outside either launcher still
-ends the others after --dist-timeout seconds. Backend: NCCL on CUDA, gloo on CPU.
+ends the others after --timeout seconds. Backend: NCCL on CUDA, gloo on CPU.
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def setup(cfg: Any) -> Dist:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=cfg.dist_timeout))
+                                timeout=timedelta(seconds=cfg.timeout))
     return Dist(rank, world, local, device)
 
 

@@ -21,17 +21,19 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.vocab import (Beta, Count, Delay, Device, Fraction, NonNegativeInt, NonNegativeNumber, PositiveNumber,
+                                 Seconds, Seed, Stage3)
 
 FORMAT = "dtpshard.distill/1"
 FROZEN = ("model.embed_tokens.weight", "lm_head.weight")
 # Settings that do not change what is computed: a resumed run may change them.
-OPERATIONAL = ("out", "force", "progress", "checkpoint_every", "checkpoint_minutes", "nproc", "dist_timeout",
+OPERATIONAL = ("out", "force", "progress", "checkpoint_every", "checkpoint_minutes", "nproc", "timeout",
                "eval_micro_batch", "grad_checkpointing", "compile", "device", "text", "eval_text", "layout")
 DERIVED_COMPARED = ("model", "layout_sha256", "world_size", "device_type", "train_data_sha256", "eval_data_sha256")
 CRASH_ENV = "DTPSHARD_CRASH"  # tests only: "step:K", "checkpoint:K" or "eval:K", optionally "@RANK"
@@ -39,42 +41,82 @@ CRASH_ENV = "DTPSHARD_CRASH"  # tests only: "step:K", "checkpoint:K" or "eval:K"
 
 @dataclass
 class DistillConfig:
-    """Every part of the recipe; the defaults are the paper's (spec section 4)."""
+    """Every part of the recipe; the defaults are the paper's (docs/design.md §4). Each field is a
+    flag of `dtpshard distill` and a key of an experiment's [training] table.
+
+    Args:
+        teacher: the dense Hugging Face checkpoint directory
+        out: the run directory (created; an existing one is resumed if its settings match)
+        layout: layout JSON (dtpshard.layout/1) to permute the student by; none: contiguous
+        devices: L; default the layout's, else 4
+        delay: δ in modules; default the layout's, else 1
+        stage3: own-partial scale of the last δ modules: sqrt (√L, the paper's) or one
+        steps: optimizer steps
+        seq_len: tokens per sequence (blocks hold seq_len + 1 tokens)
+        micro_batch: sequences per forward pass (per process)
+        grad_accum: micro-batches accumulated per optimizer step
+        lr: peak learning rate (AdamW)
+        warmup: linear warm-up steps
+        min_lr_ratio: the cosine decay ends at this fraction of --lr
+        weight_decay: AdamW weight decay (matrices only; norms are never decayed)
+        adam_beta1: AdamW β1
+        adam_beta2: AdamW β2
+        clip: gradient-norm clip (0: none)
+        ce_weight: weight of the next-token cross-entropy added to the KL
+        eval_every: evaluate every this many steps (and at step 0 and at the end)
+        eval_blocks: held-out evaluation blocks of seq_len + 1 tokens
+        eval_micro_batch: blocks per evaluation forward pass (default: --micro-batch)
+        text: local text/JSONL/parquet training files (their held-out share is never trained on)
+        dataset: Hugging Face training dataset (online); default fineweb-edu where reachable, else the offline corpus
+        eval_text: local evaluation files (their held-out share is used)
+        eval_dataset: Hugging Face evaluation dataset; default wikitext-2 test where reachable, else the offline corpus
+        seed: data-order seed
+        grad_checkpointing: recompute each module's activations in backward (less memory)
+        compile: torch.compile the student
+        autocast: bf16 autocast on CUDA with fp32 master weights (ignored on CPU)
+        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
+        checkpoint_every: write a checkpoint every this many steps
+        checkpoint_minutes: and whenever this many minutes passed since the last one
+        nproc: data-parallel processes to spawn on this machine (gloo on CPU, NCCL on GPUs); 1: this one
+        timeout: seconds a process waits for the others before the run fails
+        progress: show a progress bar with ETA
+        force: start over a run directory that was made with different settings
+    """
 
     teacher: Path
     out: Path
     layout: Path | None = None
-    devices: int | None = None  # None: the layout's, else 4
-    delay: float | None = None  # None: the layout's, else 1
-    stage3: str = "sqrt"
-    steps: int = 1000
-    seq_len: int = 1024
-    micro_batch: int = 4
-    grad_accum: int = 4
-    lr: float = 5e-5
-    warmup: int = 100
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    clip: float = 1.0
-    ce_weight: float = 0.1
-    eval_every: int = 100
-    eval_blocks: int = 16
-    eval_micro_batch: int | None = None
+    devices: Count | None = None  # None: the layout's, else 4
+    delay: Delay | None = None  # None: the layout's, else 1
+    stage3: Stage3 = "sqrt"
+    steps: Count = 1000
+    seq_len: Count = 1024
+    micro_batch: Count = 4
+    grad_accum: Count = 4
+    lr: PositiveNumber = 5e-5
+    warmup: NonNegativeInt = 100
+    min_lr_ratio: Fraction = 0.1
+    weight_decay: NonNegativeNumber = 0.0
+    adam_beta1: Beta = 0.9
+    adam_beta2: Beta = 0.95
+    clip: NonNegativeNumber = 1.0
+    ce_weight: NonNegativeNumber = 0.1
+    eval_every: Count = 100
+    eval_blocks: Count = 16
+    eval_micro_batch: Count | None = None
     text: list[str] | None = None
     dataset: str | None = None
     eval_text: list[str] | None = None
     eval_dataset: str | None = None
-    seed: int = 0
+    seed: Seed = 0
     grad_checkpointing: bool = False
     compile: bool = False
     autocast: bool = True
-    device: str = "auto"
-    checkpoint_every: int = 100
-    checkpoint_minutes: float = 30.0
-    nproc: int = 1
-    dist_timeout: float = 600.0
+    device: Device = "auto"
+    checkpoint_every: Count = 100
+    checkpoint_minutes: PositiveNumber = 30.0
+    nproc: Count = 1
+    timeout: Seconds = 600.0
     progress: bool = True
     force: bool = False
 
@@ -226,16 +268,7 @@ def distill(cfg: DistillConfig) -> Path:
 
 
 # -- `dtpshard distill` --------------------------------------------------------------------------
-def distill_cmd(teacher: Path, *, out: Path, layout: Path | None = None, devices: int | None = None,
-                delay: float | None = None, stage3: Literal["sqrt", "one"] = "sqrt", steps: int = 1000,
-                seq_len: int = 1024, micro_batch: int = 4, grad_accum: int = 4, lr: float = 5e-5,
-                warmup: int = 100, min_lr_ratio: float = 0.1, weight_decay: float = 0.0, adam_beta1: float = 0.9,
-                adam_beta2: float = 0.95, clip: float = 1.0, ce_weight: float = 0.1, eval_every: int = 100,
-                eval_blocks: int = 16, eval_micro_batch: int | None = None, text: list[str] | None = None,
-                dataset: str | None = None, eval_text: list[str] | None = None, eval_dataset: str | None = None,
-                seed: int = 0, grad_checkpointing: bool = False, compile: bool = False, autocast: bool = True,
-                device: str = "auto", checkpoint_every: int = 100, checkpoint_minutes: float = 30.0,
-                nproc: int = 1, dist_timeout: float = 600.0, progress: bool = True, force: bool = False) -> int:
+def distill_cmd(teacher: Path, cfg: DistillConfig) -> int:
     """Distil the DTP student of TEACHER (L devices, delay δ, permuted by --layout) into the run
     directory --out: config.json, metrics.jsonl, checkpoints, final/ (the student) and DONE.
     Rerunning the same command on an interrupted run resumes it. Data-parallel: --nproc K, or
@@ -243,44 +276,9 @@ def distill_cmd(teacher: Path, *, out: Path, layout: Path | None = None, devices
 
     Args:
         teacher: the dense Hugging Face checkpoint directory
-        out: the run directory (created; an existing one is resumed if its settings match)
-        layout: layout JSON (dtpshard.layout/1) to permute the student by; none: contiguous
-        devices: L; default the layout's, else 4
-        delay: δ in modules; default the layout's, else 1
-        stage3: own-partial scale of the last δ modules: sqrt (√L, the spec) or one
-        steps: optimizer steps
-        seq_len: tokens per sequence (blocks hold seq_len + 1 tokens)
-        micro_batch: sequences per forward pass (per process)
-        grad_accum: micro-batches accumulated per optimizer step
-        lr: peak learning rate (AdamW)
-        warmup: linear warm-up steps
-        min_lr_ratio: the cosine decay ends at this fraction of --lr
-        weight_decay: AdamW weight decay (matrices only; norms are never decayed)
-        adam_beta1: AdamW β1
-        adam_beta2: AdamW β2
-        clip: gradient-norm clip (0: none)
-        ce_weight: weight of the next-token cross-entropy added to the KL
-        eval_every: evaluate every this many steps (and at step 0 and at the end)
-        eval_blocks: held-out evaluation blocks of seq_len + 1 tokens
-        eval_micro_batch: blocks per evaluation forward pass (default: --micro-batch)
-        text: local text/JSONL/parquet training files (their held-out share is never trained on)
-        dataset: Hugging Face training dataset (online); default fineweb-edu where reachable, else the offline corpus
-        eval_text: local evaluation files (their held-out share is used)
-        eval_dataset: Hugging Face evaluation dataset; default wikitext-2 test where reachable, else the offline corpus
-        seed: data-order seed
-        grad_checkpointing: recompute each module's activations in backward (less memory)
-        compile: torch.compile the student
-        autocast: bf16 autocast on CUDA with fp32 master weights (ignored on CPU)
-        device: cpu, cuda, or auto
-        checkpoint_every: write a checkpoint every this many steps
-        checkpoint_minutes: and whenever this many minutes passed since the last one
-        nproc: data-parallel processes to spawn on this machine (gloo on CPU, NCCL on GPUs)
-        dist_timeout: seconds a process waits for the others before the run fails
-        progress: show a progress bar with ETA
-        force: start over a run directory that was made with different settings
+        cfg: the recipe; every DistillConfig field is a flag
     """
-    cfg = DistillConfig(**{k: v for k, v in locals().items()})
-    run = distill(cfg)
+    run = distill(dataclasses.replace(cfg, teacher=Path(teacher)))
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"student: {run / 'final'}  metrics: {run / 'metrics.jsonl'}")
     return 0

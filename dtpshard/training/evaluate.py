@@ -11,11 +11,12 @@ import math
 import sys
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.vocab import Count, Delay, Device, Stage3
 from dtpshard.training.losses import kl_ce_sums
 
 
@@ -101,10 +102,10 @@ def eval_blocks_for(model: Path, text: list[str] | None = None, dataset: str | N
 
 
 # -- `dtpshard eval` ---------------------------------------------------------------------------
-def eval_cmd(model: Path, *, devices: int | None = None, delay: float | None = None, layout: Path | None = None,
+def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None = None, layout: Path | None = None,
              teacher: Path | None = None, text: list[str] | None = None, dataset: str | None = None,
-             blocks: int = 16, seq_len: int = 1024, micro_batch: int = 4,
-             stage3: Literal["sqrt", "one"] | None = None, device: str = "auto", autocast: bool = True,
+             blocks: Count = 16, seq_len: Count = 1024, micro_batch: Count = 4,
+             stage3: Stage3 | None = None, device: Device = "auto", autocast: bool = True,
              json: bool = False) -> int:
     """Perplexity of MODEL run as L devices with delay δ and, with --teacher, KL(teacher ‖ model) in
     nats per token, on held-out evaluation blocks (never the calibration or training blocks).
@@ -121,7 +122,7 @@ def eval_cmd(model: Path, *, devices: int | None = None, delay: float | None = N
         seq_len: positions per block (the models read seq_len tokens)
         micro_batch: blocks per forward pass
         stage3: own-partial scale of the last δ modules: sqrt (√L, the spec) or one
-        device: cpu, cuda, or auto
+        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         autocast: bf16 autocast on CUDA (ignored on CPU)
         json: print one JSON object {kl, ppl, tokens, ...} instead of text
     """
