@@ -1,92 +1,166 @@
-"""The experiment config (see experiment.py for its keys): read TOML or YAML, check every key.
-
-An unknown key or a bad value is refused in one line that names the key (``training.lr``,
-``arms[2].kind``), before anything is computed or written. The [training] keys are the fields
-of `dtpshard.distill.DistillConfig` that an experiment does not set itself, checked against the
-field types and then by distill's own range checks.
+"""The experiment config (see experiment.py for its keys): read TOML or YAML, checked against
+the dataclasses below and `DistillConfig` (its [training] table), whose types (dtpshard.core.vocab)
+say what each key takes. An unknown key or a bad value is refused in one line that names the key
+(``training.lr``, ``arms[2].kind``), before anything is computed or written.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 import re
-import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.vocab import (OPTIMISING_KINDS, Count, Delay, Device, KvSearch, LayoutKind, Seed, Stage3,
+                                 parse_refusal)
 
 FORMAT = "dtpshard.experiment/1"
-KINDS = ("optimised", "contiguous", "random", "anti", "heads-only", "neurons-only")
-OPTIMISING = ("optimised", "anti", "heads-only", "neurons-only")
-TOP = {"model": str, "devices": int, "delay": float, "device": str, "stage3": str,
-       "calibration": dict, "evaluation": dict, "training": dict, "layouts": dict, "arms": list}
-CALIBRATION = {"text": list, "dataset": str, "blocks": int, "seq_len": int, "seed": int, "micro_batch": int}
-EVALUATION = {"text": list, "dataset": str, "blocks": int, "micro_batch": int}
-LAYOUTS = {"restarts": int, "kv_search": str, "max_sweeps": int}
-ARM = {"kind": str, "seeds": list, "layout_seeds": list, "layers": int, "name": str}
+OPTIMISING = OPTIMISING_KINDS
 # DistillConfig fields the experiment sets itself (per arm, or from the other sections)
 NOT_TRAINING = ("teacher", "out", "layout", "devices", "delay", "stage3", "seed", "force", "device",
                 "eval_blocks", "eval_text", "eval_dataset", "eval_micro_batch")
 
 
-def _type_ok(value: Any, want: Any) -> bool:
-    if want is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if want is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if want is list:
-        return isinstance(value, list)
-    return isinstance(value, want)
+@dataclass
+class Calibration:
+    """The affinity pass. text: files; dataset: a dataset name; neither: the offline corpus."""
+
+    text: list[str] | None = None
+    dataset: str | None = None
+    blocks: Count = 64
+    seq_len: Count = 1024
+    seed: Seed = 0
+    micro_batch: Count = 4
 
 
-def _name(want: Any) -> str:
-    return {float: "a number", int: "an integer", str: "a string", bool: "true or false", list: "a list",
-            dict: "a table"}.get(want, str(want))
+@dataclass
+class Evaluation:
+    """Held-out evaluation blocks (of the training seq_len + 1 tokens)."""
+
+    text: list[str] | None = None
+    dataset: str | None = None
+    blocks: Count = 16
+    micro_batch: Count | None = None
 
 
-def _check_table(table: Any, schema: dict[str, Any], where: str) -> dict[str, Any]:
-    if not isinstance(table, dict):
-        raise UserError(f"{where}: must be a table")
-    for key, value in table.items():
-        full = f"{where}.{key}" if where != "config" else key
-        if key not in schema:
-            raise UserError(f"unknown key {full!r} (known: {', '.join(sorted(schema))})")
-        if not _type_ok(value, schema[key]):
-            raise UserError(f"{full} = {value!r}: must be {_name(schema[key])}")
-    return dict(table)
+@dataclass
+class LayoutSearch:
+    """The optimiser's settings, shared by every optimised layout."""
+
+    restarts: Count = 1
+    kv_search: KvSearch = "assignment"
+    max_sweeps: Count = 20
 
 
-def _training_schema() -> dict[str, Any]:
+@dataclass
+class Arm:
+    """One arm: a layout family, its training seeds ([] scores it only), random layouts' seeds,
+    and for optimising kinds the number of optimised layers."""
+
+    kind: LayoutKind
+    seeds: list[Seed] = field(default_factory=lambda: [0])
+    layout_seeds: list[Seed] | None = None
+    layers: Count | None = None
+    name: str | None = None
+
+
+@dataclass
+class Experiment:
+    """The study; [training] holds DistillConfig fields and [[arms]] Arm tables."""
+
+    model: str
+    devices: Count = 4
+    delay: Delay = 1
+    device: Device = "auto"
+    stage3: Stage3 = "sqrt"
+    calibration: Calibration = field(default_factory=Calibration)
+    evaluation: Evaluation = field(default_factory=Evaluation)
+    layouts: LayoutSearch = field(default_factory=LayoutSearch)
+
+
+def _parser(cls: type, training: bool = False) -> Any:
+    from jsonargparse import ArgumentParser
+
     from dtpshard.training.distill import DistillConfig
 
-    hints = typing.get_type_hints(DistillConfig)
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(DistillConfig):
-        if f.name in NOT_TRAINING:
-            continue
-        tp = hints[f.name]
-        args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
-        base = typing.get_origin(args[0]) or args[0]
-        out[f.name] = {Path: str}.get(base, base)
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, nested_key=None)
+    if training:
+        parser.add_class_arguments(DistillConfig, "training", skip=set(NOT_TRAINING))
+    return parser
+
+
+def _known(cls: type) -> list[str]:
+    return [f.name for f in fields(cls)]
+
+
+def _lookup(raw: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        raw = raw.get(part) if isinstance(raw, dict) else None
+    return raw
+
+
+def _plain(v: Any) -> Any:  # the constrained numbers as plain int/float, for config.json
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    if isinstance(v, bool) or v is None or isinstance(v, str):
+        return v
+    return int(v) if isinstance(v, int) else float(v) if isinstance(v, float) else v
+
+
+def _check_keys(table: Any, known: list[str], where: str, tables: tuple[str, ...] = ()) -> dict[str, Any]:
+    if not isinstance(table, dict):
+        raise UserError(f"{where} = {table!r}: must be a table")
+    prefix = "" if where == "config" else where + "."
+    for key, value in table.items():
+        if key not in known:
+            raise UserError(f"unknown key {prefix + key!r} (known: {', '.join(sorted(known))})")
+        if key in tables and not isinstance(value, dict):
+            raise UserError(f"{prefix + key} = {value!r}: must be a table")
+        if isinstance(value, float) and value != value:
+            raise UserError(f"{prefix + key} = nan: must be a number")
+    return table
+
+
+def _validate(parser: Any, raw: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """raw checked by jsonargparse against the dataclasses' types -> the values with defaults filled in."""
+    for key, value in _flat(raw):  # JSON true is not a count, 2.5 is not a count of steps
+        if (isinstance(value, bool) and _type_of(parser, key) not in (bool, None)) or \
+                (isinstance(value, float) and _type_of(parser, key) is int):
+            raise UserError(f"{where}{key} = {value!r}: must be an integer")
+    try:
+        ns = parser.parse_object(raw)
+    except Exception as e:  # noqa: BLE001 -- jsonargparse's error, in one line naming the key
+        key, reason = parse_refusal(str(e))
+        if key is None:
+            raise UserError(f"{where.rstrip('.') or 'config'}: {reason}") from None
+        raise UserError(f"{where}{key} = {_lookup(raw, key)!r}: {reason}") from None
+    return _plain(ns.as_dict())
+
+
+def _flat(raw: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for k, v in raw.items():
+        out += _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
     return out
 
 
-def _positive(value: int, key: str, low: int = 1) -> None:
-    if value < low:
-        raise UserError(f"{key} = {value}: must be at least {low}")
+def _type_of(parser: Any, key: str) -> Any:
+    import typing
 
-
-def _int_list(value: Any, key: str) -> list[int]:
-    if not isinstance(value, list) or not all(_type_ok(v, int) and v >= 0 for v in value):
-        raise UserError(f"{key} = {value!r}: must be a list of integers >= 0")
-    if len(set(value)) != len(value):
-        raise UserError(f"{key} = {value!r}: repeats a seed")
-    return list(value)
+    for action in parser._actions:
+        if action.dest == key:
+            hint = getattr(action, "_typehint", None)
+            args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+            base = args[0]
+            return int if isinstance(base, type) and issubclass(base, int) and base is not bool else base
+    return None
 
 
 def _text_list(value: Any, key: str) -> None:
-    if value is not None and not (value and all(isinstance(v, str) for v in value)):
+    if value is not None and not value:
         raise UserError(f"{key} = {value!r}: must be a non-empty list of file paths")
 
 
@@ -94,47 +168,32 @@ def check_config(raw: Any) -> dict[str, Any]:
     """The validated config with its defaults filled in; one line naming the key if anything is wrong."""
     from dtpshard.training.distill import DistillConfig, check_config as check_distill
 
-    cfg = _check_table(raw, TOP, "config")
+    raw = _check_keys(raw, _known(Experiment) + ["training", "arms"], "config",
+                      tables=("calibration", "evaluation", "layouts", "training"))
     for key in ("model", "arms"):
-        if key not in cfg:
+        if key not in raw:
             raise UserError(f"missing key {key!r}")
-    cfg.setdefault("devices", 4)
-    cfg.setdefault("delay", 1)
-    cfg.setdefault("device", "auto")
-    cfg.setdefault("stage3", "sqrt")
-    _positive(cfg["devices"], "devices")
-    if cfg["delay"] < 0:
-        raise UserError(f"delay = {cfg['delay']}: must be >= 0")
-    if cfg["stage3"] not in ("sqrt", "one"):
-        raise UserError(f"stage3 = {cfg['stage3']!r}: must be 'sqrt' or 'one'")
-    cal = _check_table(cfg.get("calibration", {}), CALIBRATION, "calibration")
-    cal = {"text": None, "dataset": None, "blocks": 64, "seq_len": 1024, "seed": 0, "micro_batch": 4, **cal}
-    ev = _check_table(cfg.get("evaluation", {}), EVALUATION, "evaluation")
-    ev = {"text": None, "dataset": None, "blocks": 16, "micro_batch": None, **ev}
-    lay = _check_table(cfg.get("layouts", {}), LAYOUTS, "layouts")
-    lay = {"restarts": 1, "kv_search": "assignment", "max_sweeps": 20, **lay}
-    for where, table, keys in (("calibration", cal, ("blocks", "seq_len", "micro_batch")),
-                               ("evaluation", ev, ("blocks", "micro_batch")),
-                               ("layouts", lay, ("restarts", "max_sweeps"))):
-        for k in keys:
-            if table[k] is not None:
-                _positive(table[k], f"{where}.{k}")
-        if where != "layouts":
-            _text_list(table["text"], f"{where}.text")
-            if table["text"] is not None and table["dataset"] is not None:
-                raise UserError(f"{where}: give text or dataset, not both")
-    if lay["kv_search"] not in ("assignment", "exhaustive"):
-        raise UserError(f"layouts.kv_search = {lay['kv_search']!r}: must be 'assignment' or 'exhaustive'")
-    train = _check_table(cfg.get("training", {}), _training_schema(), "training")
+    sections = {"calibration": Calibration, "evaluation": Evaluation, "layouts": LayoutSearch}
+    for name, cls in sections.items():
+        _check_keys(raw.get(name, {}), _known(cls), name)
+    given_training = _check_keys(raw.get("training", {}), [f.name for f in fields(DistillConfig)
+                                                           if f.name not in NOT_TRAINING], "training")
+    cfg = _validate(_parser(Experiment, training=True), {k: v for k, v in raw.items() if k != "arms"})
+    if float(cfg["delay"]).is_integer():
+        cfg["delay"] = int(cfg["delay"])
+    cal, ev = cfg["calibration"], cfg["evaluation"]
+    for where, table in (("calibration", cal), ("evaluation", ev)):
+        _text_list(table["text"], f"{where}.text")
+        if table["text"] is not None and table["dataset"] is not None:
+            raise UserError(f"{where}: give text or dataset, not both")
+    train = {k: v for k, v in cfg["training"].items() if k in given_training}  # config.json: what was given
     _text_list(train.get("text"), "training.text")
     if "text" not in train and "dataset" not in train:  # train on the calibration source by default
         train["text"], train["dataset"] = cal["text"], cal["dataset"]
-    try:
-        check_distill(DistillConfig(teacher=Path("."), out=Path("."), **train))
-    except UserError as e:  # the distill check names flags; name the config key instead
-        raise UserError(re.sub(r"--([\w-]+)", lambda m: "training." + m.group(1).replace("-", "_"), str(e))) from None
-    cfg.update(calibration=cal, evaluation=ev, layouts=lay, training=train,
-               arms=[_check_arm(a, i) for i, a in enumerate(cfg["arms"])])
+    check_distill(DistillConfig(teacher=Path("."), out=Path("."), **train))
+    if not isinstance(raw["arms"], list):
+        raise UserError(f"arms = {raw['arms']!r}: must be a list of tables")
+    cfg.update(training=train, arms=[_check_arm(a, i) for i, a in enumerate(raw["arms"])])
     if not cfg["arms"]:
         raise UserError("arms = []: give at least one arm")
     names = [layout["name"] for arm in cfg["arms"] for layout in arm["layouts"]]
@@ -144,30 +203,29 @@ def check_config(raw: Any) -> dict[str, Any]:
     return cfg
 
 
-def _check_arm(arm: Any, i: int) -> dict[str, Any]:
+def _check_arm(raw: Any, i: int) -> dict[str, Any]:
     where = f"arms[{i}]"
-    arm = _check_table(arm, ARM, where)
-    kind = arm.get("kind")
-    if kind not in KINDS:
-        raise UserError(f"{where}.kind = {kind!r}: must be one of {', '.join(KINDS)}")
-    seeds = _int_list(arm.get("seeds", [0]), f"{where}.seeds")
-    if "layout_seeds" in arm and kind != "random":
+    _check_keys(raw, _known(Arm), where)
+    arm = _validate(_parser(Arm), raw, where + ".")
+    kind = arm["kind"]
+    for key in ("seeds", "layout_seeds"):
+        if arm[key] is not None and len(set(arm[key])) != len(arm[key]):
+            raise UserError(f"{where}.{key} = {arm[key]!r}: repeats a seed")
+    if "layout_seeds" in raw and kind != "random":
         raise UserError(f"{where}.layout_seeds: only random arms have layout seeds")
-    if "layers" in arm:
-        if kind not in OPTIMISING:
-            raise UserError(f"{where}.layers: only optimising kinds ({', '.join(OPTIMISING)}) take layers")
-        _positive(arm["layers"], f"{where}.layers")
-    base = arm.get("name") or (kind if "layers" not in arm else f"{kind}-layers-{arm['layers']}")
+    if arm["layers"] is not None and kind not in OPTIMISING:
+        raise UserError(f"{where}.layers: only optimising kinds ({', '.join(OPTIMISING)}) take layers")
+    base = arm["name"] or (kind if arm["layers"] is None else f"{kind}-layers-{arm['layers']}")
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", base):
         raise UserError(f"{where}.name = {base!r}: use letters, digits, '.', '_' and '-' only")
     if kind == "random":
-        layout_seeds = _int_list(arm.get("layout_seeds", [0]), f"{where}.layout_seeds")
+        layout_seeds = arm["layout_seeds"] if arm["layout_seeds"] is not None else [0]
         if not layout_seeds:
             raise UserError(f"{where}.layout_seeds = []: give at least one")
         layouts = [{"name": f"{base}-{s}", "kind": kind, "seed": s, "layers": None} for s in layout_seeds]
     else:
-        layouts = [{"name": base, "kind": kind, "seed": 0, "layers": arm.get("layers")}]
-    return {"kind": kind, "seeds": seeds, "layouts": layouts}
+        layouts = [{"name": base, "kind": kind, "seed": 0, "layers": arm["layers"]}]
+    return {"kind": kind, "seeds": arm["seeds"], "layouts": layouts}
 
 
 def load_config(path: Path) -> dict[str, Any]:

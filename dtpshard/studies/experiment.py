@@ -103,7 +103,7 @@ def _affinity(cfg: dict[str, Any], model: Path, out: Path) -> Path:
 
     cal = cfg["calibration"]
     _say(f"affinity: {cal['blocks']} blocks x {cal['seq_len']} tokens")
-    affinity_cmd(model, path, text=cal["text"], dataset=cal["dataset"], blocks=cal["blocks"], seq_len=cal["seq_len"],
+    affinity_cmd(model, out=path, text=cal["text"], dataset=cal["dataset"], blocks=cal["blocks"], seq_len=cal["seq_len"],
                  delay=cfg["delay"], seed=cal["seed"], micro_batch=cal["micro_batch"], device=cfg["device"],
                  progress=cfg["training"].get("progress", True))
     return path
@@ -219,16 +219,16 @@ def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False) -> Path:
     return report
 
 
-def experiment_cmd(config: Path, *, out: Path, force: bool = False) -> int:
-    """Run a whole study from CONFIG (TOML or YAML): affinity once, every layout once with its J and
+def experiment_cmd(study: Path, *, out: Path, force: bool = False) -> int:
+    """Run a whole study from STUDY (TOML or YAML): affinity once, every layout once with its J and
     zero-shot KL, every arm distilled, then the report. Rerun the same command to resume.
 
     Args:
-        config: the study's config file (.toml, or .yaml/.yml); see dtpshard/configs/ for the paper's
+        study: the study's config file (.toml, or .yaml/.yml); see dtpshard/configs/ for the paper's
         out: the experiment directory (created; an existing one is resumed if its config matches)
         force: start over an experiment directory that was made with another config
     """
-    cfg = load_config(config)
+    cfg = load_config(study)
     run_experiment(cfg, out, force)
     print(f"report: {Path(out) / 'report.md'}", file=sys.stderr)
     return 0
