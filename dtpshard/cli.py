@@ -55,11 +55,13 @@ def build_parser(name: str, fn: Callable) -> Any:
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     class Parser(ArgumentParser):
+        argv: list[str] = []  # the command line being parsed, to quote a refused value as typed
+
         def format_help(self) -> str:  # flags as typed: dashes, not the parameter names' underscores
             return _dashed(super().format_help())
 
         def error(self, message: str, ex: Exception | None = None) -> typing.NoReturn:
-            raise Refused(_one_line(message, [a.dest for a in self._actions if not a.option_strings]))
+            raise Refused(_one_line(message, [a.dest for a in self._actions if not a.option_strings], self.argv))
 
     doc = (inspect.getdoc(fn) or "").split("Args:")[0].strip()
     parser = Parser(prog=f"dtpshard {name}", description=doc, exit_on_error=False)
@@ -73,7 +75,7 @@ def build_parser(name: str, fn: Callable) -> Any:
     return parser
 
 
-def _one_line(message: str, positionals: typing.Collection[str] = ()) -> str:
+def _one_line(message: str, positionals: typing.Collection[str] = (), argv: typing.Sequence[str] = ()) -> str:
     from dtpshard.core.vocab import parse_refusal
 
     missing = re.search(r"arguments are required: (.+)", message)
@@ -86,12 +88,20 @@ def _one_line(message: str, positionals: typing.Collection[str] = ()) -> str:
     key, reason = parse_refusal(message)
     if key is None:
         return _dashed(reason)
-    given = re.search(r"(?:Given|Got) value: (.+)", message)
-    value = given.group(1).strip() if given else None
-    if value is None:
-        m = re.search(r"Not of type \w+: (\S+) does not", message)
-        value = m.group(1) if m else None
+    value = _typed_value(argv, key)
+    if value is None:  # from a --config file: what jsonargparse says it got
+        given = re.search(r"(?:Given|Got) value: (.+)|Not of type \w+: (\S+) does not|: '(.+)'$", message)
+        value = next((g for g in given.groups() if g), None) if given else None
     return f"{_flag_of(key)}{'' if value is None else ' ' + value}: {reason}"
+
+
+def _typed_value(argv: typing.Sequence[str], key: str) -> str | None:
+    """The value the command line gave `key` last (argv as normalised: `--key=value` or `--key value`)."""
+    for i in range(len(argv) - 1, -1, -1):
+        flag, eq, value = argv[i].partition("=")
+        if flag == f"--{key}":
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
 
 
 def _flag_of(key: str) -> str:
@@ -148,11 +158,12 @@ def parse(name: str, fn: Callable, argv: list[str]) -> dict[str, Any]:
     """The keyword arguments of `fn` for a command line; raises Refused with one line."""
     parser = build_parser(name, fn)
     try:
-        ns = parser.parse_args(_normalise(argv, parser))
+        argv = parser.argv = _normalise(argv, parser)
+        ns = parser.parse_args(argv)
     except Refused:
         raise
     except Exception as e:  # noqa: BLE001 -- jsonargparse's ArgumentError and friends: one line
-        raise Refused(_one_line(str(e), [a.dest for a in parser._actions if not a.option_strings])) from None
+        raise Refused(_one_line(str(e), [a.dest for a in parser._actions if not a.option_strings], argv)) from None
     values = {k: _plain(v) for k, v in ns.as_dict().items() if k not in ("config", "__path__")}
     values.pop("print_config", None)
     kwargs = {k: values.pop(k) for k in list(values) if k in inspect.signature(fn).parameters}

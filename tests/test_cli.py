@@ -1,0 +1,106 @@
+"""The command line: every numeric and enum flag of every command is checked while parsing (one
+line naming the flag, exit 2, before any work), --config files with overrides, --version, --help."""
+import subprocess
+import sys
+import typing
+
+import pytest
+
+from dtpshard import cli
+from dtpshard.core import vocab
+
+# a value each constrained type refuses
+BAD = {"Count": "0", "NonNegativeInt": "-1", "Seed": "-1", "PositiveNumber": "nan", "NonNegativeNumber": "-1",
+       "ClosedUnitInterval": "1.5", "Beta": "1", "Device": "tpu", "bool": "maybe"}
+# positional arguments and required flags, so that only the flag under test is wrong
+REQUIRED = {"generate": ["m", "--prompt", "x"], "layout": ["a", "--out", "o"], "permute": ["m", "l", "--out", "o"],
+            "score": ["a", "l"], "affinity": ["m", "--out", "o"], "eval": ["m"], "distill": ["t", "--out", "o"],
+            "experiment": ["s", "--out", "o"], "report": ["d"], "demo": [], "run": ["m", "--prompt", "x"]}
+
+
+def _base(hint):
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if typing.get_origin(hint) in (typing.Union, __import__("types").UnionType) and args else hint
+
+
+def _flags():
+    for name in cli.COMMANDS:
+        parser = cli.build_parser(name, cli.load_command(name))
+        for action in parser._actions:
+            hint = _base(getattr(action, "_typehint", None))
+            if not action.option_strings or hint is None:
+                continue
+            yield name, action.dest, hint
+
+
+FLAGS = list(_flags())
+
+
+def _bad_value(hint):
+    if typing.get_origin(hint) is typing.Literal:
+        return "nope"
+    return BAD.get(getattr(hint, "__name__", ""))
+
+
+def test_every_numeric_and_enum_flag_is_constrained():
+    loose = [f"{c} --{d}" for c, d, h in FLAGS if h in (int, float)]
+    assert not loose, f"plain int/float flags accept anything (nan, -1): {loose}"
+
+
+@pytest.mark.parametrize("command,dest,hint", [f for f in FLAGS if _bad_value(f[2]) is not None],
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_flag_value_is_refused_while_parsing(command, dest, hint, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the positional paths do not exist: any work would fail otherwise
+    flag = "--" + dest.replace("_", "-")
+    value = _bad_value(hint)
+    assert cli.main([command, *REQUIRED[command], f"{flag}={value}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"dtpshard {command}: error: {flag} {value}: must"), err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["generate", "m", "--prompt", "x", "--device", "tpu"], "--device tpu: must be auto, cpu, cuda or cuda:N"),
+    (["layout", "a", "--out", "o", "--kind", "random", "--seed", "-1"], "--seed -1: must be an integer >= 0"),
+    (["run", "m", "--prompt", "x", "--timeout", "nan"], "--timeout nan: must be a finite number > 0"),
+    (["run", "m", "--prompt", "x", "--threads", "-1"], "--threads -1: must be an integer >= 0"),
+    (["distill", "t", "--out", "o", "--timeout", "nan"], "--timeout nan: must be a finite number > 0"),
+    (["distill", "t", "--out", "o", "--steps", "2.5"], "--steps 2.5: must be an integer >= 1"),
+    (["layout", "a", "--out", "o", "--kind", "best"], "--kind best: must be one of optimised, contiguous"),
+    (["generate", "m"], "missing --prompt"),
+    (["generate", "--prompt", "x"], "missing MODEL"),
+    (["score", "a", "l", "--colour", "red"], "unknown argument --colour"),
+])
+def test_refusals_named(args, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+
+
+def test_config_file_with_overrides(tmp_path):
+    cfg = tmp_path / "distill.yaml"
+    cfg.write_text("out: run\nsteps: 7\nlr: 0.001\ntext: [a.txt, b.txt]\nprogress: false\n")
+    fn = cli.load_command("distill")
+    got = cli.parse("distill", fn, ["teacher", "--config", str(cfg), "--steps", "9"])["cfg"]
+    assert (got.steps, got.lr, got.text, got.progress, str(got.out)) == (9, 0.001, ["a.txt", "b.txt"], False, "run")
+    assert type(got.steps) is int  # plain values: config.json and YAML dumps stay as they were
+    cfg.write_text("steps: 0\n")
+    with pytest.raises(cli.Refused, match="--steps 0: must be an integer >= 1"):
+        cli.parse("distill", fn, ["teacher", "--out", "o", "--config", str(cfg)])
+
+
+def test_flag_spellings(tmp_path):
+    fn = cli.load_command("affinity")
+    got = cli.parse("affinity", fn, ["m", "--out", "o", "--seq-len", "8", "--text", "a", "b", "--no-progress",
+                                     "--group-unit"])
+    assert (got["seq_len"], got["text"], got["progress"], got["group_unit"]) == (8, ["a", "b"], False, True)
+
+
+def test_version_help_and_module_entry_point():
+    out = subprocess.run([sys.executable, "-m", "dtpshard", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("dtpshard ")
+    probe = ("import sys; from dtpshard import cli; cli.main(['--help']); cli.main(['score', '--help']);"
+             "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("False"), out.stderr  # help imports no torch
+    assert "--json" in out.stdout and "default: False" in out.stdout and "required" in out.stdout
