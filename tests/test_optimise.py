@@ -240,5 +240,11 @@ def test_delay_zero_has_no_edges_and_kinds_are_checked():
         optimise_layout(aff, 4, 2)
     with pytest.raises(UserError, match="kind"):
         optimise_layout(aff, 4, 1, "best")
+    with pytest.raises(UserError, match="kind 'random'"):  # contiguous and random are made, not optimised
+        optimise_layout(aff, 4, 1, "random")
+    from dtpshard.layouts.make import make_layout
+
     with pytest.raises(UserError, match="--layers and --restarts"):
-        optimise_layout(aff, 4, 1, "random", restarts=2)
+        make_layout(aff.model, 4, 1, "random", affinity=aff, restarts=2)
+    scored = make_layout(aff.model, 4, 1, "contiguous", affinity=aff)
+    assert scored.is_identity() and scored.score["J"] == pytest.approx(colocated_score(aff, scored)["J"], rel=1e-12)

@@ -30,3 +30,39 @@ def test_no_module_imports_from_a_later_stage():
                 if stage not in ALLOWED[parts[0]]:
                     upward.append(f"{f.relative_to(PKG)}:{node.lineno} imports {node.module}")
     assert not upward, upward
+
+
+def _imports_anywhere() -> dict[str, set[str]]:
+    """module -> the dtpshard modules it imports, at the top or inside a function."""
+    names = {".".join(("dtpshard", *f.relative_to(PKG).with_suffix("").parts)).removesuffix(".__init__"): f
+             for f in PKG.rglob("*.py")}
+    graph = {}
+    for mod, f in names.items():
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            targets = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
+                       [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            if isinstance(node, ast.ImportFrom) and node.module:  # `from pkg import module`
+                targets += [f"{node.module}.{a.name}" for a in node.names]
+            deps |= {t for t in targets if t in names and t != mod and not names[t].name == "__init__.py"}
+        graph[mod] = deps
+    return graph
+
+
+def test_no_import_cycles_even_inside_functions():
+    graph = _imports_anywhere()
+    state, cycles = {}, []
+
+    def visit(m, path):
+        state[m] = "open"
+        for d in sorted(graph[m]):
+            if state.get(d) == "open":
+                cycles.append(" -> ".join(path[path.index(d):] + [d]))
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, cycles

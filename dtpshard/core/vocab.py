@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Literal, get_args
 
-from jsonargparse.typing import ClosedUnitInterval, NonNegativeInt, restricted_number_type, restricted_string_type
+from jsonargparse.typing import ClosedUnitInterval, NonNegativeInt, restricted_number_type, restricted_string_type  # noqa: F401
 
 # -- words ------------------------------------------------------------------------------------
 LayoutKind = Literal["optimised", "contiguous", "random", "anti", "heads-only", "neurons-only"]

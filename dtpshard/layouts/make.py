@@ -9,9 +9,11 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import Any
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout, check_divides
-from dtpshard.core.vocab import FIXED_KINDS, Count, Delay, KvSearch, LayoutKind, Seed
+from dtpshard.core.vocab import (FIXED_KINDS, LAYOUT_KINDS, OPTIMISING_KINDS, Count, Delay, KvSearch, LayoutKind,
+                                 Seed)
 
 
 def _shape_of_model_dir(path: Path) -> dict[str, int]:
@@ -29,6 +31,37 @@ def _describe(layout: Layout) -> str:
     return (f"{layout.kind} layout, L = {layout.devices}, delay {layout.delay}: J = {s['J']:.6f}{ratio}, "
             f"random expectation {s['random_expectation']:.4f} ({s['n_edges']} edges), "
             f"{s['seconds']:.2f} s{sweeps}")
+
+
+def make_layout(model: dict[str, int], devices: int, delay: float, kind: str, *, affinity: Any = None,
+                layers: int | None = None, restarts: int = 1, seed: int = 0, kv_search: str = "assignment",
+                max_sweeps: int = 20) -> Layout:
+    """A layout of any family: contiguous and random ones here (scored when an affinity is given),
+    the optimising families by dtpshard.layouts.optimise (they need the affinity)."""
+    if kind in OPTIMISING_KINDS:
+        if affinity is None:
+            raise UserError(f"kind {kind} optimises J and needs an affinity file")
+        from dtpshard.layouts.optimise import optimise_layout
+
+        return optimise_layout(affinity, devices, delay, kind, layers=layers, restarts=restarts, seed=seed,
+                               kv_search=kv_search, max_sweeps=max_sweeps)
+    if kind not in FIXED_KINDS:
+        raise UserError(f"kind {kind!r}: one of {', '.join(LAYOUT_KINDS)}")
+    if layers is not None or restarts != 1:
+        raise UserError(f"--layers and --restarts apply to optimised kinds, not {kind}")
+    t0 = time.perf_counter()
+    layout = (Layout.contiguous(model, devices, delay) if kind == "contiguous"
+              else Layout.random(model, devices, delay, seed=seed))
+    if affinity is None:
+        layout.score = {"kind": kind, "seconds": time.perf_counter() - t0}
+        return layout
+    from dtpshard.layouts.optimise import Problem, score_record
+    from dtpshard.layouts.score import layout_devices
+
+    problem = Problem.build(affinity, devices, delay)
+    layout.score = score_record(problem, layout_devices(layout), kind, time.perf_counter() - t0, [], 1, None,
+                                kv_search, None)
+    return layout
 
 
 def layout_cmd(source: Path, *, out: Path, devices: Count = 4, delay: Delay = 1.0, kind: LayoutKind = "optimised",
@@ -54,26 +87,21 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = 4, delay: Delay = 1.
     source = Path(source)
     if not source.exists():
         raise UserError(f"{source}: no such model directory or affinity file")
+    affinity = None
     if source.is_dir():
-        model = _shape_of_model_dir(source)
-        check_divides(model, devices, where=str(source))
         if kind not in FIXED_KINDS:
             raise UserError(f"--kind {kind} optimises J and needs an affinity file; {source} is a model "
                             "directory (run `dtpshard affinity` first)")
-        if layers is not None or restarts != 1:
-            raise UserError(f"--layers and --restarts apply to optimised kinds, not {kind}")
-        t0 = time.perf_counter()
-        layout = (Layout.contiguous(model, devices, delay) if kind == "contiguous"
-                  else Layout.random(model, devices, delay, seed=seed))
-        layout.score = {"kind": kind, "seconds": time.perf_counter() - t0}
+        model = _shape_of_model_dir(source)
     else:
         from dtpshard.affinity.file import Affinity
-        from dtpshard.layouts.optimise import optimise_layout
 
         affinity = Affinity.load(source)
-        check_divides(affinity.model, devices, where=str(source))
-        layout = optimise_layout(affinity, devices, delay, kind, layers=layers, restarts=restarts,
-                                 seed=seed, kv_search=kv_search, max_sweeps=max_sweeps)
+        model = affinity.model
+    check_divides(model, devices, where=str(source))
+    layout = make_layout(model, devices, delay, kind, affinity=affinity, layers=layers, restarts=restarts,
+                         seed=seed, kv_search=kv_search, max_sweeps=max_sweeps)
+    if affinity is not None:
         layout.score["affinity"] = str(source)
     layout.save(out)
     print(f"{_describe(layout)} -> {out}")

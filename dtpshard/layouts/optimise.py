@@ -12,20 +12,18 @@ from __future__ import annotations
 import functools
 import math
 import time
+from typing import Any
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 
 from dtpshard.affinity.file import Affinity, units
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout, check_divides
-from dtpshard.layouts.score import (Edge, Edges, layout_devices, normalised_edges, one_hot, perm_from_devices,
+from dtpshard.core.vocab import KV_SEARCHES, OPTIMISING_KINDS, KvSearch
+from dtpshard.layouts.score import (Edge, Edges, normalised_edges, one_hot, perm_from_devices,
                     score_devices)
 
-OPTIMISING_KINDS = ("optimised", "anti", "heads-only", "neurons-only")
-KINDS = ("optimised", "contiguous", "random") + OPTIMISING_KINDS[1:]
-KvSearch = Literal["assignment", "exhaustive"]
 MAX_PARTITIONS = 200_000  # the exhaustive KV search is the paper's 2520 for G=8, L=4
 
 
@@ -281,17 +279,18 @@ def to_layout(problem: Problem, devs: list[np.ndarray], kind: str, seed: int | N
 def optimise_layout(affinity: Affinity, devices: int, delay: float, kind: str = "optimised",
                     layers: int | None = None, restarts: int = 1, seed: int = 0,
                     kv_search: KvSearch = "assignment", max_sweeps: int = 20) -> Layout:
-    """A layout of family `kind`, scored; optimising kinds keep the best of `restarts` starts.
+    """A layout of optimising family `kind`, scored, the best of `restarts` starts (contiguous and
+    random layouts are made, and scored, by dtpshard.layouts.make.make_layout).
 
     The first start is contiguous (the paper's); later ones are random permutations of the
     optimised blocks, seeded by `seed`. `layers` = k restricts optimisation to k evenly spaced
     layers. The layout's `score` records J, its parts, the random expectation and the time.
     """
-    if kind not in KINDS:
-        raise UserError(f"kind {kind!r}: one of {', '.join(KINDS)}")
+    if kind not in OPTIMISING_KINDS:
+        raise UserError(f"kind {kind!r}: optimise_layout makes one of {', '.join(OPTIMISING_KINDS)}")
     if restarts < 1:
         raise UserError(f"--restarts {restarts}: must be at least 1")
-    if kv_search not in ("assignment", "exhaustive"):
+    if kv_search not in KV_SEARCHES:
         raise UserError(f"--kv-search {kv_search!r}: one of assignment, exhaustive")
     if max_sweeps < 1:
         raise UserError(f"--max-sweeps {max_sweeps}: must be at least 1")
@@ -303,28 +302,29 @@ def optimise_layout(affinity: Affinity, devices: int, delay: float, kind: str = 
     chosen = evenly_spaced_layers(n, layers) if layers is not None else None
     if kv_search == "exhaustive" and kind in ("optimised", "anti", "heads-only"):
         labelled_partitions(problem.model["kv_groups"], devices)  # refuse a too-large search up front
-    if kind in ("contiguous", "random"):
-        if chosen is not None or restarts != 1:
-            raise UserError(f"--layers and --restarts apply to optimised kinds, not {kind}")
-        layout = (Layout.contiguous(problem.model, devices, delay) if kind == "contiguous"
-                  else Layout.random(problem.model, devices, delay, seed=seed))
-        devs, history, best_restart = layout_devices(layout), [], None
-    else:
-        blocks = family_blocks(kind, n, chosen)
-        maximise = kind != "anti"
-        rng = np.random.default_rng(seed)
-        best = None
-        for r in range(restarts):
-            start = problem.contiguous() if r == 0 else _random_start(problem, blocks, rng)
-            devs_r, hist_r = ascend(problem, start, blocks, maximise, kv_search, max_sweeps)
-            if best is None or (hist_r[-1] > best[1][-1] if maximise else hist_r[-1] < best[1][-1]):
-                best = (devs_r, hist_r, r)
-        devs, history, best_restart = best
-        layout = to_layout(problem, devs, kind if chosen is None else f"{kind}-layers-{layers}",
-                           seed=seed if restarts > 1 else None)
-    seconds = time.perf_counter() - t0
-    score = score_devices(problem.edges, devs, devices, n)
-    layout.score = {
+    blocks = family_blocks(kind, n, chosen)
+    maximise = kind != "anti"
+    rng = np.random.default_rng(seed)
+    best = None
+    for r in range(restarts):
+        start = problem.contiguous() if r == 0 else _random_start(problem, blocks, rng)
+        devs_r, hist_r = ascend(problem, start, blocks, maximise, kv_search, max_sweeps)
+        if best is None or (hist_r[-1] > best[1][-1] if maximise else hist_r[-1] < best[1][-1]):
+            best = (devs_r, hist_r, r)
+    devs, history, best_restart = best
+    layout = to_layout(problem, devs, kind if chosen is None else f"{kind}-layers-{layers}",
+                       seed=seed if restarts > 1 else None)
+    layout.score = score_record(problem, devs, kind, time.perf_counter() - t0, history, restarts, best_restart,
+                                kv_search, chosen)
+    return layout
+
+
+def score_record(problem: Problem, devs: Any, kind: str, seconds: float, history: list[float], restarts: int,
+                 best_restart: int | None, kv_search: str, chosen: list[int] | None) -> dict[str, Any]:
+    """A layout file's `score`: J, its parts, the random expectation and how it was found."""
+    n = problem.model["layers"]
+    score = score_devices(problem.edges, devs, problem.devices, n)
+    return {
         "J": score["J"], "n_edges": score["n_edges"], "random_expectation": score["random_expectation"],
         "ratio_to_random": score["ratio_to_random"], "seconds": seconds, "kind": kind,
         "sweeps": max(len(history) - 1, 0), "history": history, "restarts": restarts,
@@ -332,4 +332,3 @@ def optimise_layout(affinity: Affinity, devices: int, delay: float, kind: str = 
         "optimised_layers": chosen if chosen is not None else (list(range(n)) if history else []),
         "layers": score["layers"],
     }
-    return layout

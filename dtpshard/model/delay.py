@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-STAGE3 = ("sqrt", "one")
+from dtpshard.core.vocab import STAGE3
 
 
 def _own_scale_int(m: int, modules: int, devices: int, delay: int, stage3: str) -> float:

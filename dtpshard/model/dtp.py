@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dtpshard.core.shape import ModelShape, check_delay, check_devices, shape_from_hf_config
-from dtpshard.model.delay import horizon, schedule
+from dtpshard.model.delay import STAGE3, horizon, schedule
 from dtpshard.core.errors import UserError
 
 DTP_JSON = "dtp.json"  # devices/delay/stage3 saved next to a student's weights
@@ -238,8 +238,8 @@ class DTPModel(nn.Module):
         """Change L, δ or the stage-3 scale in place (weights are shared; only views change)."""
         check_devices(self.shape, devices)
         check_delay(self.shape, delay)
-        if stage3 not in ("sqrt", "one"):
-            raise UserError(f"stage3={stage3!r}: must be 'sqrt' or 'one'")
+        if stage3 not in STAGE3:
+            raise UserError(f"stage3={stage3!r}: must be one of {', '.join(STAGE3)}")
         self.devices, self.delay, self.stage3 = devices, delay, stage3
         self.steps = schedule(self.shape.modules, devices, delay, stage3)
 

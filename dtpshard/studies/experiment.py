@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from dtpshard.core.errors import UserError
-from dtpshard.studies.config import FORMAT, OPTIMISING, check_config, load_config, resolve_model
+from dtpshard.studies.config import FORMAT, OPTIMISING, check_config, load_config, resolve_model  # noqa: F401
 from dtpshard.core.io import atomic_write_text
 
 AFFINITY, LAYOUT_DIR, ZEROSHOT, RUNS = "affinity.safetensors", "layouts", "zeroshot.json", "runs"
@@ -111,7 +111,7 @@ def _affinity(cfg: dict[str, Any], model: Path, out: Path) -> Path:
 
 def _layouts(cfg: dict[str, Any], affinity_path: Path, out: Path) -> dict[str, Path]:
     from dtpshard.affinity.file import Affinity
-    from dtpshard.layouts.optimise import optimise_layout
+    from dtpshard.layouts.make import make_layout
 
     affinity, paths = None, {}
     (out / LAYOUT_DIR).mkdir(exist_ok=True)
@@ -122,9 +122,9 @@ def _layouts(cfg: dict[str, Any], affinity_path: Path, out: Path) -> dict[str, P
         affinity = affinity or Affinity.load(affinity_path)
         lay = cfg["layouts"]
         optimising = spec["kind"] in OPTIMISING
-        layout = optimise_layout(affinity, cfg["devices"], cfg["delay"], spec["kind"], layers=spec["layers"],
-                                 restarts=lay["restarts"] if optimising else 1, seed=spec["seed"],
-                                 kv_search=lay["kv_search"], max_sweeps=lay["max_sweeps"])
+        layout = make_layout(affinity.model, cfg["devices"], cfg["delay"], spec["kind"], affinity=affinity,
+                             layers=spec["layers"], restarts=lay["restarts"] if optimising else 1, seed=spec["seed"],
+                             kv_search=lay["kv_search"], max_sweeps=lay["max_sweeps"])
         layout.score["name"] = spec["name"]
         layout.save(path)
         s = layout.score

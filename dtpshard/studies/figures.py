@@ -15,7 +15,7 @@ from dtpshard.core.io import atomic_path
 from dtpshard.studies.stats import correlate, mean_curve
 
 if TYPE_CHECKING:
-    from dtpshard.studies.report import LayoutInfo, Study
+    from dtpshard.studies.study import LayoutInfo, Study
 
 GREY = "#9a9a9a"
 COLOURS = {"optimised": "#1f5fbf", "contiguous": "#d62728", "anti": "#7b3fa0", "heads-only": "#ff7f0e",
@@ -90,7 +90,7 @@ def draw_curves(study: "Study", path: Path) -> Path | None:
 def draw_j_vs_kl(study: "Study", path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
-    from dtpshard.studies.report import layout_kl, mid_step
+    from dtpshard.studies.study import layout_kl, mid_step
 
     infos = [i for i in _sorted(study) if i.J is not None]
     if not infos:
