@@ -142,8 +142,8 @@ def main() -> None:
             out = Path(tmp) / f"rows{world}.json"
             t = time.perf_counter()
             codes = launch_local(world, worker, (str(model), args, str(out)), grace=60)
-            if any(codes):
-                sys.exit(f"L={world}: ranks exited with {codes}")
+            if any(e.code for e in codes):
+                sys.exit(f"L={world}: ranks exited with {[e.code for e in codes]}")
             rows += json.loads(out.read_text())
             print(f"L={world}: {time.perf_counter() - t:.0f} s", file=sys.stderr)
     print(f"model: {a.model or f'random Qwen3-0.6B width, {a.layers} layers, vocab {a.vocab}'}; "

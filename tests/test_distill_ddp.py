@@ -66,19 +66,19 @@ def test_two_processes_match_one_process_with_the_same_global_batch(single, two)
 
 def test_resume_after_a_kill(setup, two, tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
-    monkeypatch.setenv("DTPSHARD_CRASH", "step:3@0")
+    monkeypatch.setenv("DTPSHARD_TEST_CRASH", "step:3@0")
     assert main(ddp_args(setup, run) + ["--nproc", "2"]) == 2
     err = capsys.readouterr().err
     assert "rank 0 of 2 died (exit code 17)" in err and "resume" in err
     assert not (run / "DONE").exists()
-    monkeypatch.delenv("DTPSHARD_CRASH")
+    monkeypatch.delenv("DTPSHARD_TEST_CRASH")
     assert main(ddp_args(setup, run) + ["--nproc", "2"]) == 0
     assert rows_without_wall(run) == rows_without_wall(two)
 
 
 def test_a_failed_rank_ends_the_run_with_a_clear_error(setup, tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
-    monkeypatch.setenv("DTPSHARD_CRASH", "step:2@1")
+    monkeypatch.setenv("DTPSHARD_TEST_CRASH", "step:2@1")
     # --timeout bounds the wait anyway; the launcher notices the death long before
     assert main(ddp_args(setup, run, **{"timeout": 120}) + ["--nproc", "2"]) == 2
     lines = [s for s in capsys.readouterr().err.splitlines() if s.startswith("dtpshard distill: error")]
@@ -94,7 +94,7 @@ def test_a_user_error_on_the_ranks_is_reported_once(setup, two, capsys):
 
 def test_torchrun_launch_matches(setup, single, tmp_path):
     run = tmp_path / "torchrun"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.environ["PYTHONPATH"], "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "dtpshard", *ddp_args(setup, run)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

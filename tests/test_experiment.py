@@ -73,7 +73,7 @@ def test_experiment_end_to_end(study, tmp_path, capsys):
 
 def test_interrupted_experiment_resumes_and_skips_finished_arms(study, tmp_path):
     out = tmp_path / "exp"
-    env = dict(os.environ, DTPSHARD_CRASH="step:2", PYTHONPATH=str(ROOT))  # die inside the first arm
+    env = dict(os.environ, DTPSHARD_TEST_CRASH="step:2", PYTHONPATH=os.environ["PYTHONPATH"])  # die inside the first arm
     died = subprocess.run([sys.executable, "-m", "dtpshard", "experiment", str(study), "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert died.returncode != 0, died.stderr

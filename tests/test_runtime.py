@@ -73,7 +73,7 @@ def test_ranks_equal_single_process_model(world, ckpt_dirs, tmp_path):
     layout.save(tmp_path / "layout.json")
     codes = launch_local(world, _equivalence_worker, (str(path), str(tmp_path / "layout.json"), str(tmp_path)),
                          grace=30, deadline=DEADLINE)
-    assert codes == [0] * world
+    assert [e.code for e in codes] == [0] * world, [e.traceback or e.said for e in codes]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     ids, prompt = _ids(13, 0), _ids(5, 1)
     full_bytes = sum(t.numel() * 4 for n, t in open_checkpoint(path).state_dict().items()

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.layout import units
 from dtpshard.core.io import atomic_path
 
 FORMAT = "dtpshard.affinity/1"
@@ -25,8 +26,7 @@ def edges_for_delay(modules: int, delay: float) -> list[tuple[int, int]]:
     return [(a, b) for b in range(modules) for a in range(max(0, math.ceil(b - delay)), b)]
 
 
-def units(model: dict[str, int], module: int) -> int:
-    return model["kv_groups"] if module % 2 == 0 else model["neurons"]
+__all__ = ["Affinity", "edges_for_delay", "units"]
 
 
 @dataclass

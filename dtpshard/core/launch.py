@@ -7,13 +7,18 @@ torchrun (or `launch_local`) sets RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADD
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import multiprocessing as mp
 import os
 import re
+import signal
 import socket
 import sys
+import tempfile
 import time
+import traceback
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -113,52 +118,91 @@ class _Stdio:
         return _adopt_stdio, (reduction.DupFd(1), reduction.DupFd(2))
 
 
-def _child(stdio: Any, env: dict[str, str], target: Callable[..., Any], args: tuple) -> None:
+@dataclasses.dataclass
+class RankExit:
+    """How a local rank ended: its exit code, the one line of a UserError it raised, or the
+    traceback of anything else (a bug, or a peer lost)."""
+
+    rank: int
+    code: int | None
+    said: str | None = None
+    traceback: str | None = None
+
+
+def _child(stdio: Any, env: dict[str, str], target: Callable[..., Any], args: tuple, report: str) -> None:
     os.environ.clear()  # the launcher's environment now, not the forkserver's from when it started
     os.environ.update(env)
+    said = Path(report) / f"rank{env['RANK']}"
     try:
         code = target(*args)
-    except UserError as e:
-        print(f"dtpshard run: error: {e}", file=sys.stderr, flush=True)
+    except UserError as e:  # the launcher says it, once
+        said.with_suffix(".user").write_text(str(e))
         code = 2
+    except BaseException:  # noqa: BLE001 -- the launcher shows the root cause's traceback
+        said.with_suffix(".error").write_text(traceback.format_exc())
+        code = 1
     sys.stdout.flush()
     sys.exit(int(code or 0))
 
 
 def launch_local(nproc: int, target: Callable[..., Any], args: tuple = (), grace: float = 60,
-                 deadline: float | None = None) -> list[int]:
+                 deadline: float | None = None, who: str = "dtpshard") -> list[RankExit]:
     """Run target(*args) in `nproc` new processes set up as torchrun would (RANK, WORLD_SIZE,
-    MASTER_ADDR=127.0.0.1, a free port) -> their exit codes. Once one fails, the rest get `grace`
+    MASTER_ADDR=127.0.0.1, a free port) -> how each ended. Once one fails, the rest get `grace`
     seconds to stop on their own before they are killed, so a failure never hangs the launcher;
-    all are killed `deadline` seconds after the start if given."""
+    all are killed `deadline` seconds after the start if given. The one local launcher, for the
+    runtime (`run --nproc`) and data-parallel distillation (`distill --nproc`)."""
     ctx = _context()
     sys.stdout.flush()
     sys.stderr.flush()
     base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc)}
-    procs = [ctx.Process(target=_child, args=(_Stdio(), {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, target,
-                                              args)) for r in range(nproc)]
-    for p in procs:
-        p.start()
-    start, failed_at, killed = time.monotonic(), None, set()
-    while any(p.is_alive() for p in procs):
-        now = time.monotonic()
-        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-            failed_at = now
-        why = None
-        if failed_at is not None and now - failed_at > grace:
-            why = f"still running {grace:g} s after another rank failed"
-        elif deadline is not None and now - start > deadline:
-            why = f"still running after the {deadline:g} s deadline"
-        for r, p in enumerate(procs):
-            if why and p.is_alive() and r not in killed:
-                print(f"dtpshard run: error: rank {r} {why}; killed", file=sys.stderr, flush=True)
-                p.kill()
-                killed.add(r)
-        time.sleep(0.05)
-    for p in procs:
-        p.join()
-    return [p.exitcode for p in procs]
+    with tempfile.TemporaryDirectory(prefix="dtpshard-ranks-") as report:
+        procs = [ctx.Process(target=_child, args=(_Stdio(), {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, target,
+                                                  args, report)) for r in range(nproc)]
+        for p in procs:
+            p.start()
+        start, failed_at, killed = time.monotonic(), None, set()
+        while any(p.is_alive() for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = now
+            why = None
+            if failed_at is not None and now - failed_at > grace:
+                why = f"still running {grace:g} s after another rank failed"
+            elif deadline is not None and now - start > deadline:
+                why = f"still running after the {deadline:g} s deadline"
+            for r, p in enumerate(procs):
+                if why and p.is_alive() and r not in killed:
+                    print(f"{who}: error: rank {r} {why}; killed", file=sys.stderr, flush=True)
+                    p.kill()
+                    killed.add(r)
+            time.sleep(0.05)
+        for p in procs:
+            p.join()
+        read = lambda r, ext: (Path(report) / f"rank{r}{ext}").read_text() if (Path(report) / f"rank{r}{ext}").is_file() else None  # noqa: E731
+        return [RankExit(r, p.exitcode, read(r, ".user"), read(r, ".error")) for r, p in enumerate(procs)]
+
+
+def root_cause(exits: list[RankExit]) -> str | None:
+    """One line about the rank that started a failure (None if every rank succeeded): a user error,
+    else a rank that died without a word (killed), else the first rank that raised, whose
+    traceback is printed above the line."""
+    world = len(exits)
+    for e in exits:
+        if e.said is not None:
+            return f"rank {e.rank} of {world} failed: {e.said}"
+    for e in exits:
+        if e.traceback is None and e.code not in (0, None, -signal.SIGTERM, -signal.SIGKILL):
+            how = f"killed by signal {-e.code}" if e.code < 0 else f"exit code {e.code}"
+            return f"rank {e.rank} of {world} died ({how})"
+    for e in exits:
+        if e.traceback is not None:
+            print(e.traceback, file=sys.stderr, end="")
+            last = e.traceback.strip().splitlines()[-1]
+            return f"rank {e.rank} of {world} failed: {last} (its traceback is above)"
+    bad = [e for e in exits if e.code]
+    return None if not bad else f"rank {bad[0].rank} of {world} died (exit code {bad[0].code})"
 
 
 def set_threads(threads: int = 0) -> None:

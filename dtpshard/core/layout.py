@@ -1,7 +1,11 @@
-"""Layouts (spec section 3): per layer, a permutation of its KV groups and one of its neurons.
+"""Layouts (docs/design.md §3): per layer, a permutation of its KV groups and one of its neurons.
 
-Position p after permutation holds original unit perm[p]; device d holds positions
-[d·units/L, (d+1)·units/L). A layout is plain data and is saved as JSON (`dtpshard.layout/1`).
+A permutation is keyed by its module m, as everywhere in dtpshard (m = 2i: layer i's attention,
+whose units are KV groups; m = 2i + 1: layer i's FFN, whose units are neurons): `perm(m)`,
+`device(m)`, `units(model, m)`. Position p after permutation holds original unit perm[p]; device
+d holds positions [d·units/L, (d+1)·units/L). A layout is plain data and is saved as JSON
+(`dtpshard.layout/1`, per layer a kv_perm and an ffn_perm); `kv_perms`/`ffn_perms` are the same
+permutations by layer.
 """
 from __future__ import annotations
 
@@ -48,18 +52,32 @@ class Layout:
         ffn = [rng.permutation(nn_) for _ in range(n)]
         return cls(devices, delay, "random", dict(model), kv, ffn, seed=seed)
 
+    @classmethod
+    def from_module_perms(cls, model: dict[str, int], devices: int, delay: float, kind: str,
+                          perms: list[np.ndarray], seed: int | None = None) -> "Layout":
+        """From perms[m], one per module (2 per layer)."""
+        return cls(devices, delay, kind, dict(model), list(perms[0::2]), list(perms[1::2]), seed=seed)
+
     # -- queries -------------------------------------------------------------------------
     @property
     def layers(self) -> int:
         return self.model["layers"]
 
+    def perm(self, m: int) -> np.ndarray:
+        """Module m's permutation of its units (KV groups for even m, neurons for odd m)."""
+        return (self.kv_perms if m % 2 == 0 else self.ffn_perms)[m // 2]
+
+    def device(self, m: int) -> np.ndarray:
+        """[units(m)]: the device of each original unit of module m."""
+        return _device_of(self.perm(m), self.devices)
+
     def kv_device(self, layer: int) -> np.ndarray:
-        """[G]: the device of each original KV group."""
-        return _device_of(self.kv_perms[layer], self.devices)
+        """[G]: the device of each original KV group (module 2·layer)."""
+        return self.device(2 * layer)
 
     def ffn_device(self, layer: int) -> np.ndarray:
-        """[N]: the device of each original neuron."""
-        return _device_of(self.ffn_perms[layer], self.devices)
+        """[N]: the device of each original neuron (module 2·layer + 1)."""
+        return self.device(2 * layer + 1)
 
     def is_identity(self) -> bool:
         return all((p == np.arange(len(p))).all() for p in self.kv_perms + self.ffn_perms)
@@ -142,6 +160,11 @@ def as_layout(layout: "Layout | str | Path | None") -> "Layout | None":
     if layout is None or isinstance(layout, Layout):
         return layout
     return Layout.load(layout)
+
+
+def units(model: dict[str, int], m: int) -> int:
+    """How many units module m has: KV groups (attention, even m) or neurons (FFN, odd m)."""
+    return model["kv_groups"] if m % 2 == 0 else model["neurons"]
 
 
 def check_divides(model: dict[str, int], devices: int, where: str = "layout") -> None:

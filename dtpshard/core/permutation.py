@@ -13,20 +13,20 @@ from dtpshard.core.layout import Layout
 from dtpshard.core.shape import ModelShape
 
 
-def permutation_spec(shape: ModelShape) -> dict[str, tuple[str, int, int, int]]:
-    """tensor name -> (perm kind 'kv'|'ffn', layer, axis, rows per unit)."""
+def permutation_spec(shape: ModelShape) -> dict[str, tuple[int, int, int]]:
+    """tensor name -> (module m whose permutation moves it, axis, rows per unit)."""
     hd, r = shape.head_dim, shape.heads_per_group
-    spec: dict[str, tuple[str, int, int, int]] = {}
+    spec: dict[str, tuple[int, int, int]] = {}
     for i in range(shape.layers):
-        a, f = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        a, f, attn, ffn = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", 2 * i, 2 * i + 1
         for t in ("weight", "bias") if shape.qkv_bias else ("weight",):
-            spec[a + f"q_proj.{t}"] = ("kv", i, 0, r * hd)  # a group's query heads move with it
-            spec[a + f"k_proj.{t}"] = ("kv", i, 0, hd)
-            spec[a + f"v_proj.{t}"] = ("kv", i, 0, hd)
-        spec[a + "o_proj.weight"] = ("kv", i, 1, r * hd)
-        spec[f + "gate_proj.weight"] = ("ffn", i, 0, 1)
-        spec[f + "up_proj.weight"] = ("ffn", i, 0, 1)
-        spec[f + "down_proj.weight"] = ("ffn", i, 1, 1)
+            spec[a + f"q_proj.{t}"] = (attn, 0, r * hd)  # a group's query heads move with it
+            spec[a + f"k_proj.{t}"] = (attn, 0, hd)
+            spec[a + f"v_proj.{t}"] = (attn, 0, hd)
+        spec[a + "o_proj.weight"] = (attn, 1, r * hd)
+        spec[f + "gate_proj.weight"] = (ffn, 0, 1)
+        spec[f + "up_proj.weight"] = (ffn, 0, 1)
+        spec[f + "down_proj.weight"] = (ffn, 1, 1)
     return spec
 
 
@@ -39,9 +39,7 @@ def unit_index(perm: np.ndarray, rows: int) -> torch.Tensor:
 def apply_layout(state_dict: dict[str, torch.Tensor], shape: ModelShape, layout: Layout) -> dict[str, torch.Tensor]:
     """A new state dict with every layer's KV groups and neurons permuted as the layout says."""
     out = dict(state_dict)
-    for name, (kind, layer, axis, rows) in permutation_spec(shape).items():
-        if name not in out:
-            continue
-        perm = layout.kv_perms[layer] if kind == "kv" else layout.ffn_perms[layer]
-        out[name] = out[name].index_select(axis, unit_index(perm, rows).to(out[name].device))
+    for name, (m, axis, rows) in permutation_spec(shape).items():
+        if name in out:
+            out[name] = out[name].index_select(axis, unit_index(layout.perm(m), rows).to(out[name].device))
     return out

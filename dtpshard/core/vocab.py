@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Literal, get_args
 
-from jsonargparse.typing import ClosedUnitInterval, NonNegativeInt, restricted_number_type, restricted_string_type  # noqa: F401
+from jsonargparse.typing import ClosedUnitInterval, NonNegativeInt, restricted_number_type, restricted_string_type
 
 # -- words ------------------------------------------------------------------------------------
 LayoutKind = Literal["optimised", "contiguous", "random", "anti", "heads-only", "neurons-only"]
@@ -25,6 +25,7 @@ AffinityDType = Literal["float32", "float64"]
 
 # -- constrained numbers and strings (parse-time checks) ---------------------------------------
 _INF = math.inf
+NonNegativeInt = NonNegativeInt  # jsonargparse's (>= 0), named here with the others
 Count = restricted_number_type("Count", int, (">=", 1))  # a positive count: steps, blocks, tokens
 # NonNegativeInt (jsonargparse's): 0 often means "automatic"
 Seed = restricted_number_type("Seed", int, [(">=", 0), ("<", 2 ** 63)])

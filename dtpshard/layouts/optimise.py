@@ -270,10 +270,8 @@ def _random_start(problem: Problem, blocks: list[int], rng: np.random.Generator)
 
 
 def to_layout(problem: Problem, devs: list[np.ndarray], kind: str, seed: int | None = None) -> Layout:
-    n = problem.model["layers"]
-    return Layout(problem.devices, problem.delay, kind, dict(problem.model),
-                  [perm_from_devices(devs[2 * i], problem.devices) for i in range(n)],
-                  [perm_from_devices(devs[2 * i + 1], problem.devices) for i in range(n)], seed=seed)
+    return Layout.from_module_perms(problem.model, problem.devices, problem.delay, kind,
+                                    [perm_from_devices(d, problem.devices) for d in devs], seed=seed)
 
 
 def optimise_layout(affinity: Affinity, devices: int, delay: float, kind: str = "optimised",

@@ -75,10 +75,7 @@ def one_hot(dev: np.ndarray, devices: int) -> np.ndarray:
 
 def layout_devices(layout: Layout) -> list[np.ndarray]:
     """devs[m]: the device of each original unit of module m."""
-    devs = []
-    for i in range(layout.layers):
-        devs += [layout.kv_device(i), layout.ffn_device(i)]
-    return devs
+    return [layout.device(m) for m in range(2 * layout.layers)]
 
 
 def perm_from_devices(dev: np.ndarray, devices: int) -> np.ndarray:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dtpshard.core.shape import ModelShape, check_delay, check_devices, shape_from_hf_config
+from dtpshard.model.attention import attend
 from dtpshard.model.delay import STAGE3, horizon, schedule
 from dtpshard.core.errors import UserError
 
@@ -157,18 +158,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin  # cos/sin [1, 1, T, hd]
         k = k * cos + rotate_half(k) * sin
-        past = 0
-        if kv is not None:
-            past = kv[0].shape[2]
-            k, v = torch.cat([kv[0], k], dim=2), torch.cat([kv[1], v], dim=2)
-        r = self.s.heads_per_group
-        k_rep = k.repeat_interleave(r, dim=1) if r > 1 else k  # one attention call over all devices
-        v_rep = v.repeat_interleave(r, dim=1) if r > 1 else v
-        if past == 0 or T == 1:
-            o = F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=past == 0 and T > 1)
-        else:  # a chunk appended to a cache: query i sees keys up to past + i
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(past)
-            o = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask)
+        o, (k, v) = attend(q, k, v, self.s.heads_per_group, kv)  # one attention call over all devices
         Hl = o.shape[1]
         o = o.transpose(1, 2).reshape(L, B * T, Hl * self.s.head_dim)  # [L*B, Hl, T, hd] -> [L, B*T, Hl*hd]
         p = torch.bmm(o, self.o_proj.cols(L)).view(L, B, T, D)

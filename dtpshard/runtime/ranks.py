@@ -34,12 +34,13 @@ from dtpshard.model.delay import schedule
 from dtpshard.core.errors import UserError
 from dtpshard.core.devices import pick_device
 from dtpshard.core.vocab import Count, Delay, Device, DType, NonNegativeInt, NonNegativeNumber, Seconds, Stage3
-from dtpshard.core.launch import RankFailure, cause, launch_local, process_group, set_threads, world_from_env
-from dtpshard.core.layout import Layout, as_layout
+from dtpshard.core.launch import (RankFailure, cause, launch_local, process_group, root_cause, set_threads,
+                                  world_from_env)
+from dtpshard.core.layout import Layout, as_layout, units
+from dtpshard.model.attention import attend
 from dtpshard.model.dtp import KVCache, rotary_for, rms_norm, rotate_half
 from dtpshard.core.permutation import permutation_spec, unit_index
 
-KILL_ENV = "DTPSHARD_TEST_KILL"  # "rank:module": that rank dies (os._exit) at that module; for tests
 
 
 # -- refusing a bad world size before any collective ---------------------------------------
@@ -91,11 +92,10 @@ def load_shard(ckpt: Checkpoint, rank: int, world: int, layout: Layout | None,
         if name not in spec:  # embedding, norms, LM head: every rank needs them whole
             out[name] = ckpt.files.get(name).to(dtype)
             continue
-        kind, layer, axis, rows = spec[name]
-        units = s.kv_groups if kind == "kv" else s.neurons
-        perms = None if layout is None else (layout.kv_perms if kind == "kv" else layout.ffn_perms)
-        perm = np.arange(units) if perms is None else np.asarray(perms[layer])
-        own = perm[rank * units // world:(rank + 1) * units // world]
+        m, axis, rows = spec[name]
+        n = units(s.summary(), m)
+        perm = np.arange(n) if layout is None else np.asarray(layout.perm(m))
+        own = perm[rank * n // world:(rank + 1) * n // world]
         out[name] = read_units(ckpt, name, unit_index(own, rows).numpy(), axis).to(dtype)
     return out
 
@@ -160,8 +160,6 @@ class RankModel:
         self.rotary = rotary_for(ckpt.hf_config).to(device)
         self.link = Link(rank, timeout, latency)
         self.lm_head = self.w["model.embed_tokens.weight" if self.shape.tied else "lm_head.weight"]
-        kill = os.environ.get(KILL_ENV, "")
-        self.die_at = int(kill.split(":")[1]) if kill and int(kill.split(":")[0]) == rank else -1
         self.set_delay(delay, stage3)
 
     def set_delay(self, delay: float, stage3: str = "sqrt") -> None:
@@ -191,20 +189,9 @@ class RankModel:
             k = rms_norm(k, w[pre + "self_attn.k_norm.weight"], s.rms_eps)
         q = q * cos + rotate_half(q) * sin  # cos/sin [1, 1, T, hd]
         k = k * cos + rotate_half(k) * sin
-        past = 0
+        o, kv = attend(q, k, v, s.heads_per_group, None if cache is None else cache.kv[i])
         if cache is not None:
-            if cache.kv[i] is not None:
-                past = cache.kv[i][0].shape[2]
-                k, v = torch.cat([cache.kv[i][0], k], 2), torch.cat([cache.kv[i][1], v], 2)
-            cache.kv[i] = (k, v)
-        r = s.heads_per_group
-        if r > 1:
-            k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-        if past == 0 or T == 1:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=past == 0 and T > 1)
-        else:  # a chunk appended to a cache: query i sees keys up to past + i
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(past)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            cache.kv[i] = kv
         return F.linear(o.transpose(1, 2).reshape(B, T, -1), w[pre + "self_attn.o_proj.weight"])
 
     def _ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -224,8 +211,6 @@ class RankModel:
         cos, sin = cos[:, None], sin[:, None]
         link = self.link
         for m, step in enumerate(self.steps):
-            if m == self.die_at:
-                os._exit(3)  # test hook: this rank dies mid-forward without a word
             i = m // 2
             p = self._ffn(i, x) if m % 2 else self._attention(i, x, cos, sin, cache)
             if self.delay == 0:  # tensor parallelism: x_l ← x_l + Σ_j p_j^m, blocking
@@ -280,8 +265,11 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay = 1, layout: Path | None =
                   timeout=timeout, stage3=stage3, latency_ms=latency_ms, dtype=dtype, device=device, threads=threads)
     if nproc > 1 and "RANK" not in os.environ:  # the launcher: refuse before spawning anything
         check_world(model, nproc, layout, delay)
-        codes = launch_local(nproc, _run_rank, (kwargs,), grace=timeout)
-        bad = [f"rank {r} exit {c}" for r, c in enumerate(codes) if c]
+        exits = launch_local(nproc, _run_rank, (kwargs,), grace=timeout, who="dtpshard run")
+        said = [e for e in exits if e.said or e.traceback]
+        if said:
+            raise RankFailure(root_cause(said))
+        bad = [f"rank {e.rank} exit {e.code}" for e in exits if e.code]
         if bad:
             raise RankFailure(f"the run failed ({', '.join(bad)})")
         return 0

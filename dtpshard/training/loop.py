@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dtpshard.training import rundir
-from dtpshard.training.distill import (DistillConfig, Student, _crash, build_models, compared_keys, lr_factor, resolve, rng_state,
+from dtpshard.training.recipe import (DistillConfig, Student, build_models, compared_keys, lr_factor, resolve, rng_state,
                       run_config, set_rng_state, train_blocks_for)
 from dtpshard.training.ddp import Dist
 from dtpshard.core.errors import UserError
@@ -151,7 +151,6 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
                "ce": float(sums[2]), "lr": lr, "grad_norm": grad_norm, "wall": wall()}
         if d.main:
             metrics.append(row)
-        _crash("step", done, d.rank)
         if done % cfg.eval_every == 0 or done == cfg.steps:
             erow = eval_row(done)
             if d.main:
@@ -165,7 +164,7 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
             state = {"step": done, "wall": wall(), "metrics_bytes": metrics.size(), "rng": rng_state(),
                      "student": {n: p.detach() for n, p in named}, "optimizer": opt.state_dict(),
                      "scheduler": sched.state_dict(), "config": config}
-            rundir.save_checkpoint(run, state, crash_hook=lambda: _crash("checkpoint", done, d.rank))
+            rundir.save_checkpoint(run, state)
             last_ckpt = time.perf_counter()
     bar.close()
     if d.main:

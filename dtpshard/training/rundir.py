@@ -143,12 +143,10 @@ def read_metrics(run: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def save_checkpoint(run: Path, state: dict[str, Any], crash_hook: Any = None) -> None:
+def save_checkpoint(run: Path, state: dict[str, Any]) -> None:
     """torch.save to a temporary sibling, fsync, rename: the old checkpoint stays until the new one is whole."""
     with atomic_path(run / CHECKPOINT) as tmp:
         torch.save(state, tmp)
-        if crash_hook is not None:
-            crash_hook()  # tests: die with a complete temporary file that was never renamed
 
 
 def load_checkpoint(run: Path) -> dict[str, Any] | None:

@@ -1,0 +1,28 @@
+"""The attention core shared by the single-process model (dtp.py) and the runtime's ranks
+(dtpshard.runtime.ranks): append the new keys and values to a KV cache, expand the KV groups to
+their query heads, and scaled dot-product attention, causal over cache + new positions."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_per_group: int,
+           past: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> tuple[torch.Tensor, tuple]:
+    """q [N, H, T, hd], k and v [N, G, T, hd] (rotary already applied), past (k, v) [N, G, P, hd]
+    or None -> (o [N, H, T, hd], the cache entry (k, v) [N, G, P + T, hd]). Query t sees the
+    P cached positions and new positions up to t; H = G · heads_per_group."""
+    cached = 0
+    if past is not None:
+        cached = past[0].shape[2]
+        k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+    r = heads_per_group
+    k_rep = k.repeat_interleave(r, dim=1) if r > 1 else k
+    v_rep = v.repeat_interleave(r, dim=1) if r > 1 else v
+    T = q.shape[2]
+    if cached == 0 or T == 1:
+        o = F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=cached == 0 and T > 1)
+    else:  # a chunk appended to a cache: query t sees keys up to cached + t
+        mask = torch.ones(T, cached + T, dtype=torch.bool, device=q.device).tril(cached)
+        o = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask)
+    return o, (k, v)

@@ -1,0 +1,246 @@
+"""Distillation (spec section 4): train the DTP student to match the frozen dense teacher.
+
+The student starts from the teacher's weights permuted by the layout and runs as L devices with
+delay δ; the teacher is the same checkpoint run dense. Loss per position: KL(teacher ‖ student)
++ ce_weight·CE(next token), in chunks (losses.py). Embedding and LM head are frozen (they are
+shared with the teacher, not copied). One optimizer step sees micro_batch × grad_accum ×
+processes blocks of seq_len + 1 tokens; the data order is a pure function of the seed, so a run
+is resumable from (weights, optimizer, scheduler, RNG, step) alone.
+
+This file: the recipe (DistillConfig), the models and data of a run and what config.json
+records. The loop is in loop.py, the run directory in rundir.py, the process group in ddp.py, and
+`distill` (one process, torchrun or --nproc) with the command in distill.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dtpshard.core.errors import UserError
+from dtpshard.core.vocab import (Beta, Count, Delay, Device, Fraction, NonNegativeInt, NonNegativeNumber, PositiveNumber,
+                                 Seconds, Seed, Stage3)
+
+FORMAT = "dtpshard.distill/1"
+FROZEN = ("model.embed_tokens.weight", "lm_head.weight")
+# Settings that do not change what is computed: a resumed run may change them.
+OPERATIONAL = ("out", "force", "progress", "checkpoint_every", "checkpoint_minutes", "nproc", "timeout",
+               "eval_micro_batch", "grad_checkpointing", "compile", "device", "text", "eval_text", "layout")
+DERIVED_COMPARED = ("model", "layout_sha256", "world_size", "device_type", "train_data_sha256", "eval_data_sha256")
+
+
+@dataclass
+class DistillConfig:
+    """Every part of the recipe; the defaults are the paper's (docs/design.md §4). Each field is a
+    flag of `dtpshard distill` and a key of an experiment's [training] table.
+
+    Args:
+        teacher: the dense Hugging Face checkpoint directory
+        out: the run directory (created; an existing one is resumed if its settings match)
+        layout: layout JSON (dtpshard.layout/1) to permute the student by; none: contiguous
+        devices: L; default the layout's, else 4
+        delay: δ in modules; default the layout's, else 1
+        stage3: own-partial scale of the last δ modules: sqrt (√L, the paper's) or one
+        steps: optimizer steps
+        seq_len: tokens per sequence (blocks hold seq_len + 1 tokens)
+        micro_batch: sequences per forward pass (per process)
+        grad_accum: micro-batches accumulated per optimizer step
+        lr: peak learning rate (AdamW)
+        warmup: linear warm-up steps
+        min_lr_ratio: the cosine decay ends at this fraction of --lr
+        weight_decay: AdamW weight decay (matrices only; norms are never decayed)
+        adam_beta1: AdamW β1
+        adam_beta2: AdamW β2
+        clip: gradient-norm clip (0: none)
+        ce_weight: weight of the next-token cross-entropy added to the KL
+        eval_every: evaluate every this many steps (and at step 0 and at the end)
+        eval_blocks: held-out evaluation blocks of seq_len + 1 tokens
+        eval_micro_batch: blocks per evaluation forward pass (default: --micro-batch)
+        text: local text/JSONL/parquet training files (their held-out share is never trained on)
+        dataset: Hugging Face training dataset (online); default fineweb-edu where reachable, else the offline corpus
+        eval_text: local evaluation files (their held-out share is used)
+        eval_dataset: Hugging Face evaluation dataset; default wikitext-2 test where reachable, else the offline corpus
+        seed: data-order seed
+        grad_checkpointing: recompute each module's activations in backward (less memory)
+        compile: torch.compile the student
+        autocast: bf16 autocast on CUDA with fp32 master weights (ignored on CPU)
+        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
+        checkpoint_every: write a checkpoint every this many steps
+        checkpoint_minutes: and whenever this many minutes passed since the last one
+        nproc: data-parallel processes to spawn on this machine (gloo on CPU, NCCL on GPUs); 1: this one
+        timeout: seconds a process waits for the others before the run fails
+        progress: show a progress bar with ETA
+        force: start over a run directory that was made with different settings
+    """
+
+    teacher: Path
+    out: Path
+    layout: Path | None = None
+    devices: Count | None = None  # None: the layout's, else 4
+    delay: Delay | None = None  # None: the layout's, else 1
+    stage3: Stage3 = "sqrt"
+    steps: Count = 1000
+    seq_len: Count = 1024
+    micro_batch: Count = 4
+    grad_accum: Count = 4
+    lr: PositiveNumber = 5e-5
+    warmup: NonNegativeInt = 100
+    min_lr_ratio: Fraction = 0.1
+    weight_decay: NonNegativeNumber = 0.0
+    adam_beta1: Beta = 0.9
+    adam_beta2: Beta = 0.95
+    clip: NonNegativeNumber = 1.0
+    ce_weight: NonNegativeNumber = 0.1
+    eval_every: Count = 100
+    eval_blocks: Count = 16
+    eval_micro_batch: Count | None = None
+    text: list[str] | None = None
+    dataset: str | None = None
+    eval_text: list[str] | None = None
+    eval_dataset: str | None = None
+    seed: Seed = 0
+    grad_checkpointing: bool = False
+    compile: bool = False
+    autocast: bool = True
+    device: Device = "auto"
+    checkpoint_every: Count = 100
+    checkpoint_minutes: PositiveNumber = 30.0
+    nproc: Count = 1
+    timeout: Seconds = 600.0
+    progress: bool = True
+    force: bool = False
+
+
+def check_config(cfg: DistillConfig) -> None:
+    positive = ("steps", "seq_len", "micro_batch", "grad_accum", "eval_every", "eval_blocks", "checkpoint_every",
+                "nproc")
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be at least 1")
+    for name in ("warmup", "weight_decay", "clip", "ce_weight"):
+        if not getattr(cfg, name) >= 0:
+            raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 0")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise UserError(f"--lr {cfg.lr}: must be a positive number")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise UserError(f"--min-lr-ratio {cfg.min_lr_ratio}: must be in [0, 1]")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(cfg, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be in [0, 1)")
+    if cfg.eval_micro_batch is not None and cfg.eval_micro_batch < 1:
+        raise UserError(f"--eval-micro-batch {cfg.eval_micro_batch}: must be at least 1")
+    if cfg.stage3 not in ("sqrt", "one"):
+        raise UserError(f"--stage3 {cfg.stage3!r}: must be sqrt or one")
+
+
+def lr_factor(i: int, steps: int, warmup: int, min_ratio: float) -> float:
+    """Multiplier of the base lr for optimizer step i + 1 (i = steps done): linear warm-up to 1,
+    then cosine decay reaching min_ratio at the last step."""
+    if i < warmup:
+        return (i + 1) / warmup
+    progress = min(1.0, (i + 1 - warmup) / max(1, steps - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+# -- setup ---------------------------------------------------------------------------------------
+class Student(torch.nn.Module):
+    """The student as a module whose forward is the LM head's input, so DDP/compile wrap it."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B, T] -> h [B, T, D]
+        return self.model.hidden(ids)
+
+
+def build_models(cfg: DistillConfig, device: str):
+    """(teacher dense, student DTP, layout or None); the frozen embedding/head tensors are shared."""
+    from dtpshard.model.checkpoint import open_checkpoint
+    from dtpshard.core.layout import as_layout
+    from dtpshard.model.dtp import DTPModel
+
+    ckpt = open_checkpoint(cfg.teacher)
+    layout = as_layout(cfg.layout)
+    sd = ckpt.state_dict(torch.float32)
+    teacher = DTPModel.from_state_dict(ckpt.hf_config, sd, devices=1, delay=0)
+    own = {k: v if k in FROZEN else v.clone() for k, v in sd.items()}
+    student = DTPModel.from_state_dict(ckpt.hf_config, own, cfg.devices, cfg.delay, cfg.stage3, layout)
+    student.source_path = Path(cfg.teacher)
+    teacher.requires_grad_(False).eval()
+    for name, p in student.named_parameters():
+        p.requires_grad_(name not in FROZEN)
+    return teacher.to(device), student.to(device), layout
+
+
+def train_blocks_for(cfg: DistillConfig, world: int, tokenizer: Any) -> tuple[torch.Tensor, str]:
+    """All training blocks of the run, in training order: [steps × global batch, seq_len + 1]."""
+    n = cfg.steps * cfg.micro_batch * cfg.grad_accum * world
+    from dtpshard.training.evaluate import source_blocks
+
+    return source_blocks(tokenizer, cfg.text, cfg.dataset, "train", "fineweb-edu", cfg.seq_len, n, seed=cfg.seed,
+                         shuffle=True, repeat=True)
+
+
+def resolve(cfg: DistillConfig) -> DistillConfig:
+    """Defaults that depend on inputs (devices/delay from the layout), absolute paths."""
+    from dtpshard.core.layout import Layout
+
+    layout = Layout.load(cfg.layout) if cfg.layout is not None else None
+    devices = cfg.devices if cfg.devices is not None else (layout.devices if layout else 4)
+    delay = cfg.delay if cfg.delay is not None else (layout.delay if layout else 1)
+    delay = int(delay) if float(delay).is_integer() else float(delay)
+    absolute = lambda p: None if p is None else str(Path(p).absolute())  # noqa: E731
+    return dataclasses.replace(
+        cfg, teacher=Path(cfg.teacher).absolute(), out=Path(cfg.out).absolute(),
+        layout=None if cfg.layout is None else Path(cfg.layout).absolute(), devices=devices, delay=delay,
+        text=None if cfg.text is None else [absolute(p) for p in cfg.text],
+        eval_text=None if cfg.eval_text is None else [absolute(p) for p in cfg.eval_text])
+
+
+def run_config(cfg: DistillConfig, shape: Any, layout: Any, world: int, device: str,
+               train: torch.Tensor, train_src: str, ev: torch.Tensor, eval_src: str) -> dict[str, Any]:
+    """config.json: every DistillConfig field plus what was derived from the inputs."""
+    out = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()}
+    G = cfg.micro_batch * cfg.grad_accum * world
+    out.update({
+        "format": FORMAT, "model": shape.to_dict(),
+        "layout_kind": "contiguous (no layout file)" if layout is None else layout.kind,
+        "layout_sha256": None if cfg.layout is None else _sha(Path(cfg.layout).read_bytes()),
+        "world_size": world, "global_batch": G, "tokens_per_step": G * cfg.seq_len,
+        "device_type": torch.device(device).type,
+        "train_data": train_src, "train_blocks": int(train.shape[0]), "train_data_sha256": _sha(train.numpy().tobytes()),
+        "eval_data": eval_src, "eval_data_sha256": _sha(ev.numpy().tobytes()),
+        "torch": torch.__version__,
+    })
+    return json.loads(json.dumps(out))  # compared with a config.json read back: same types
+
+
+def compared_keys() -> list[str]:
+    fields = [f.name for f in dataclasses.fields(DistillConfig) if f.name not in OPERATIONAL]
+    return fields + list(DERIVED_COMPARED)
+
+
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(s: dict[str, Any]) -> None:
+    torch.set_rng_state(s["torch"])
+    np.random.set_state(s["numpy"])
+    random.setstate(s["python"])
+    if s.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])

@@ -1,0 +1,88 @@
+"""Test-only faults, kept out of dtpshard: every Python process the tests start (subprocesses,
+`--nproc` ranks) has tests/hooks on PYTHONPATH (conftest.py), so this runs at its start. When
+dtpshard's modules are imported they are wrapped so that, while the environment asks for it, a
+process dies like a SIGKILL (os._exit, no cleanup) at a named point:
+
+  DTPSHARD_TEST_CRASH=step:K[@RANK]        before optimizer step K + 1 (K steps done), exit 17
+  DTPSHARD_TEST_CRASH=checkpoint:K[@RANK]  after checkpoint K is written to its temporary, before the rename
+  DTPSHARD_TEST_KILL=RANK:M                that runtime rank dies at module M of its forward, exit 3
+"""
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+
+def _crash_wanted(point, step):
+    want = os.environ.get("DTPSHARD_TEST_CRASH", "")
+    rank = os.environ.get("RANK", "0")
+    return want in (f"{point}:{step}", f"{point}:{step}@{rank}")
+
+
+def _patch_loop(mod):
+    accumulate, calls = mod.accumulate, {"n": 0}
+
+    def counted(*args, **kwargs):  # called once per optimizer step
+        calls["n"] += 1
+        if _crash_wanted("step", calls["n"] - 1):
+            os._exit(17)
+        return accumulate(*args, **kwargs)
+
+    mod.accumulate = counted
+
+
+def _patch_rundir(mod):
+    import torch
+
+    save = mod.save_checkpoint
+
+    def save_checkpoint(run, state):
+        if not _crash_wanted("checkpoint", state["step"]):
+            return save(run, state)
+        with mod.atomic_path(run / mod.CHECKPOINT) as tmp:
+            torch.save(state, tmp)
+            os._exit(17)  # a complete temporary file that was never renamed
+
+    mod.save_checkpoint = save_checkpoint
+
+
+def _patch_ranks(mod):
+    cls = mod.RankModel
+
+    def dying(method, odd):
+        def wrapped(self, i, *args, **kwargs):
+            kill = os.environ.get("DTPSHARD_TEST_KILL", "")
+            if kill and int(kill.split(":")[0]) == self.rank and int(kill.split(":")[1]) == 2 * i + odd:
+                os._exit(3)  # dies mid-forward without a word
+            return method(self, i, *args, **kwargs)
+        return wrapped
+
+    cls._attention, cls._ffn = dying(cls._attention, 0), dying(cls._ffn, 1)
+
+
+PATCHES = {"dtpshard.training.loop": _patch_loop, "dtpshard.training.rundir": _patch_rundir,
+           "dtpshard.runtime.ranks": _patch_ranks}
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in PATCHES:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def patched(module):
+            exec_module(module)
+            PATCHES[name](module)
+
+        spec.loader.exec_module = patched
+        return spec
+
+
+sys.meta_path.insert(0, _Finder())
