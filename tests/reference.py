@@ -1,4 +1,4 @@
-"""A literal transcription of spec section 1, written independently of dtpshard.model.
+"""A literal transcription of docs/design.md §1, written independently of dtpshard.model.
 
 Plain Python loops over devices, modules, heads; RoPE and attention written out by hand.
 Slow and obvious on purpose: the tests compare DTPModel against it.
@@ -81,7 +81,7 @@ def own_scale(m, M, L, d, stage3):
 
 
 def literal_dtp_logits(hf_model, ids, L, delta, stage3="sqrt"):
-    """Logits [B, T, V] of the DTP model by the letter of spec section 1."""
+    """Logits [B, T, V] of the DTP model by the letter of docs/design.md §1."""
     sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
     cfg = hf_model.config
     M = 2 * cfg.num_hidden_layers

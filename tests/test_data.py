@@ -44,7 +44,7 @@ def test_corpus_extraction_rules(tmp_path):
 
 
 def test_corpus_cache_round_trip(tmp_path, monkeypatch):
-    monkeypatch.setenv("DTPSHARD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("DTPSHARD_CACHE", str(tmp_path / "cache"))
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "m.py").write_text('"""A module docstring of sufficient length for the corpus."""\n')
     first = stdlib_documents(tmp_path / "lib")

@@ -1,4 +1,4 @@
-"""The layout file (spec section 3): JSON round trip, device queries, and one precise line for
+"""The layout file (docs/design.md §3): JSON round trip, device queries, and one precise line for
 every malformed file."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DTPModel against transformers (δ = 0, L = 1) and against the literal spec transcription."""
+"""DTPModel against transformers (δ = 0, L = 1) and against the literal transcription of docs/design.md §1."""
 import pytest
 import torch
 from reference import literal_dtp_logits

@@ -1,4 +1,4 @@
-"""Applying a layout (spec section 3): the dense function is unchanged (against transformers' own
+"""Applying a layout (docs/design.md §3): the dense function is unchanged (against transformers' own
 model), the DTP function at δ ≥ 1 is not, and `dtpshard permute` writes a checked checkpoint or
 nothing at all."""
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_dense_logits_unchanged_and_every_spec_entry_matters(hf):
     assert (other(ids).logits - ref).abs().max().item() <= TOL
     if shape.family != "qwen2":  # the one family with every kind of entry (q/k/v biases too)
         return
-    # Leaving any one kind of tensor unpermuted breaks the function: no entry of the spec is idle.
+    # Leaving any one kind of tensor unpermuted breaks the function: no entry of permutation_spec is idle.
     for suffix in sorted({n.split(".", 3)[3] for n in spec}):
         other.load_state_dict({k: (sd[k] if k.endswith(suffix) else v) for k, v in out.items()})
         assert (other(ids).logits - ref).abs().max().item() > 10 * TOL, suffix
@@ -98,7 +98,7 @@ def test_delay_one_random_layout_changes_logits_as_the_spec_says(hf):
     contiguous = DTPModel.from_hf(hf, devices=4, delay=1)(ids)
     out = DTPModel.from_hf(hf, devices=4, delay=1, layout=lay)(ids)
     assert (out - contiguous).abs().max().item() > 1e-2
-    # ...and it is the DTP function of the permuted dense model, by the letter of spec section 1.
+    # ...and it is the DTP function of the permuted dense model, by the letter of docs/design.md §1.
     permuted = hf_with(hf, apply_layout(dict(hf.state_dict()), shape, lay))
     assert (out - literal_dtp_logits(permuted, ids, 4, 1)).abs().max().item() <= TOL
 

@@ -1,4 +1,4 @@
-"""The co-located score J (spec section 3) and `dtpshard score`."""
+"""The co-located score J (docs/design.md §3) and `dtpshard score`."""
 from __future__ import annotations
 
 import json

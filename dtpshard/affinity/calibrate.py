@@ -13,7 +13,7 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
                  group_unit: bool = False, exact_jacobian: bool = False, ablation: bool = False,
                  micro_batch: Count = 4, chunk: NonNegativeInt = 0, device: Device = "auto",
                  dtype: AffinityDType = "float32", progress: bool = True) -> int:
-    """Score how much every unit depends on every co-located unit (spec section 2), in one pass.
+    """Score how much every unit depends on every co-located unit (docs/design.md §2), in one pass.
 
     Calibration text (--text files, or --dataset, or by default the built-in offline corpus) is
     tokenised and packed into --blocks blocks of --seq-len tokens; the dense model runs over them

@@ -1,4 +1,4 @@
-"""Affinity scores (spec section 2): how much each target unit depends on each co-located source unit.
+"""Affinity scores (docs/design.md §2): how much each target unit depends on each co-located source unit.
 
 One pass over the dense model. For every edge (a, b) of `edges_for_delay(M, δ)` the score matrix
 S_ab [units(a), units(b)] is the mean over calibration tokens of the squared damage that target

@@ -79,3 +79,11 @@ def atomic_dir(path: str | Path, force: bool = False) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def cache_dir() -> Path:
+    """dtpshard's one cache folder (the parsed offline corpus, the dequantised demo model):
+    $DTPSHARD_CACHE, else $XDG_CACHE_HOME/dtpshard, else ~/.cache/dtpshard."""
+    if os.environ.get("DTPSHARD_CACHE"):
+        return Path(os.environ["DTPSHARD_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dtpshard"

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Iterator
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.io import cache_dir
 
 MIN_DOC_CHARS = 40
 CACHE_VERSION = 1
@@ -86,13 +87,6 @@ def build_documents(root: Path) -> list[str]:
         if kept:
             docs.append("\n\n".join(kept))
     return docs
-
-
-def cache_dir() -> Path:
-    """$DTPSHARD_CACHE_DIR, else $XDG_CACHE_HOME/dtpshard, else ~/.cache/dtpshard."""
-    if os.environ.get("DTPSHARD_CACHE_DIR"):
-        return Path(os.environ["DTPSHARD_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dtpshard"
 
 
 def _cache_file(root: Path) -> Path:

@@ -67,7 +67,7 @@ def make_layout(model: dict[str, int], devices: int, delay: float, kind: str, *,
 def layout_cmd(source: Path, *, out: Path, devices: Count = 4, delay: Delay = 1.0, kind: LayoutKind = "optimised",
                layers: Count | None = None, restarts: Count = 1, seed: Seed = 0, kv_search: KvSearch = "assignment",
                max_sweeps: Count = 20) -> int:
-    """Make a layout (spec section 3) and write it as JSON; prints J, its random expectation and the time.
+    """Make a layout (docs/design.md §3) and write it as JSON; prints J, its random expectation and the time.
 
     Args:
         source: a model directory (contiguous and random only) or an affinity file

@@ -1,4 +1,4 @@
-"""The layout optimiser (spec section 3): block coordinate ascent on the co-located score J.
+"""The layout optimiser (docs/design.md §3): block coordinate ascent on the co-located score J.
 
 With every other module fixed, J is linear in the device assignment of one module m: putting
 unit u on device d is worth gain[u, d], the sum of u's normalised affinities to the units on d

@@ -14,7 +14,7 @@ from dtpshard.core.permutation import apply_layout
 from dtpshard.core.vocab import Count, PositiveNumber
 
 LAYOUT_JSON = "layout.json"  # the applied layout, saved next to the permuted weights
-CHECK_TOL = 1e-4  # max |Δlogits| in fp32 (spec section 3)
+CHECK_TOL = 1e-4  # max |Δlogits| in fp32 (docs/design.md §3)
 
 
 def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False, check_tokens: Count = 256,

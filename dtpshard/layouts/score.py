@@ -1,4 +1,4 @@
-"""The co-located score J of a layout (spec section 3) and `dtpshard score`.
+"""The co-located score J of a layout (docs/design.md §3) and `dtpshard score`.
 
 Every edge matrix is normalised to total mass 1 (Ŝ = S / ΣS), so each edge counts the same
 whatever the scale of its raw scores, and J = Σ_edges Σ_{(u, v) on the same device} Ŝ[u, v].
@@ -141,7 +141,7 @@ def format_score(score: dict) -> str:
 
 
 def score_cmd(affinity: Path, layout: Path, json: bool = False) -> int:
-    """Co-located score J of a layout under an affinity file (spec section 3).
+    """Co-located score J of a layout under an affinity file (docs/design.md §3).
 
     Args:
         affinity: affinity file (safetensors) from `dtpshard affinity`

@@ -79,15 +79,13 @@ class TensorFiles:
     def keys(self) -> list[str]:
         return list(self.alias)
 
-    def get(self, name: str, rows: slice | None = None) -> torch.Tensor:
-        """Tensor `name` (canonical HF name); `rows` reads only a slice of the first axis."""
+    def get(self, name: str) -> torch.Tensor:
+        """Tensor `name` (canonical HF name)."""
         from safetensors import safe_open
 
         key = self.alias[name]
         with safe_open(str(self.where[key]), framework="pt") as st:
-            if rows is None:
-                return st.get_tensor(key)
-            return st.get_slice(key)[rows]
+            return st.get_tensor(key)
 
 
 def _canonical(key: str) -> str:

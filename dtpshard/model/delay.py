@@ -1,4 +1,4 @@
-"""The delay schedule of spec section 1: own-partial scale s_m and which broadcasts land when.
+"""The delay schedule of docs/design.md §1: own-partial scale s_m and which broadcasts land when.
 
 Update at module m, for integer δ:  x_l ← x_l + s_m·p_l^m + Σ_{j≠l} p_j^{m-δ}.
 Fractional δ = d + a: module m's broadcast lands with weight (1-a) after module m+d and a after

@@ -1,4 +1,4 @@
-"""DTPModel: a Llama-family decoder run as L devices with delay δ (spec section 1), on one machine.
+"""DTPModel: a Llama-family decoder run as L devices with delay δ (docs/design.md §1), on one machine.
 
 The devices are a leading tensor axis: every device's residual stream lives in x [L, B, T, D],
 and each module computes all devices' partials with batched matmuls over per-device weight

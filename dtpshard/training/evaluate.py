@@ -1,4 +1,4 @@
-"""Held-out evaluation (spec section 4): perplexity, and KL(teacher ‖ student) in nats per token.
+"""Held-out evaluation (docs/design.md §4): perplexity, and KL(teacher ‖ student) in nats per token.
 
 A block holds seq_len + 1 tokens: the models read the first seq_len and every position is
 scored against the next token, so a block gives seq_len positions. Logits are never
@@ -121,7 +121,7 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
         blocks: number of evaluation blocks of seq_len + 1 tokens
         seq_len: positions per block (the models read seq_len tokens)
         micro_batch: blocks per forward pass
-        stage3: own-partial scale of the last δ modules: sqrt (√L, the spec) or one
+        stage3: own-partial scale of the last δ modules: sqrt (√L, the paper's) or one
         device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         autocast: bf16 autocast on CUDA (ignored on CPU)
         json: print one JSON object {kl, ppl, tokens, ...} instead of text

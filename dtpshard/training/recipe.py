@@ -1,4 +1,4 @@
-"""Distillation (spec section 4): train the DTP student to match the frozen dense teacher.
+"""Distillation (docs/design.md §4): train the DTP student to match the frozen dense teacher.
 
 The student starts from the teacher's weights permuted by the layout and runs as L devices with
 delay δ; the teacher is the same checkpoint run dense. Loss per position: KL(teacher ‖ student)
