@@ -19,6 +19,7 @@ import numpy as np
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_write_text
+from dtpshard.core.shape import check_devices
 
 FORMAT = "dtpshard.layout/1"
 SHAPE_KEYS = ("layers", "kv_groups", "heads_per_group", "neurons")
@@ -38,14 +39,14 @@ class Layout:
     # -- construction --------------------------------------------------------------------
     @classmethod
     def contiguous(cls, model: dict[str, int], devices: int, delay: float = 1) -> "Layout":
-        check_divides(model, devices)
+        check_devices(model, devices)
         n, g, nn_ = model["layers"], model["kv_groups"], model["neurons"]
         return cls(devices, delay, "contiguous", dict(model),
                    [np.arange(g) for _ in range(n)], [np.arange(nn_) for _ in range(n)])
 
     @classmethod
     def random(cls, model: dict[str, int], devices: int, delay: float = 1, seed: int = 0) -> "Layout":
-        check_divides(model, devices)
+        check_devices(model, devices)
         rng = np.random.default_rng(seed)
         n, g, nn_ = model["layers"], model["kv_groups"], model["neurons"]
         kv = [rng.permutation(g) for _ in range(n)]
@@ -117,7 +118,7 @@ class Layout:
         score = obj.get("score") or {}
         if not isinstance(score, dict):
             raise UserError(f"{where}: score must be an object, not {type(score).__name__}")
-        check_divides(model, devices, where)
+        check_devices(model, devices, where)
         layers = obj["layers"]
         if not isinstance(layers, list) or len(layers) != model["layers"]:
             got = len(layers) if isinstance(layers, list) else type(layers).__name__
@@ -165,14 +166,6 @@ def as_layout(layout: "Layout | str | Path | None") -> "Layout | None":
 def units(model: dict[str, int], m: int) -> int:
     """How many units module m has: KV groups (attention, even m) or neurons (FFN, odd m)."""
     return model["kv_groups"] if m % 2 == 0 else model["neurons"]
-
-
-def check_divides(model: dict[str, int], devices: int, where: str = "layout") -> None:
-    if devices < 1:
-        raise UserError(f"{where}: devices={devices} must be at least 1")
-    for key in ("kv_groups", "neurons"):
-        if model[key] % devices:
-            raise UserError(f"{where}: devices={devices} does not divide {key}={model[key]}")
 
 
 def _is_int(v: Any) -> bool:

@@ -87,17 +87,24 @@ def shape_from_hf_config(cfg: Any) -> ModelShape:
         qkv_bias=family == "qwen2", qk_norm=family == "qwen3")
 
 
-def check_devices(shape: ModelShape, devices: int) -> None:
+def check_devices(shape: "ModelShape | dict[str, int]", devices: int, where: str | None = None) -> None:
+    """L must be at least 1 and divide the KV groups and the neurons (docs/design.md §1). `shape`
+    is a checkpoint's ModelShape (named as in config.json) or a layout/affinity file's model dict."""
+    prefix = f"{where}: " if where else ""
     if devices < 1:
-        raise UserError(f"devices={devices}: must be at least 1")
-    if shape.kv_groups % devices:
-        raise UserError(f"devices={devices} does not divide num_key_value_heads={shape.kv_groups}")
-    if shape.neurons % devices:
-        raise UserError(f"devices={devices} does not divide intermediate_size={shape.neurons}")
+        raise UserError(f"{prefix}devices={devices} must be at least 1")
+    units = ({"kv_groups": shape["kv_groups"], "neurons": shape["neurons"]} if isinstance(shape, dict)
+             else {"num_key_value_heads": shape.kv_groups, "intermediate_size": shape.neurons})
+    for name, n in units.items():
+        if n % devices:
+            raise UserError(f"{prefix}devices={devices} does not divide {name}={n}")
 
 
-def check_delay(shape: ModelShape, delay: float) -> None:
+def check_delay(shape: "ModelShape | dict[str, int] | None", delay: float) -> None:
+    """δ must be finite, >= 0 and at most the number of modules M (when a shape is given: a
+    ModelShape or a layout/affinity file's model dict)."""
     if not math.isfinite(delay) or delay < 0:
         raise UserError(f"delay={delay}: must be a finite number >= 0")
-    if delay > shape.modules:
-        raise UserError(f"delay={delay} exceeds the number of modules M={shape.modules}")
+    modules = None if shape is None else 2 * shape["layers"] if isinstance(shape, dict) else shape.modules
+    if modules is not None and delay > modules:
+        raise UserError(f"delay={delay} exceeds the number of modules M={modules}")

@@ -6,12 +6,12 @@ score J and needs an affinity file. With an affinity file every layout is scored
 """
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Any
 from dtpshard.core.errors import UserError
-from dtpshard.core.layout import Layout, check_divides
+from dtpshard.core.layout import Layout
+from dtpshard.core.shape import check_delay, check_devices
 from dtpshard.core.vocab import (FIXED_KINDS, LAYOUT_KINDS, OPTIMISING_KINDS, Count, Delay, KvSearch, LayoutKind,
                                  Seed)
 
@@ -81,8 +81,7 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = 4, delay: Delay = 1.
         kv_search: KV-group block update: exact assignment, or the paper's exhaustive search over labelled partitions
         max_sweeps: stop after this many sweeps even if J still grows by more than 1e-9
     """
-    if not math.isfinite(delay) or delay < 0:
-        raise UserError(f"--delay {delay}: must be a finite number >= 0")
+    check_delay(None, delay)
     delay = int(delay) if float(delay).is_integer() else delay
     source = Path(source)
     if not source.exists():
@@ -98,7 +97,8 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = 4, delay: Delay = 1.
 
         affinity = Affinity.load(source)
         model = affinity.model
-    check_divides(model, devices, where=str(source))
+    check_devices(model, devices, where=str(source))
+    check_delay(model, delay)
     layout = make_layout(model, devices, delay, kind, affinity=affinity, layers=layers, restarts=restarts,
                          seed=seed, kv_search=kv_search, max_sweeps=max_sweeps)
     if affinity is not None:

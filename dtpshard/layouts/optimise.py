@@ -19,7 +19,8 @@ import numpy as np
 
 from dtpshard.affinity.file import Affinity, units
 from dtpshard.core.errors import UserError
-from dtpshard.core.layout import Layout, check_divides
+from dtpshard.core.layout import Layout
+from dtpshard.core.shape import check_delay, check_devices
 from dtpshard.core.vocab import KV_SEARCHES, OPTIMISING_KINDS, KvSearch
 from dtpshard.layouts.score import (Edge, Edges, normalised_edges, one_hot, perm_from_devices,
                     score_devices)
@@ -168,9 +169,7 @@ class Problem:
 
     @classmethod
     def build(cls, affinity: Affinity, devices: int, delay: float) -> "Problem":
-        if devices < 1:
-            raise UserError(f"devices={devices}: must be at least 1")
-        check_divides(affinity.model, devices, where="affinity model")
+        check_devices(affinity.model, devices, where="affinity model")
         edges = normalised_edges(affinity, delay)
         partners: dict[int, list[tuple[bool, int, Edge]]] = {}
         for (a, b), e in edges.items():  # both ends see the edge: a through rows, b through columns
@@ -292,8 +291,7 @@ def optimise_layout(affinity: Affinity, devices: int, delay: float, kind: str = 
         raise UserError(f"--kv-search {kv_search!r}: one of assignment, exhaustive")
     if max_sweeps < 1:
         raise UserError(f"--max-sweeps {max_sweeps}: must be at least 1")
-    if not math.isfinite(delay) or delay < 0:
-        raise UserError(f"--delay {delay}: must be a finite number >= 0")
+    check_delay(affinity.model, delay)
     t0 = time.perf_counter()
     problem = Problem.build(affinity, devices, delay)
     n = problem.model["layers"]

@@ -3,11 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from dtpshard.model.checkpoint import save_checkpoint
-from dtpshard.core.shape import ModelShape
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout
 from dtpshard.core.permutation import apply_layout
