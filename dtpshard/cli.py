@@ -4,7 +4,8 @@ A command's flags come from its signature and the `Args:` lines of its docstring
 without a default before `*` are positional, keyword-only ones without a default are required
 flags, the rest are optional flags (underscores written as dashes; `--x`/`--no-x` for booleans).
 A parameter typed as a dataclass (distill's `DistillConfig`) contributes its fields as flags, so
-the recipe is written once. The constrained types of dtpshard.core.vocab check every number
+the recipe is written once. A command with a `nested_options(parser)` attribute (`experiment`)
+gets those flags too, nested (`--training.lr`), and receives the ones given as `overrides`. The constrained types of dtpshard.core.vocab check every number
 and choice while parsing, before any work. Every command takes `--config FILE` (YAML or JSON of
 its options; flags given after it override it). Only the chosen command's module is imported.
 """
@@ -68,10 +69,14 @@ def build_parser(name: str, fn: Callable) -> Any:
     parser.add_argument("--config", action=ActionConfigFile,
                         help="YAML or JSON file of this command's options; flags given after it override it")
     nested = _dataclass_params(fn)
-    parser.add_function_arguments(fn, nested_key=None, as_positional=True, skip=set(nested), as_group=False)
+    hook = getattr(fn, "nested_options", None)
+    skip = set(nested) | ({"overrides"} if hook else set())
+    parser.add_function_arguments(fn, nested_key=None, as_positional=True, skip=skip, as_group=False)
     own = set(inspect.signature(fn).parameters)
     for cls in nested.values():
         parser.add_class_arguments(cls, nested_key=None, skip=own & {f.name for f in dataclasses.fields(cls)})
+    if hook:
+        hook(parser)
     return parser
 
 
@@ -154,6 +159,10 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _plain_tree(value: Any) -> Any:
+    return {k: _plain_tree(v) for k, v in value.items()} if isinstance(value, dict) else _plain(value)
+
+
 def parse(name: str, fn: Callable, argv: list[str]) -> dict[str, Any]:
     """The keyword arguments of `fn` for a command line; raises Refused with one line."""
     parser = build_parser(name, fn)
@@ -166,7 +175,12 @@ def parse(name: str, fn: Callable, argv: list[str]) -> dict[str, Any]:
         raise Refused(_one_line(str(e), [a.dest for a in parser._actions if not a.option_strings], argv)) from None
     values = {k: _plain(v) for k, v in ns.as_dict().items() if k not in ("config", "__path__")}
     values.pop("print_config", None)
-    kwargs = {k: values.pop(k) for k in list(values) if k in inspect.signature(fn).parameters}
+    params = inspect.signature(fn).parameters
+    kwargs = {k: values.pop(k) for k in list(values) if k in params}
+    if getattr(fn, "nested_options", None):  # only the nested options given (flags or --config)
+        given = parser.parse_args(argv, defaults=False).as_dict()
+        kwargs["overrides"] = {k: _plain_tree(v) for k, v in given.items()
+                               if k not in params and k not in ("config", "__path__", "print_config")}
     for pname, cls in _dataclass_params(fn).items():
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs[pname] = cls(**{k: v for k, v in {**values, **kwargs}.items() if k in fields})

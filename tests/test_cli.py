@@ -104,3 +104,19 @@ def test_version_help_and_module_entry_point():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip().endswith("False"), out.stderr  # help imports no torch
     assert "--json" in out.stdout and "default: False" in out.stdout and "required" in out.stdout
+
+
+def test_experiment_keys_as_nested_flags(tmp_path):
+    from dtpshard.studies.config import load_config
+
+    study = tmp_path / "study.toml"
+    study.write_text('model = "m"\ndevices = 4\n[training]\nsteps = 3\nwarmup = 1\n[[arms]]\nkind = "contiguous"\n')
+    fn = cli.load_command("experiment")
+    got = cli.parse("experiment", fn, [str(study), "--out", "o", "--training.lr", "0.002", "--devices", "2",
+                                       "--calibration.seq-len", "16", "--no-training.progress"])
+    assert got["overrides"] == {"training": {"lr": 0.002, "progress": False}, "devices": 2,
+                                "calibration": {"seq_len": 16}}
+    cfg = load_config(study, got["overrides"])
+    assert cfg["devices"] == 2 and cfg["calibration"]["seq_len"] == 16
+    assert cfg["training"]["lr"] == 0.002 and cfg["training"]["steps"] == 3  # the file's other keys stay
+    assert cli.parse("experiment", fn, [str(study), "--out", "o"])["overrides"] == {}

@@ -228,7 +228,27 @@ def _check_arm(raw: Any, i: int) -> dict[str, Any]:
     return {"kind": kind, "seeds": arm["seeds"], "layouts": layouts}
 
 
-def load_config(path: Path) -> dict[str, Any]:
+def add_study_flags(parser: Any) -> None:
+    """The study's keys as nested flags of `dtpshard experiment` (`--devices 2`,
+    `--calibration.blocks 8`, `--training.lr 1e-4`, ...), from the same dataclasses; the arms and
+    the model are given in the file only."""
+    from dtpshard.training.distill import DistillConfig
+
+    parser.add_class_arguments(Experiment, nested_key=None, skip={"model"})
+    parser.add_class_arguments(DistillConfig, "training", skip=set(NOT_TRAINING))
+
+
+def _merge(raw: Any, overrides: dict[str, Any]) -> Any:
+    if not isinstance(raw, dict):
+        return raw
+    out = dict(raw)
+    for key, value in overrides.items():
+        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def load_config(path: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The study file, with command-line `overrides` (nested like the file) put over it, checked."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -250,7 +270,7 @@ def load_config(path: Path) -> dict[str, Any]:
         raise UserError(f"config {path}: not valid {'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'TOML'}"
                         f" ({msg[0] if msg else type(e).__name__})") from None
     try:
-        return check_config(raw)
+        return check_config(_merge(raw, overrides or {}))
     except UserError as e:
         raise UserError(f"config {path}: {e}") from None
 

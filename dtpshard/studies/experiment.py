@@ -219,16 +219,28 @@ def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False) -> Path:
     return report
 
 
-def experiment_cmd(study: Path, *, out: Path, force: bool = False) -> int:
+def experiment_cmd(study: Path, *, out: Path, force: bool = False, overrides: dict[str, Any] | None = None) -> int:
     """Run a whole study from STUDY (TOML or YAML): affinity once, every layout once with its J and
-    zero-shot KL, every arm distilled, then the report. Rerun the same command to resume.
+    zero-shot KL, every arm distilled, then the report. Rerun the same command to resume. Any key
+    of the file but the model and the arms can be overridden by a flag: --devices 2,
+    --calibration.blocks 8, --training.lr 1e-4, ...
 
     Args:
         study: the study's config file (.toml, or .yaml/.yml); see dtpshard/configs/ for the paper's
         out: the experiment directory (created; an existing one is resumed if its config matches)
         force: start over an experiment directory that was made with another config
+        overrides: the study keys given as flags, nested as in the file
     """
-    cfg = load_config(study)
+    cfg = load_config(study, overrides)
     run_experiment(cfg, out, force)
     print(f"report: {Path(out) / 'report.md'}", file=sys.stderr)
     return 0
+
+
+def _study_flags(parser: Any) -> None:
+    from dtpshard.studies.config import add_study_flags
+
+    add_study_flags(parser)
+
+
+experiment_cmd.nested_options = _study_flags  # the CLI adds these and passes the given ones as `overrides`
