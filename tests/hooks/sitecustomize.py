@@ -3,7 +3,7 @@
 dtpshard's modules are imported they are wrapped so that, while the environment asks for it, a
 process dies like a SIGKILL (os._exit, no cleanup) at a named point:
 
-  DTPSHARD_TEST_CRASH=step:K[@RANK]        before optimizer step K + 1 (K steps done), exit 17
+  DTPSHARD_TEST_CRASH=step:K[@RANK]        right after optimizer step K (before its metrics row), exit 17
   DTPSHARD_TEST_CRASH=checkpoint:K[@RANK]  after checkpoint K is written to its temporary, before the rename
   DTPSHARD_TEST_KILL=RANK:M                that runtime rank dies at module M of its forward, exit 3
 """
@@ -20,15 +20,14 @@ def _crash_wanted(point, step):
 
 
 def _patch_loop(mod):
-    accumulate, calls = mod.accumulate, {"n": 0}
+    lr_factor = mod.lr_factor
 
-    def counted(*args, **kwargs):  # called once per optimizer step
-        calls["n"] += 1
-        if _crash_wanted("step", calls["n"] - 1):
+    def dying(i, *args):  # the scheduler asks for step i + 1's rate right after optimizer step i
+        if i > 0 and _crash_wanted("step", i):
             os._exit(17)
-        return accumulate(*args, **kwargs)
+        return lr_factor(i, *args)
 
-    mod.accumulate = counted
+    mod.lr_factor = dying
 
 
 def _patch_rundir(mod):
