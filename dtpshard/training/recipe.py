@@ -39,8 +39,9 @@ DERIVED_COMPARED = ("model", "layout_sha256", "world_size", "device_type", "trai
 
 @dataclass
 class DistillConfig:
-    """Every part of the recipe; the defaults are the paper's (docs/design.md §4). Each field is a
-    flag of `dtpshard distill` and a key of an experiment's [training] table.
+    """The distillation recipe, the paper's by default (docs/design.md §4)
+
+    Each field is a flag of `dtpshard distill` and a key of an experiment's [training] table.
 
     Args:
         teacher: the dense Hugging Face checkpoint directory
