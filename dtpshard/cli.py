@@ -5,9 +5,11 @@ without a default before `*` are positional, keyword-only ones without a default
 flags, the rest are optional flags (underscores written as dashes; `--x`/`--no-x` for booleans).
 A parameter typed as a dataclass (distill's `DistillConfig`) contributes its fields as flags, so
 the recipe is written once. A command with a `nested_options(parser)` attribute (`experiment`)
-gets those flags too, nested (`--training.lr`), and receives the ones given as `overrides`. The constrained types of dtpshard.core.vocab check every number
-and choice while parsing, before any work. Every command takes `--config FILE` (YAML or JSON of
-its options; flags given after it override it). Only the chosen command's module is imported.
+gets those flags too, nested (`--training.lr`), and receives the ones given as `overrides`.
+The constrained types of dtpshard.core.vocab check every number and choice while parsing, before
+any work; a refusal is one line and exit code 2. Every command takes `--config FILE` (YAML or
+JSON of its options; flags given after it override it). Only the chosen command's module is
+imported.
 """
 from __future__ import annotations
 

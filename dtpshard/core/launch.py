@@ -180,8 +180,11 @@ def launch_local(nproc: int, target: Callable[..., Any], args: tuple = (), grace
             time.sleep(0.05)
         for p in procs:
             p.join()
-        read = lambda r, ext: (Path(report) / f"rank{r}{ext}").read_text() if (Path(report) / f"rank{r}{ext}").is_file() else None  # noqa: E731
-        return [RankExit(r, p.exitcode, read(r, ".user"), read(r, ".error")) for r, p in enumerate(procs)]
+        def said(r: int, ext: str) -> str | None:
+            f = Path(report) / f"rank{r}{ext}"
+            return f.read_text() if f.is_file() else None
+
+        return [RankExit(r, p.exitcode, said(r, ".user"), said(r, ".error")) for r, p in enumerate(procs)]
 
 
 def root_cause(exits: list[RankExit]) -> str | None:

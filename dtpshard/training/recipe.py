@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.vocab import (Beta, Count, Delay, Device, Fraction, NonNegativeInt, NonNegativeNumber, PositiveNumber,
-                                 Seconds, Seed, Stage3)
+from dtpshard.core.vocab import (Beta, Count, Delay, Device, Fraction, NonNegativeInt, NonNegativeNumber,
+                                 PositiveNumber, Seconds, Seed, Stage3)
 
 FORMAT = "dtpshard.distill/1"
 FROZEN = ("model.embed_tokens.weight", "lm_head.weight")
