@@ -120,3 +120,16 @@ def test_experiment_keys_as_nested_flags(tmp_path):
     assert cfg["devices"] == 2 and cfg["calibration"]["seq_len"] == 16
     assert cfg["training"]["lr"] == 0.002 and cfg["training"]["steps"] == 3  # the file's other keys stay
     assert cli.parse("experiment", fn, [str(study), "--out", "o"])["overrides"] == {}
+
+
+def test_root_cause_of_a_failed_launch(capsys):
+    from dtpshard.core.launch import RankExit, root_cause
+
+    assert root_cause([RankExit(0, 0), RankExit(1, 0)]) is None
+    said = [RankExit(0, 1, traceback="Traceback...\nRuntimeError: peer lost\n"), RankExit(1, 2, said="bad --layout")]
+    assert root_cause(said) == "rank 1 of 2 failed: bad --layout"  # the user error, not the peer that lost it
+    died = [RankExit(0, 1, traceback="Traceback...\nRuntimeError: peer lost\n"), RankExit(1, 17)]
+    assert root_cause(died) == "rank 1 of 2 died (exit code 17)"
+    assert root_cause([RankExit(0, 1, traceback="Traceback...\nValueError: x\n"), RankExit(1, -9)]) == \
+        "rank 0 of 2 failed: ValueError: x (its traceback is above)"
+    assert "ValueError: x" in capsys.readouterr().err

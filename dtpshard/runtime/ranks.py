@@ -34,7 +34,7 @@ from dtpshard.model.delay import schedule
 from dtpshard.core.errors import UserError
 from dtpshard.core.devices import pick_device
 from dtpshard.core.vocab import Count, Delay, Device, DType, NonNegativeInt, NonNegativeNumber, Seconds, Stage3
-from dtpshard.core.launch import (RankFailure, cause, launch_local, process_group, root_cause, set_threads,
+from dtpshard.core.launch import (RankExit, RankFailure, cause, launch_local, process_group, root_cause, set_threads,
                                   world_from_env)
 from dtpshard.core.layout import Layout, as_layout, units
 from dtpshard.model.attention import attend
@@ -266,9 +266,9 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay = 1, layout: Path | None =
     if nproc > 1 and "RANK" not in os.environ:  # the launcher: refuse before spawning anything
         check_world(model, nproc, layout, delay)
         exits = launch_local(nproc, _run_rank, (kwargs,), grace=timeout, who="dtpshard run")
-        said = [e for e in exits if e.said or e.traceback]
-        if said:
-            raise RankFailure(root_cause(said))
+        if any(e.said or e.traceback for e in exits):  # a rank raised: say that one (ranks that lost a
+            # collective have already said so themselves)
+            raise RankFailure(root_cause([e if e.said or e.traceback else RankExit(e.rank, 0) for e in exits]))
         bad = [f"rank {e.rank} exit {e.code}" for e in exits if e.code]
         if bad:
             raise RankFailure(f"the run failed ({', '.join(bad)})")
