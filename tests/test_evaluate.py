@@ -60,7 +60,7 @@ def test_fused_loss_without_teacher_is_weighted_ce():
 def _hf_reference(student, hf, blocks):
     ids, y = blocks[:, :-1], blocks[:, 1:]
     with torch.no_grad():
-        ls = F.log_softmax(student(ids), -1).reshape(-1, hf.config.vocab_size)
+        ls = F.log_softmax(student(ids).logits, -1).reshape(-1, hf.config.vocab_size)
         lt = F.log_softmax(hf(ids).logits, -1).reshape(-1, hf.config.vocab_size)
     kl = F.kl_div(ls, lt, log_target=True, reduction="sum").item() / y.numel()
     ce = F.nll_loss(ls, y.reshape(-1)).item()
