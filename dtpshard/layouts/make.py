@@ -36,7 +36,8 @@ def _describe(layout: Layout) -> str:
 
 def layout_cmd(source: Path, out: Path | None = None, devices: int = 4, delay: float = 1.0,
                kind: Kind = "optimised", layers: int | None = None, restarts: int = 1, seed: int = 0,
-               kv_search: Literal["assignment", "exhaustive"] = "assignment", max_sweeps: int = 20) -> int:
+               kv_search: Literal["assignment", "exhaustive"] = "assignment", max_sweeps: int = 20,
+               json: bool = False) -> int:
     """Make a layout (spec section 3) and write it as JSON; prints J, its random expectation and the time.
 
     Args:
@@ -50,6 +51,7 @@ def layout_cmd(source: Path, out: Path | None = None, devices: int = 4, delay: f
         seed: seed of the random layout, or of the random restarts
         kv_search: KV-group block update: exact assignment, or the paper's exhaustive search over labelled partitions
         max_sweeps: stop after this many sweeps even if J still grows by more than 1e-9
+        json: print one JSON object {out, kind, devices, delay, seed, sha256, score: {J, ...}} instead of text
     """
     if out is None:
         raise UserError("missing --out FILE (where to write the layout)")
@@ -83,5 +85,11 @@ def layout_cmd(source: Path, out: Path | None = None, devices: int = 4, delay: f
                                  seed=seed, kv_search=kv_search, max_sweeps=max_sweeps)
         layout.score["affinity"] = str(source)
     layout.save(out)
-    print(f"{_describe(layout)} -> {out}")
+    if json:
+        import json as _json
+
+        print(_json.dumps({"out": str(out), "kind": layout.kind, "devices": layout.devices, "delay": layout.delay,
+                           "seed": layout.seed, "sha256": layout.content_sha256(), "score": layout.score}))
+    else:
+        print(f"{_describe(layout)} -> {out}")
     return 0

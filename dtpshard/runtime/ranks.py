@@ -248,7 +248,7 @@ class RankModel:
 def run_cmd(model: Path, *, prompt: str, delay: float = 1, layout: Path | None = None, max_new_tokens: int = 32,
             timeout: float = 60, stage3: Literal["sqrt", "one"] = "sqrt", latency_ms: float = 0,
             dtype: Literal["float32", "bfloat16"] = "float32", device: Literal["cpu", "cuda"] = "cpu",
-            nproc: int = 0, threads: int = 0) -> int:
+            nproc: int = 0, threads: int = 0, tokenizer: Path | None = None, json: bool = False) -> int:
     """Greedy continuation of PROMPT with MODEL run as DTP across processes, one rank per device
     (start it with torchrun --nproc-per-node L, or pass --nproc L). Rank 0 prints the text.
 
@@ -265,6 +265,8 @@ def run_cmd(model: Path, *, prompt: str, delay: float = 1, layout: Path | None =
         device: cpu (gloo) or cuda (NCCL, one GPU per rank: cuda:LOCAL_RANK)
         nproc: spawn this many local ranks instead of running under torchrun
         threads: torch threads per rank (0: the cores divided by the local ranks, less two for the transfers)
+        tokenizer: tokenizer directory, where MODEL has no tokenizer files
+        json: rank 0 prints one JSON object {text, completion, new_token_ids, ...} instead of the text
     """
     from dtpshard.core.devices import DTYPES
 
@@ -277,7 +279,8 @@ def run_cmd(model: Path, *, prompt: str, delay: float = 1, layout: Path | None =
     if device == "cuda" and latency_ms:
         raise UserError("latency_ms emulates a link with host-side waits: only with device=cpu")
     kwargs = dict(model=model, prompt=prompt, delay=delay, layout=layout, max_new_tokens=max_new_tokens,
-                  timeout=timeout, stage3=stage3, latency_ms=latency_ms, dtype=dtype, device=device, threads=threads)
+                  timeout=timeout, stage3=stage3, latency_ms=latency_ms, dtype=dtype, device=device, threads=threads,
+                  tokenizer=tokenizer, json=json)
     if nproc and "RANK" not in os.environ:  # the launcher: refuse before spawning anything
         check_world(model, nproc, layout, delay)
         codes = launch_local(nproc, _run_rank, (kwargs,), grace=timeout)
@@ -290,7 +293,7 @@ def run_cmd(model: Path, *, prompt: str, delay: float = 1, layout: Path | None =
     from dtpshard.model.checkpoint import load_tokenizer
     from dtpshard.model.generate import generate_ids
 
-    tok = load_tokenizer(model)
+    tok = load_tokenizer(tokenizer or model)
     ids = tok(prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
         raise UserError("the prompt encodes to no tokens")
@@ -300,7 +303,16 @@ def run_cmd(model: Path, *, prompt: str, delay: float = 1, layout: Path | None =
         net = RankModel(ckpt, rank, world, lay, delay, stage3, DTYPES[dtype], timeout, latency_ms / 1000, dev)
         out = generate_ids(net, ids.to(dev), max_new_tokens, eos_id=tok.eos_token_id)
         if rank == 0:
-            print(prompt + tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), flush=True)
+            new = out[0, ids.shape[1]:]
+            completion = tok.decode(new, skip_special_tokens=True)
+            if json:
+                import json as _json
+
+                print(_json.dumps({"model": str(model), "devices": world, "delay": delay, "stage3": stage3,
+                                   "prompt": prompt, "completion": completion, "text": prompt + completion,
+                                   "prompt_ids": ids[0].tolist(), "new_token_ids": new.tolist()}), flush=True)
+            else:
+                print(prompt + completion, flush=True)
     return 0
 
 

@@ -19,7 +19,7 @@ from dtpshard.core.errors import UserError
 FORMAT = "dtpshard.experiment/1"
 KINDS = ("optimised", "contiguous", "random", "anti", "heads-only", "neurons-only")
 OPTIMISING = ("optimised", "anti", "heads-only", "neurons-only")
-TOP = {"model": str, "devices": int, "delay": float, "device": str, "stage3": str,
+TOP = {"model": str, "devices": int, "delay": float, "device": str, "stage3": str, "text_field": str, "tokenizer": str,
        "calibration": dict, "evaluation": dict, "training": dict, "layouts": dict, "arms": list}
 CALIBRATION = {"text": list, "dataset": str, "blocks": int, "seq_len": int, "seed": int, "micro_batch": int}
 EVALUATION = {"text": list, "dataset": str, "blocks": int, "micro_batch": int}
@@ -27,7 +27,7 @@ LAYOUTS = {"restarts": int, "kv_search": str, "max_sweeps": int}
 ARM = {"kind": str, "seeds": list, "layout_seeds": list, "layers": int, "name": str}
 # DistillConfig fields the experiment sets itself (per arm, or from the other sections)
 NOT_TRAINING = ("teacher", "out", "layout", "devices", "delay", "stage3", "seed", "force", "device",
-                "eval_blocks", "eval_text", "eval_dataset", "eval_micro_batch")
+                "eval_blocks", "eval_text", "eval_dataset", "eval_micro_batch", "text_field", "tokenizer", "tensorboard")
 
 
 def _type_ok(value: Any, want: Any) -> bool:
@@ -102,6 +102,8 @@ def check_config(raw: Any) -> dict[str, Any]:
     cfg.setdefault("delay", 1)
     cfg.setdefault("device", "auto")
     cfg.setdefault("stage3", "sqrt")
+    cfg.setdefault("text_field", "text")  # the column/field of every text source
+    cfg.setdefault("tokenizer", None)  # None: the model's
     _positive(cfg["devices"], "devices")
     if cfg["delay"] < 0:
         raise UserError(f"delay = {cfg['delay']}: must be >= 0")

@@ -32,7 +32,8 @@ FORMAT = "dtpshard.distill/1"
 FROZEN = ("model.embed_tokens.weight", "lm_head.weight")
 # Settings that do not change what is computed: a resumed run may change them.
 OPERATIONAL = ("out", "force", "progress", "checkpoint_every", "checkpoint_minutes", "nproc", "dist_timeout",
-               "eval_micro_batch", "grad_checkpointing", "compile", "device", "text", "eval_text", "layout")
+               "eval_micro_batch", "grad_checkpointing", "compile", "device", "text", "eval_text", "layout",
+               "text_field", "tokenizer", "tensorboard")  # data changes show in the data hashes
 DERIVED_COMPARED = ("model", "layout_sha256", "world_size", "device_type", "train_data_sha256", "eval_data_sha256")
 CRASH_ENV = "DTPSHARD_CRASH"  # tests only: "step:K", "checkpoint:K" or "eval:K", optionally "@RANK"
 
@@ -66,6 +67,8 @@ class DistillConfig:
     dataset: str | None = None
     eval_text: list[str] | None = None
     eval_dataset: str | None = None
+    text_field: str = "text"
+    tokenizer: Path | None = None  # None: the teacher's
     seed: int = 0
     grad_checkpointing: bool = False
     compile: bool = False
@@ -76,6 +79,7 @@ class DistillConfig:
     nproc: int = 1
     dist_timeout: float = 600.0
     progress: bool = True
+    tensorboard: Path | None = None
     force: bool = False
 
 
@@ -157,7 +161,7 @@ def train_blocks_for(cfg: DistillConfig, world: int, tokenizer: Any) -> tuple[to
     n = cfg.steps * cfg.micro_batch * cfg.grad_accum * world
     from dtpshard.training.evaluate import source_blocks
 
-    return source_blocks(tokenizer, cfg.text, cfg.dataset, "train", "fineweb-edu", cfg.seq_len, n, seed=cfg.seed,
+    return source_blocks(tokenizer, cfg.text, cfg.dataset, "train", cfg.seq_len, n, cfg.text_field, seed=cfg.seed,
                          shuffle=True, repeat=True)
 
 
@@ -173,6 +177,8 @@ def resolve(cfg: DistillConfig) -> DistillConfig:
     return dataclasses.replace(
         cfg, teacher=Path(cfg.teacher).absolute(), out=Path(cfg.out).absolute(),
         layout=None if cfg.layout is None else Path(cfg.layout).absolute(), devices=devices, delay=delay,
+        tokenizer=None if cfg.tokenizer is None else Path(cfg.tokenizer).absolute(),
+        tensorboard=None if cfg.tensorboard is None else Path(cfg.tensorboard).absolute(),
         text=None if cfg.text is None else [absolute(p) for p in cfg.text],
         eval_text=None if cfg.eval_text is None else [absolute(p) for p in cfg.eval_text])
 
@@ -233,9 +239,11 @@ def distill_cmd(teacher: Path, *, out: Path, layout: Path | None = None, devices
                 adam_beta2: float = 0.95, clip: float = 1.0, ce_weight: float = 0.1, eval_every: int = 100,
                 eval_blocks: int = 16, eval_micro_batch: int | None = None, text: list[str] | None = None,
                 dataset: str | None = None, eval_text: list[str] | None = None, eval_dataset: str | None = None,
+                text_field: str = "text", tokenizer: Path | None = None,
                 seed: int = 0, grad_checkpointing: bool = False, compile: bool = False, autocast: bool = True,
                 device: str = "auto", checkpoint_every: int = 100, checkpoint_minutes: float = 30.0,
-                nproc: int = 1, dist_timeout: float = 600.0, progress: bool = True, force: bool = False) -> int:
+                nproc: int = 1, dist_timeout: float = 600.0, progress: bool = True, tensorboard: Path | None = None,
+                force: bool = False, json: bool = False) -> int:
     """Distil the DTP student of TEACHER (L devices, delay δ, permuted by --layout) into the run
     directory --out: config.json, metrics.jsonl, checkpoints, final/ (the student) and DONE.
     Rerunning the same command on an interrupted run resumes it. Data-parallel: --nproc K, or
@@ -263,10 +271,12 @@ def distill_cmd(teacher: Path, *, out: Path, layout: Path | None = None, devices
         eval_every: evaluate every this many steps (and at step 0 and at the end)
         eval_blocks: held-out evaluation blocks of seq_len + 1 tokens
         eval_micro_batch: blocks per evaluation forward pass (default: --micro-batch)
-        text: local text/JSONL/parquet training files (their held-out share is never trained on)
-        dataset: Hugging Face training dataset (online); default fineweb-edu where reachable, else the offline corpus
+        text: local .txt/.jsonl/.json/.parquet training files (their held-out share is never trained on)
+        dataset: training dataset: a save_to_disk directory, a parquet file or directory, or a hub name (fineweb-edu, ...); default the offline corpus
         eval_text: local evaluation files (their held-out share is used)
-        eval_dataset: Hugging Face evaluation dataset; default wikitext-2 test where reachable, else the offline corpus
+        eval_dataset: evaluation dataset, as --dataset (wikitext-2 is the paper's); default the offline corpus
+        text_field: the column or JSON field that holds the text
+        tokenizer: tokenizer directory, where TEACHER has no tokenizer files
         seed: data-order seed
         grad_checkpointing: recompute each module's activations in backward (less memory)
         compile: torch.compile the student
@@ -277,10 +287,21 @@ def distill_cmd(teacher: Path, *, out: Path, layout: Path | None = None, devices
         nproc: data-parallel processes to spawn on this machine (gloo on CPU, NCCL on GPUs)
         dist_timeout: seconds a process waits for the others before the run fails
         progress: show a progress bar with ETA
+        tensorboard: also write the metrics as TensorBoard events to this directory (metrics.jsonl stays the record)
         force: start over a run directory that was made with different settings
+        json: print one JSON object {student, metrics, steps, eval_kl, eval_ppl} instead of text
     """
-    cfg = DistillConfig(**{k: v for k, v in locals().items()})
+    as_json = json
+    cfg = DistillConfig(**{k: v for k, v in locals().items() if k not in ("json", "as_json")})
     run = distill(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"student: {run / 'final'}  metrics: {run / 'metrics.jsonl'}")
+        import json as _json
+
+        from dtpshard.training.rundir import DONE
+
+        if as_json:
+            summary = _json.loads((run / DONE).read_text())
+            print(_json.dumps({"student": str(run / "final"), "metrics": str(run / "metrics.jsonl"), **summary}))
+        else:
+            print(f"student: {run / 'final'}  metrics: {run / 'metrics.jsonl'}")
     return 0
