@@ -121,7 +121,8 @@ class Metrics:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise UserError("--tensorboard needs the tensorboard package (pip install tensorboard)") from None
-            self.writer = SummaryWriter(str(tensorboard), purge_step=start or None)
+            # rows up to step `start` are covered by the checkpoint: the resumed run writes start + 1 on
+            self.writer = SummaryWriter(str(tensorboard), purge_step=start + 1 if start else None)
 
     def size(self) -> int:
         return self.path.stat().st_size if self.path.exists() else 0
