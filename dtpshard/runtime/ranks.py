@@ -245,7 +245,8 @@ class RankModel:
 
 
 # -- the command ------------------------------------------------------------------------------
-def run_cmd(model: Path, *, prompt: str, delay: float = 1, layout: Path | None = None, max_new_tokens: int = 32,
+def run_cmd(model: Path, *, prompt: str, delay: float | None = None, layout: Path | None = None,
+            max_new_tokens: int = 32,
             timeout: float = 60, stage3: Literal["sqrt", "one"] = "sqrt", latency_ms: float = 0,
             dtype: Literal["float32", "bfloat16"] = "float32", device: Literal["cpu", "cuda"] = "cpu",
             nproc: int = 0, threads: int = 0, tokenizer: Path | None = None, json: bool = False) -> int:
@@ -255,7 +256,7 @@ def run_cmd(model: Path, *, prompt: str, delay: float = 1, layout: Path | None =
     Args:
         model: Hugging Face checkpoint directory (the world size L must divide its KV groups and neurons)
         prompt: the text to continue
-        delay: δ in modules (fractional allowed); 0 is tensor parallelism with a blocking all-reduce
+        delay: δ in modules (fractional allowed); 0 is tensor parallelism with a blocking all-reduce; default a student's recorded δ, else 1
         layout: a layout JSON made for L devices, applied while each rank reads its slices
         max_new_tokens: how many tokens to generate
         timeout: seconds to wait for the ranks to join and for any one transfer before giving up
@@ -278,6 +279,7 @@ def run_cmd(model: Path, *, prompt: str, delay: float = 1, layout: Path | None =
         raise UserError("device=cuda but CUDA is not available")
     if device == "cuda" and latency_ms:
         raise UserError("latency_ms emulates a link with host-side waits: only with device=cpu")
+    delay = _student_delay(model, delay, nproc or int(os.environ.get("WORLD_SIZE", "1")))
     kwargs = dict(model=model, prompt=prompt, delay=delay, layout=layout, max_new_tokens=max_new_tokens,
                   timeout=timeout, stage3=stage3, latency_ms=latency_ms, dtype=dtype, device=device, threads=threads,
                   tokenizer=tokenizer, json=json)
@@ -314,6 +316,22 @@ def run_cmd(model: Path, *, prompt: str, delay: float = 1, layout: Path | None =
             else:
                 print(prompt + completion, flush=True)
     return 0
+
+
+def _student_delay(model: Path, delay: float | None, world: int) -> float:
+    """A DTP student's recorded δ unless one is given (1 for a dense checkpoint); one warning line
+    when a student runs at another L or δ than it was distilled for."""
+    from dtpshard.model.checkpoint import load_hf_config
+    from dtpshard.model.hf import log, recorded_dtp
+
+    block = recorded_dtp(load_hf_config(model))
+    if block is None:
+        return 1 if delay is None else delay
+    delay = block.get("delay", 1) if delay is None else delay
+    if (world, delay) != (block.get("devices"), block.get("delay")) and os.environ.get("RANK", "0") == "0":
+        log.warning(f"warning: {model} is a DTP student distilled for devices={block.get('devices')}, "
+                    f"delay={block.get('delay')}; running it with {world} ranks, delay={delay} computes another function")
+    return delay
 
 
 def _run_rank(kwargs: dict[str, Any]) -> int:
