@@ -186,3 +186,13 @@ def test_inductor_compiled_model_and_cli_compile(student, capsys):
     with torch.no_grad():
         assert (torch.compile(model)(ids).logits - model(ids).logits).abs().max().item() <= TOL
     assert _cli_generate(capsys, student["path"], "--compile") == _cli_generate(capsys, student["path"])
+
+
+def test_runtime_uses_a_students_delay(student, tiny_dirs, caplog):
+    from dtpshard.runtime.ranks import _student_delay
+
+    with caplog.at_level(logging.WARNING, logger="dtpshard"):
+        assert _student_delay(student["path"], None, 2) == 1 and not caplog.records
+        assert _student_delay(tiny_dirs["qwen3"], None, 4) == 1 and not caplog.records  # dense: no warning
+        assert _student_delay(student["path"], 0, 2) == 0
+    assert len(caplog.records) == 1 and "distilled for devices=2, delay=1" in caplog.records[0].getMessage()
