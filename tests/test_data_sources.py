@@ -106,3 +106,14 @@ def test_eval_on_a_saved_dataset_with_a_text_field(tiny_dirs, tmp_path, capsys):
                  "--blocks", "2", "--seq-len", "8", "--json", "--device", "cpu"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["data"].startswith(f"dataset:{tmp_path / 'ds'}/validation") and out["tokens"] == 16
+
+
+def test_experiment_config_names_the_text_field_and_tokenizer():
+    from dtpshard.studies.config import check_config
+
+    base = {"model": "m", "arms": [{"kind": "contiguous"}]}
+    assert check_config(dict(base))["text_field"] == "text"
+    cfg = check_config({**base, "text_field": "body", "tokenizer": "tok"})
+    assert cfg["text_field"] == "body" and cfg["tokenizer"] == "tok"
+    with pytest.raises(UserError, match="unknown key 'training.tensorboard'"):  # a flag of the command, per arm
+        check_config({**base, "training": {"tensorboard": "tb"}})

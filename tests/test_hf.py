@@ -186,6 +186,13 @@ def test_inductor_compiled_model_and_cli_compile(student, capsys):
     with torch.no_grad():
         assert (torch.compile(model)(ids).logits - model(ids).logits).abs().max().item() <= TOL
     assert _cli_generate(capsys, student["path"], "--compile") == _cli_generate(capsys, student["path"])
+    evals = []
+    for extra in ([], ["--compile"]):
+        assert main(["eval", str(student["path"]), "--teacher", str(student["teacher"]), "--blocks", "2",
+                     "--seq-len", "16", "--device", "cpu", "--json", *extra]) == 0
+        evals.append(json.loads(capsys.readouterr().out))
+    assert evals[1]["kl"] == pytest.approx(evals[0]["kl"], rel=1e-4, abs=1e-6)
+    assert evals[1]["ppl"] == pytest.approx(evals[0]["ppl"], rel=1e-4)
 
 
 def test_runtime_uses_a_students_delay(student, tiny_dirs, caplog):
