@@ -37,20 +37,21 @@ def exactness() -> bool:
         ids = torch.randint(0, 384, (2, 33))
         ref = hf.cuda()(ids.cuda()).logits
         m0 = DTPModel.from_hf(hf, devices=4, delay=0).cuda()
-        d = (m0(ids.cuda()) - ref).abs().max().item()
+        d = (m0(ids.cuda()).logits - ref).abs().max().item()
         ok &= check(f"{fam} δ=0 vs transformers (cuda fp32)", d <= 1e-4, f"{d:.2e}")
         hf = hf.cpu()
-        cpu = DTPModel.from_hf(hf, devices=4, delay=1)(ids)
+        cpu = DTPModel.from_hf(hf, devices=4, delay=1)(ids).logits
         gpu = DTPModel.from_hf(hf, devices=4, delay=1).cuda()
-        d = (gpu(ids.cuda()).cpu() - cpu).abs().max().item()
+        d = (gpu(ids.cuda()).logits.cpu() - cpu).abs().max().item()
         ok &= check(f"{fam} δ=1 cuda vs cpu (fp32)", d <= 1e-4, f"{d:.2e}")
         cache = gpu.new_cache()
-        full = gpu(ids.cuda())
-        parts = [gpu(ids[:, :20].cuda(), cache=cache)] + [gpu(ids[:, t:t + 1].cuda(), cache=cache) for t in range(20, 33)]
+        full = gpu(ids.cuda()).logits
+        parts = [gpu(ids[:, :20].cuda(), cache=cache).logits]
+        parts += [gpu(ids[:, t:t + 1].cuda(), cache=cache).logits for t in range(20, 33)]
         d = (torch.cat(parts, 1) - full).abs().max().item()
         ok &= check(f"{fam} KV-cache decode vs full (cuda)", d <= 1e-4, f"{d:.2e}")
         b16 = DTPModel.from_hf(hf, devices=4, delay=1, dtype=torch.bfloat16).cuda()
-        d = (b16(ids.cuda()).float().cpu() - cpu).abs().max().item()
+        d = (b16(ids.cuda()).logits.float().cpu() - cpu).abs().max().item()
         ok &= check(f"{fam} bf16 vs fp32", d < 0.1 * cpu.abs().max().item(), f"{d:.3f} (max |logit| {cpu.abs().max():.2f})")
     return ok
 

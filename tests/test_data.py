@@ -156,7 +156,7 @@ def test_parquet(tmp_path, monkeypatch):
 
     pq.write_table(pa.table({"text": ["first doc", "second doc"], "n": [1, 2]}), tmp_path / "t.parquet")
     assert read_text_files([tmp_path / "t.parquet"]) == ["first doc", "second doc"]
-    with pytest.raises(UserError, match="cannot read column 'body'"):
+    with pytest.raises(UserError, match="no column 'body'"):
         read_text_files([tmp_path / "t.parquet"], text_field="body")
 
 
@@ -164,7 +164,7 @@ def test_parquet_without_pyarrow_is_one_line(tmp_path, monkeypatch):
     (tmp_path / "t.parquet").write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(UserError, match=r"reading parquet needs pyarrow \(pip install pyarrow\)"):
+    with pytest.raises(UserError, match=r"reading parquet needs pyarrow \(pip install"):
         read_text_files([tmp_path / "t.parquet"])
 
 

@@ -90,6 +90,9 @@ def test_final_student_loads_and_evaluates_like_the_last_eval_row(setup, straigh
     final = straight / "final"
     student = DTPModel.from_pretrained(final)
     assert student.dtp_settings() == {"devices": 2, "delay": 1, "stage3": "sqrt"}
+    block = json.loads((final / "config.json").read_text())["dtp"]  # the student says what it is
+    assert block == {"devices": 2, "delay": 1, "stage3": "sqrt",
+                     "layout_sha256": Layout.load(setup["layout"]).content_sha256()}
     assert main(["eval", str(final), "--teacher", str(setup["model"]), "--text", str(setup["text"]),
                  "--blocks", "4", "--seq-len", "32", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -137,7 +140,7 @@ def test_cli_flags_are_the_config_fields():
     from dtpshard.cli import build_parser
 
     parser = build_parser("distill", distill_cmd)
-    flags = {a.dest: a.default for a in parser._actions if a.dest not in ("help", "config", "print_config")}
+    flags = {a.dest: a.default for a in parser._actions if a.dest not in ("help", "config", "print_config", "json")}
     fields = {f.name: f.default for f in dataclasses.fields(DistillConfig)}
     assert set(flags) == set(fields)  # the recipe is written once: DistillConfig
     assert all(flags[n] == d for n, d in fields.items() if d is not dataclasses.MISSING)
@@ -213,7 +216,7 @@ def test_finished_run_is_not_redone(setup, straight, tmp_path, capsys):
     shutil.copytree(straight, run)
     before = (run / "metrics.jsonl").read_bytes()
     assert main(args_for(setup, run)) == 0
-    assert "already finished" in capsys.readouterr().out
+    assert "already finished" in capsys.readouterr().err
     assert (run / "metrics.jsonl").read_bytes() == before
 
 
@@ -256,3 +259,27 @@ def test_bad_inputs_one_line_exit_2(setup, tmp_path, capsys):
     assert main(args_for(setup, out, steps=0)) == 2
     _one_error_line(capsys, "--steps 0")
     assert not out.exists()  # nothing half-written
+
+
+def test_json_summary_and_tensorboard(setup, tmp_path, capsys):
+    """--json: one object on stdout; --tensorboard: the metrics.jsonl rows as scalars, also after a
+    kill and resume (the events written after the checkpoint are purged, as the rows are)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run, tb = tmp_path / "run", tmp_path / "tb"
+    args = args_for(setup, run, steps=4, **{"eval-every": 2, "checkpoint-every": 2, "tensorboard": tb})
+    assert _cli(args, {"DTPSHARD_TEST_CRASH": "step:3"}).returncode == 17  # after step 3's row, before its checkpoint
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = rundir.read_metrics(run)
+    last = [r for r in rows if r["kind"] == "eval"][-1]
+    assert out == {"student": str(run / "final"), "metrics": str(run / "metrics.jsonl"), "steps": 4,
+                   "eval_kl": last["eval_kl"], "eval_ppl": last["eval_ppl"]}
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert {"train/loss", "train/kl", "train/ce", "train/lr", "train/grad_norm", "eval/kl", "eval/ppl"} <= set(
+        events.Tags()["scalars"])
+    kl = [(e.step, e.value) for e in events.Scalars("train/kl")]
+    assert kl == [(r["step"], pytest.approx(r["kl"], rel=1e-6)) for r in rows if r["kind"] == "train"]
+    assert [e.step for e in events.Scalars("eval/ppl")] == [0, 2, 4]

@@ -22,7 +22,7 @@ def ids_for(hf, B=2, T=13, seed=0):
 def test_dense_identities_match_transformers(hf, devices, delay):
     ids = ids_for(hf)
     ref = hf(ids).logits
-    out = DTPModel.from_hf(hf, devices=devices, delay=delay)(ids)
+    out = DTPModel.from_hf(hf, devices=devices, delay=delay)(ids).logits
     assert out.shape == ref.shape
     assert (out - ref).abs().max().item() <= TOL
 
@@ -34,7 +34,7 @@ def test_matches_literal_transcription(devices, delay, stage3):
     hf = tiny_hf_model("qwen3" if devices == 4 else "qwen2", seed=devices)
     ids = ids_for(hf, B=1, T=9)
     ref = literal_dtp_logits(hf, ids, devices, delay, stage3)
-    out = DTPModel.from_hf(hf, devices=devices, delay=delay, stage3=stage3)(ids)
+    out = DTPModel.from_hf(hf, devices=devices, delay=delay, stage3=stage3)(ids).logits
     assert (out - ref).abs().max().item() <= TOL
     # and DTP really changed the function
     assert (out - hf(ids).logits).abs().max().item() > 1e-2
@@ -44,7 +44,7 @@ def test_literal_transcription_other_families():
     for fam in ("llama", "llama_tied", "mistral"):
         hf = tiny_hf_model(fam, seed=3)
         ids = ids_for(hf, B=1, T=7)
-        out = DTPModel.from_hf(hf, devices=4, delay=1)(ids)
+        out = DTPModel.from_hf(hf, devices=4, delay=1)(ids).logits
         assert (out - literal_dtp_logits(hf, ids, 4, 1)).abs().max().item() <= TOL
 
 
@@ -74,10 +74,10 @@ def test_kv_cache_decoding_equals_full_forward(delay):
     hf = tiny_hf_model("qwen3", seed=5)
     model = DTPModel.from_hf(hf, devices=4, delay=delay)
     ids = ids_for(hf, B=2, T=14)
-    full = model(ids)
+    full = model(ids).logits
     cache = model.new_cache()
-    pieces = [model(ids[:, :6], cache=cache), model(ids[:, 6:9], cache=cache)]  # prefill, then a chunk
-    pieces += [model(ids[:, t:t + 1], cache=cache) for t in range(9, 14)]  # then token by token
+    pieces = [model(ids[:, :6], cache=cache).logits, model(ids[:, 6:9], cache=cache).logits]  # prefill, then a chunk
+    pieces += [model(ids[:, t:t + 1], cache=cache).logits for t in range(9, 14)]  # then token by token
     assert cache.length == 14
     assert (torch.cat(pieces, 1) - full).abs().max().item() <= TOL
 
@@ -89,7 +89,7 @@ def test_checkpointing_gradients_equal():
     for ckpt in (False, True):
         model = DTPModel.from_hf(hf, devices=2, delay=1.5).train()
         model.gradient_checkpointing = ckpt
-        model(ids).logsumexp(-1).mean().backward()
+        model(ids).logits.logsumexp(-1).mean().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     assert grads[0].keys() == grads[1].keys()
     for n in grads[0]:
@@ -100,8 +100,8 @@ def test_checkpointing_gradients_equal():
 def test_bfloat16_runs_close_to_fp32():
     hf = tiny_hf_model("llama", seed=2)
     ids = ids_for(hf)
-    ref = DTPModel.from_hf(hf, devices=4, delay=1)(ids)
-    out = DTPModel.from_hf(hf, devices=4, delay=1, dtype=torch.bfloat16)(ids)
+    ref = DTPModel.from_hf(hf, devices=4, delay=1)(ids).logits
+    out = DTPModel.from_hf(hf, devices=4, delay=1, dtype=torch.bfloat16)(ids).logits
     assert out.dtype == torch.bfloat16
     assert (out.float() - ref).abs().max().item() < 0.1 * ref.abs().max().item()
 
@@ -110,13 +110,13 @@ def test_fractional_delay_is_continuous():
     hf = tiny_hf_model("llama", seed=4)
     ids = ids_for(hf, B=1, T=8)
     model = DTPModel.from_hf(hf, devices=4, delay=1)
-    at1 = model(ids)
+    at1 = model(ids).logits
     model.set_dtp(4, 1 + 1e-6)
-    assert (model(ids) - at1).abs().max().item() < 1e-4
+    assert (model(ids).logits - at1).abs().max().item() < 1e-4
     model.set_dtp(4, 2 - 1e-6)
-    near2 = model(ids)
+    near2 = model(ids).logits
     model.set_dtp(4, 2)
-    assert (model(ids) - near2).abs().max().item() < 1e-4
+    assert (model(ids).logits - near2).abs().max().item() < 1e-4
 
 
 def test_rms_norm_backward_matches_autograd():
@@ -147,12 +147,12 @@ def test_autocast_bf16_training_step_runs():
     model = DTPModel.from_hf(hf, devices=4, delay=1).train()
     ids = ids_for(hf)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(ids).float().logsumexp(-1).mean()
+        loss = model(ids).logits.float().logsumexp(-1).mean()
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
     ref = DTPModel.from_hf(hf, devices=4, delay=1)
-    ref(ids).logsumexp(-1).mean().backward()
+    ref(ids).logits.logsumexp(-1).mean().backward()
     g32 = ref.model.layers[0].mlp.gate_proj.weight.grad
     g16 = model.model.layers[0].mlp.gate_proj.weight.grad
     assert (g16 - g32).norm() < 0.1 * g32.norm()

@@ -9,10 +9,10 @@ from dtpshard.core.vocab import AffinityDType, Count, Delay, Device, NonNegative
 
 
 def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, dataset: str | None = None,
-                 blocks: Count = 64, seq_len: Count = 1024, delay: Delay = 1.0, seed: Seed = 0,
+                 text_field: str = "text", tokenizer: Path | None = None, blocks: Count = 64, seq_len: Count = 1024, delay: Delay = 1.0, seed: Seed = 0,
                  group_unit: bool = False, exact_jacobian: bool = False, ablation: bool = False,
                  micro_batch: Count = 4, chunk: NonNegativeInt = 0, device: Device = "auto",
-                 dtype: AffinityDType = "float32", progress: bool = True) -> int:
+                 dtype: AffinityDType = "float32", progress: bool = True, json: bool = False) -> int:
     """Score how much every unit depends on every co-located unit (docs/design.md §2), in one pass.
 
     Calibration text (--text files, or --dataset, or by default the built-in offline corpus) is
@@ -24,9 +24,11 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
 
     Args:
         model: Hugging Face checkpoint directory (llama, mistral, qwen2 or qwen3 family)
-        out: affinity file to write (safetensors, format dtpshard.affinity/1)
-        text: calibration text files or directories (.txt split at blank lines, .jsonl with a "text" field, .parquet)
-        dataset: Hugging Face dataset instead of files: fineweb-edu, wikitext-2 or owner/name[:config] (needs the hub)
+        out: affinity file to write (required; safetensors, format dtpshard.affinity/1)
+        text: calibration text files or directories (.txt split at blank lines, .jsonl/.json records, .parquet)
+        dataset: a save_to_disk directory, a parquet file or directory, or a hub name: fineweb-edu, wikitext-2, owner/name[:config]
+        text_field: the column or JSON field that holds the text
+        tokenizer: tokenizer directory, where MODEL has no tokenizer files
         blocks: number of calibration blocks
         seq_len: tokens per block
         delay: DTP delay δ; every edge b-δ <= a <= b-1 is scored (δ >= 2 adds attention->attention, FFN->FFN, ...)
@@ -39,6 +41,7 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
         device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         dtype: compute dtype of the pass (sums are always accumulated in float64)
         progress: show a progress bar
+        json: print one JSON object {out, edges, tokens, seconds, ...} on stdout
     """
     import torch
 
@@ -61,9 +64,9 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
     check_delay(shape, delay)
     if not edges_for_delay(shape.modules, delay):
         raise UserError(f"--delay {delay}: no edges (every module sees all partials below δ = 1)")
-    tokenizer = load_tokenizer(model)
-    texts = load_texts(text, dataset, role="calibration")
-    ids = make_blocks(tokenizer, texts, seq_len, blocks, seed=seed)  # [blocks, seq_len]
+    tok = load_tokenizer(tokenizer or model)
+    texts = load_texts(text, dataset, role="calibration", text_field=text_field)
+    ids = make_blocks(tok, texts, seq_len, blocks, seed=seed)  # [blocks, seq_len]
     if int(ids.max()) >= shape.vocab:
         raise UserError(f"tokenizer produced id {int(ids.max())} >= vocab_size {shape.vocab}")
 
@@ -77,4 +80,10 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
              source=f"{texts.source} seed={seed}").save(out)
     print(f"wrote {out}: {len(edges)} edges, {ids.numel()} tokens ({blocks} x {seq_len}), "
           f"{elapsed:.1f} s on {device}", file=sys.stderr)
+    if json:
+        import json as _json
+
+        print(_json.dumps({"out": str(out), "model": str(model), "delay": delay, "edges": len(edges),
+                           "tokens": int(ids.numel()), "blocks": blocks, "seq_len": seq_len, "seconds": elapsed,
+                           "device": str(device), "data": texts.source, "options": options}))
     return 0

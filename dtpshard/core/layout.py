@@ -83,6 +83,15 @@ class Layout:
     def is_identity(self) -> bool:
         return all((p == np.arange(len(p))).all() for p in self.kv_perms + self.ffn_perms)
 
+    def content_sha256(self) -> str:
+        """A hash of what the layout does (L and every permutation), not of its file: a layout
+        rescored or saved with other timings keeps its hash. First 16 hex digits of SHA-256."""
+        import hashlib
+
+        perms = [[int(i) for i in p] for p in self.kv_perms + self.ffn_perms]
+        data = json.dumps({"devices": self.devices, "perms": perms}, separators=(",", ":"))
+        return hashlib.sha256(data.encode()).hexdigest()[:16]
+
     # -- serialisation -------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         return {

@@ -21,6 +21,7 @@ STAGE3: tuple[str, ...] = get_args(Stage3)
 KvSearch = Literal["assignment", "exhaustive"]  # the optimiser's KV-group block update (docs/design.md §3)
 KV_SEARCHES: tuple[str, ...] = get_args(KvSearch)
 DType = Literal["float32", "bfloat16"]
+LoadDType = Literal["auto", "float32", "bfloat16"]  # auto: the checkpoint's own, as transformers
 AffinityDType = Literal["float32", "float64"]
 
 # -- constrained numbers and strings (parse-time checks) ---------------------------------------
@@ -33,6 +34,7 @@ PositiveNumber = restricted_number_type("PositiveNumber", float, [(">", 0), ("<"
 NonNegativeNumber = restricted_number_type("NonNegativeNumber", float, [(">=", 0), ("<", _INF)])
 Fraction = ClosedUnitInterval
 Beta = restricted_number_type("Beta", float, [(">=", 0), ("<", 1)])
+TopP = restricted_number_type("TopP", float, [(">", 0), ("<=", 1)])  # nucleus mass
 Delay = NonNegativeNumber  # δ in modules; fractional allowed, 0 is tensor parallelism
 Seconds = PositiveNumber
 Device = restricted_string_type("Device", r"^(auto|cpu|cuda|cuda:[0-9]+)$")
@@ -41,7 +43,7 @@ REFUSAL = {
     "Count": "must be an integer >= 1", "NonNegativeInt": "must be an integer >= 0",
     "Seed": "must be an integer >= 0", "PositiveNumber": "must be a finite number > 0",
     "NonNegativeNumber": "must be a finite number >= 0", "ClosedUnitInterval": "must be a number in [0, 1]",
-    "Beta": "must be a number in [0, 1)", "Device": "must be auto, cpu, cuda or cuda:N",
+    "Beta": "must be a number in [0, 1)", "TopP": "must be a number in (0, 1]", "Device": "must be auto, cpu, cuda or cuda:N",
     "int": "must be an integer", "float": "must be a number", "str": "must be a string",
     "bool": "must be true or false", "Path": "must be a path",
 }

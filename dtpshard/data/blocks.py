@@ -10,15 +10,17 @@ API (used by `affinity`, `distill`, `eval`)::
 
 Sources (`load_texts`), exactly one of:
 - ``text``: local paths (files or directories, searched recursively for the suffixes below, in
-  sorted order). ``.jsonl``/``.json``: one JSON object per line, the document in ``text_field``.
-  ``.parquet``: the ``text_field`` column (needs pyarrow). Anything else is plain UTF-8 text,
-  split into documents at blank lines.
-- ``dataset``: Hugging Face ``datasets`` (imported lazily; needs the hub). ``fineweb-edu``
-  (HuggingFaceFW/fineweb-edu, sample-10BT, streamed), ``wikitext-2`` (Salesforce/wikitext,
-  wikitext-2-raw-v1, one document per article), or any ``owner/name[:config]`` (its train split,
-  streamed).
+  sorted order). ``.jsonl``: one JSON object per line, the document in ``text_field``; ``.json``:
+  a JSON array of such objects (or of strings), else read as JSON lines. ``.parquet``: the
+  ``text_field`` column (needs pyarrow). Anything else is plain UTF-8 text, split into documents
+  at blank lines.
+- ``dataset``: a path on disk (`dtpshard.data.local`: a ``save_to_disk`` directory, a parquet
+  file, a directory of parquet files), or Hugging Face ``datasets`` from the hub (imported
+  lazily). ``fineweb-edu`` (HuggingFaceFW/fineweb-edu, sample-10BT, streamed), ``wikitext-2``
+  (Salesforce/wikitext, wikitext-2-raw-v1, one document per article), or any
+  ``owner/name[:config]`` (its train split, streamed).
 - neither, or ``dataset="offline"``: the built-in offline corpus (`dtpshard.corpus`, Python
-  standard-library docstrings).
+  standard-library docstrings). Every command defaults to it: nothing is fetched unless asked.
 
 Roles keep evaluation data apart from everything else. ``"eval"`` takes the held-out share of a
 source, ``"calibration"`` and ``"train"`` both take the rest (they may share documents), ``"all"``
@@ -108,15 +110,20 @@ def load_texts(text: Sequence[str | Path] | None = None, dataset: str | None = N
         raise UserError("give --text or --dataset, not both")
     if dataset == OFFLINE:  # the built-in corpus, asked for by name (no hub attempt first)
         dataset = None
+    by_split = False
     if dataset is not None:
-        return _hf_texts(dataset, role, text_field)
-    if text is not None:
+        from dtpshard.data.local import is_local_dataset, read_local_dataset
+
+        if not is_local_dataset(dataset):
+            return _hf_texts(dataset, role, text_field)
+        docs, source, by_split = read_local_dataset(dataset, role, text_field)
+    elif text is not None:
         docs, source = read_text_files(text, text_field), "text:" + ",".join(str(p) for p in text)
     else:
         from dtpshard.data.corpus import corpus_source, stdlib_documents
 
         docs, source = list(stdlib_documents()), corpus_source()
-    kept = [d for d in docs if _in_role(d, role)]
+    kept = [d for d in docs if d.strip() and (by_split or _in_role(d, role))]
     if not kept:
         raise UserError(f"{source}: no documents left for role {role!r} ({len(docs)} in all; "
                         f"about 1 in {EVAL_MODULUS} is held out for eval): give more text")
@@ -146,7 +153,9 @@ def read_text_files(paths: Sequence[str | Path], text_field: str = "text") -> li
     docs: list[str] = []
     for path in _expand(paths):
         suffix = path.suffix.lower()
-        if suffix in JSON_SUFFIXES:
+        if suffix == ".json":
+            found = _read_json(path, text_field)
+        elif suffix in JSON_SUFFIXES:
             found = _read_jsonl(path, text_field)
         elif suffix == ".parquet":
             found = _read_parquet(path, text_field)
@@ -179,16 +188,34 @@ def _read_jsonl(path: Path, field: str) -> list[str]:
     return docs
 
 
+def _read_json(path: Path, field: str) -> list[str]:
+    """A JSON array of objects with `field` (or of strings), as `datasets`' to_json(lines=False)
+    writes; a file that is not one JSON value is read as JSON lines."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return _read_jsonl(path, field)
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if isinstance(obj, dict) and isinstance(obj.get(field), str):
+        return [obj[field]]
+    if not isinstance(obj, list):
+        raise UserError(f"{path}: expected a JSON array of objects with a string field {field!r}")
+    docs = []
+    for n, item in enumerate(obj):
+        if isinstance(item, str):
+            docs.append(item)
+        elif isinstance(item, dict) and isinstance(item.get(field), str):
+            docs.append(item[field])
+        else:
+            raise UserError(f"{path}: item {n} is not a string or an object with a string field {field!r}")
+    return docs
+
+
 def _read_parquet(path: Path, field: str) -> list[str]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise UserError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
-    try:
-        table = pq.read_table(str(path), columns=[field])
-    except Exception as e:  # pyarrow raises its own exception types  # noqa: BLE001
-        raise UserError(f"{path}: cannot read column {field!r} ({_first_line(e)})") from None
-    return [d for d in table.column(field).to_pylist() if isinstance(d, str)]
+    from dtpshard.data.local import read_parquet
+
+    return read_parquet(path, field)
 
 
 # -- Hugging Face datasets -----------------------------------------------------------------------

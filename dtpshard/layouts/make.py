@@ -66,7 +66,7 @@ def make_layout(model: dict[str, int], devices: int, delay: float, kind: str, *,
 
 def layout_cmd(source: Path, *, out: Path, devices: Count = 4, delay: Delay = 1.0, kind: LayoutKind = "optimised",
                layers: Count | None = None, restarts: Count = 1, seed: Seed = 0, kv_search: KvSearch = "assignment",
-               max_sweeps: Count = 20) -> int:
+               max_sweeps: Count = 20, json: bool = False) -> int:
     """Make a layout (docs/design.md §3) and write it as JSON; prints J, its random expectation and the time.
 
     Args:
@@ -80,6 +80,7 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = 4, delay: Delay = 1.
         seed: seed of the random layout, or of the random restarts
         kv_search: KV-group block update: exact assignment, or the paper's exhaustive search over labelled partitions
         max_sweeps: stop after this many sweeps even if J still grows by more than 1e-9
+        json: print one JSON object {out, kind, devices, delay, seed, sha256, score: {J, ...}} instead of text
     """
     check_delay(None, delay)
     delay = int(delay) if float(delay).is_integer() else delay
@@ -104,5 +105,11 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = 4, delay: Delay = 1.
     if affinity is not None:
         layout.score["affinity"] = str(source)
     layout.save(out)
-    print(f"{_describe(layout)} -> {out}")
+    if json:
+        import json as _json
+
+        print(_json.dumps({"out": str(out), "kind": layout.kind, "devices": layout.devices, "delay": layout.delay,
+                           "seed": layout.seed, "sha256": layout.content_sha256(), "score": layout.score}))
+    else:
+        print(f"{_describe(layout)} -> {out}")
     return 0

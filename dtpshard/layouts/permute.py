@@ -16,7 +16,7 @@ CHECK_TOL = 1e-4  # max |Δlogits| in fp32 (docs/design.md §3)
 
 
 def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False, check_tokens: Count = 256,
-                tolerance: PositiveNumber = CHECK_TOL) -> int:
+                tolerance: PositiveNumber = CHECK_TOL, json: bool = False) -> int:
     """Write a permuted Hugging Face checkpoint that any tensor-parallel engine loads as is.
 
     Device d of an L-way contiguous split of the output holds the units the layout gives it.
@@ -32,6 +32,7 @@ def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False, ch
         force: replace --out if it exists
         check_tokens: sequence length of the logits check (random token ids, seeded)
         tolerance: largest max |Δlogits| the check accepts
+        json: print one JSON object {out, check: {max_abs_diff, ...}} instead of text
     """
     from dtpshard.model.checkpoint import open_checkpoint
     from dtpshard.core.io import atomic_dir
@@ -56,14 +57,23 @@ def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False, ch
             del sd
             tokens = min(check_tokens, getattr(ckpt.hf_config, "max_position_embeddings", None) or check_tokens)
             diff, scale = dense_logits_diff(model, tmp, tokens, ckpt.shape.vocab)
-            print(f"check: max |logits(permuted) - logits(original)| = {diff:.3g} over {tokens} tokens "
-                  f"(fp32, max |logit| {scale:.3g}, tolerance {tolerance:g})")
+            if not json:
+                print(f"check: max |logits(permuted) - logits(original)| = {diff:.3g} over {tokens} tokens "
+                      f"(fp32, max |logit| {scale:.3g}, tolerance {tolerance:g})")
             if not diff <= tolerance:  # also catches NaN
                 raise UserError(f"permuted logits differ from the original by {diff:.3g} > --tolerance "
                                 f"{tolerance:g} (max |logit| {scale:.3g}); nothing written")
     except OSError as e:
         raise UserError(f"cannot write {out}: {e.strerror or e}") from None
-    print(f"{lay.kind} layout (L = {lay.devices}) applied to {model} -> {out}")
+    if json:
+        import json as _json
+
+        print(_json.dumps({"model": str(model), "layout": str(layout_path), "out": str(out), "kind": lay.kind,
+                           "devices": lay.devices, "layout_sha256": lay.content_sha256(),
+                           "check": {"max_abs_diff": diff, "max_abs_logit": scale, "tokens": tokens,
+                                     "tolerance": tolerance, "passed": True}}))
+    else:
+        print(f"{lay.kind} layout (L = {lay.devices}) applied to {model} -> {out}")
     return 0
 
 

@@ -8,10 +8,13 @@ import torch.nn.functional as F
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_per_group: int,
-           past: "tuple[torch.Tensor, torch.Tensor] | None" = None) -> tuple[torch.Tensor, tuple]:
+           past: "tuple[torch.Tensor, torch.Tensor] | None" = None,
+           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
     """q [N, H, T, hd], k and v [N, G, T, hd] (rotary already applied), past (k, v) [N, G, P, hd]
     or None -> (o [N, H, T, hd], the cache entry (k, v) [N, G, P + T, hd]). Query t sees the
-    P cached positions and new positions up to t; H = G · heads_per_group."""
+    P cached positions and new positions up to t; H = G · heads_per_group. `mask` (boolean,
+    broadcastable to [N, H, T, P + T], True = attend) replaces that causal rule, e.g. for left
+    padding; the caller builds it causal."""
     cached = 0
     if past is not None:
         cached = past[0].shape[2]
@@ -20,7 +23,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_per_group: i
     k_rep = k.repeat_interleave(r, dim=1) if r > 1 else k
     v_rep = v.repeat_interleave(r, dim=1) if r > 1 else v
     T = q.shape[2]
-    if cached == 0 or T == 1:
+    if mask is not None:
+        o = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask)
+    elif cached == 0 or T == 1:
         o = F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=cached == 0 and T > 1)
     else:  # a chunk appended to a cache: query t sees keys up to cached + t
         mask = torch.ones(T, cached + T, dtype=torch.bool, device=q.device).tril(cached)

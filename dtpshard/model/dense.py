@@ -102,6 +102,9 @@ class DenseModel:
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> "DenseModel":
+        from dtpshard.model.hf import recorded_dtp, warn_if_student
+
+        warn_if_student(ckpt.path, recorded_dtp(ckpt.hf_config), devices=1, delay=0)
         return cls(ckpt.shape, ckpt.hf_config, ckpt.state_dict(), dtype, device)
 
     # -- pieces ----------------------------------------------------------------------------------

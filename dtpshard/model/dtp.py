@@ -7,7 +7,6 @@ state dict (of the permuted model) and device l's slice of a weight is a view, n
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,7 @@ from dtpshard.core.shape import ModelShape, check_delay, check_devices, shape_fr
 from dtpshard.model.attention import attend
 from dtpshard.model.delay import STAGE3, horizon, schedule
 from dtpshard.core.errors import UserError
-
-DTP_JSON = "dtp.json"  # devices/delay/stage3 saved next to a student's weights
+from dtpshard.model.hf import DTP_JSON, PretrainedMixin  # noqa: F401 - DTP_JSON re-exported
 
 
 def _up(t: torch.Tensor) -> torch.Tensor:  # norms compute in at least fp32
@@ -150,15 +148,17 @@ class Attention(nn.Module):
         return y.view(L * B, T, E // self.s.head_dim, self.s.head_dim).transpose(1, 2)
 
     def partials(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv: "tuple[torch.Tensor, torch.Tensor] | None") -> tuple[torch.Tensor, tuple]:
-        """h [L, B, T, D] (each device's normed stream) -> partials [L, B, T, D], new (k, v)."""
+                 kv: "tuple[torch.Tensor, torch.Tensor] | None",
+                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
+        """h [L, B, T, D] (each device's normed stream) -> partials [L, B, T, D], new (k, v).
+        `mask`: a boolean [L*B, 1, T, past + T] mask (padded batches) replacing the causal one."""
         L, B, T, D = h.shape
         q, k, v = self._heads(self.q_proj, h, L), self._heads(self.k_proj, h, L), self._heads(self.v_proj, h, L)
         if self.s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin  # cos/sin [1, 1, T, hd]
+        q = q * cos + rotate_half(q) * sin  # cos/sin [1, 1, T, hd], or [L*B, 1, T, hd] with a mask
         k = k * cos + rotate_half(k) * sin
-        o, (k, v) = attend(q, k, v, self.s.heads_per_group, kv)  # one attention call over all devices
+        o, (k, v) = attend(q, k, v, self.s.heads_per_group, kv, mask)  # one attention call over all devices
         Hl = o.shape[1]
         o = o.transpose(1, 2).reshape(L, B * T, Hl * self.s.head_dim)  # [L*B, Hl, T, hd] -> [L, B*T, Hl*hd]
         p = torch.bmm(o, self.o_proj.cols(L)).view(L, B, T, D)
@@ -208,8 +208,12 @@ def rotary_for(hf_config: Any) -> nn.Module:
     return getattr(mod, cls_name)(config=hf_config)
 
 
-class DTPModel(nn.Module):
-    """L devices, delay δ. devices=1 or delay=0 is the dense model (up to float rounding)."""
+class DTPModel(PretrainedMixin, nn.Module):
+    """L devices, delay δ. devices=1 or delay=0 is the dense model (up to float rounding).
+
+    Behaves like a transformers causal LM where that is cheap: `.config` (the HF config), `.device`,
+    `.dtype`, `forward(input_ids, attention_mask=None, labels=None)` returning transformers'
+    `CausalLMOutputWithPast` (`.logits`, `.loss`), left-padded batches, `.generate(...)`."""
 
     def __init__(self, hf_config: Any, devices: int = 4, delay: float = 1, stage3: str = "sqrt"):
         super().__init__()
@@ -222,6 +226,7 @@ class DTPModel(nn.Module):
         self.lm_head = None if s.tied else Proj(s.vocab, s.hidden)
         self.rotary = rotary_for(hf_config)
         self.gradient_checkpointing = False
+        self.layout_sha256: str | None = None  # of the layout applied to the weights (None: contiguous)
         self.set_dtp(devices, delay, stage3)
 
     def set_dtp(self, devices: int, delay: float, stage3: str = "sqrt") -> None:
@@ -242,13 +247,13 @@ class DTPModel(nn.Module):
 
     # -- the forward pass ----------------------------------------------------------------
     def module_partials(self, m: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        cache: KVCache | None = None) -> torch.Tensor:
+                        cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Partials p^m [L, B, T, D] of module m from the devices' residual streams x [L, B, T, D]."""
         layer = self.model.layers[m // 2]
         if m % 2:
             return layer.mlp.partials(layer.post_attention_layernorm(x))
         kv = None if cache is None else cache.kv[m // 2]
-        p, new_kv = layer.self_attn.partials(layer.input_layernorm(x), cos, sin, kv)
+        p, new_kv = layer.self_attn.partials(layer.input_layernorm(x), cos, sin, kv, mask)
         if cache is not None:
             cache.kv[m // 2] = new_kv
         return p
@@ -258,20 +263,40 @@ class DTPModel(nn.Module):
         cos, sin = self.rotary(x, pos)  # [1, T, hd]
         return cos[:, None], sin[:, None]
 
-    def streams(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def _padded(self, emb: torch.Tensor, attention_mask: torch.Tensor, past: int) -> tuple[torch.Tensor, ...]:
+        """(cos, sin, mask) of a padded batch, repeated over the devices in the heads' device-major order."""
+        from dtpshard.model.hf import padding_attn_mask, positions_from_mask
+
+        B, T = emb.shape[:2]
+        if tuple(attention_mask.shape) != (B, past + T):
+            raise UserError(f"attention_mask has shape {list(attention_mask.shape)}, expected [{B}, {past + T}] "
+                            "(batch, cached + new tokens)")
+        attention_mask = attention_mask.to(emb.device)
+        cos, sin = self.rotary(emb, positions_from_mask(attention_mask, T))  # [B, T, hd]
+        L = self.devices
+        return (cos[:, None].repeat(L, 1, 1, 1), sin[:, None].repeat(L, 1, 1, 1),
+                padding_attn_mask(attention_mask, T).repeat(L, 1, 1, 1))
+
+    def streams(self, input_ids: torch.Tensor, cache: KVCache | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The devices' final residual streams x [L, B, T, D]."""
         L = self.devices
         emb = self.model.embed_tokens(input_ids)  # [B, T, D]
-        cos, sin = self.rope(emb, 0 if cache is None else cache.length, input_ids.shape[1])
+        past = 0 if cache is None else cache.length
+        mask = None
+        if attention_mask is None:
+            cos, sin = self.rope(emb, past, input_ids.shape[1])
+        else:
+            cos, sin, mask = self._padded(emb, attention_mask, past)
         x = emb.unsqueeze(0).expand(L, *emb.shape)  # every device starts from the embedding
         recent: dict[int, torch.Tensor] = {}  # module -> its partials, kept for δ modules
         keep = horizon(self.delay)
         ckpt = self.gradient_checkpointing and torch.is_grad_enabled() and cache is None
         for m, step in enumerate(self.steps):
             if ckpt:
-                p = checkpoint(self.module_partials, m, x, cos, sin, use_reentrant=False)
+                p = checkpoint(self.module_partials, m, x, cos, sin, None, mask, use_reentrant=False)
             else:
-                p = self.module_partials(m, x, cos, sin, cache)
+                p = self.module_partials(m, x, cos, sin, cache, mask)
             recent[m] = p
             x = x + p if step.own_scale == 1 else x + step.own_scale * p
             for k, w in step.arrivals:
@@ -280,16 +305,26 @@ class DTPModel(nn.Module):
             recent.pop(m - keep, None)
         return x
 
-    def hidden(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def hidden(self, input_ids: torch.Tensor, cache: KVCache | None = None,
+               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """h = mean_l FinalNorm(x_l): [B, T, D], the LM head's input."""
-        return self.model.norm(self.streams(input_ids, cache)).mean(0)
+        return self.model.norm(self.streams(input_ids, cache, attention_mask)).mean(0)
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None, logits_to_keep: int = 0) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, V] (only the last `logits_to_keep` positions if > 0)."""
-        h = self.hidden(input_ids, cache)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, cache: KVCache | None = None, logits_to_keep: int = 0) -> Any:
+        """input_ids [B, T] -> transformers' CausalLMOutputWithPast: `.logits` [B, T, V] (only the last
+        `logits_to_keep` positions if > 0), `.loss` with `labels` (transformers' shifted
+        cross-entropy, -100 ignored), `.past_key_values` the `cache` given. `attention_mask` [B,
+        cached + T] (1 real, 0 padding) for left-padded batches; positions count real tokens only."""
+        from dtpshard.model.hf import causal_lm_loss, output
+
+        if labels is not None and logits_to_keep:
+            raise ValueError("labels need the logits of every position: logits_to_keep must be 0")
+        h = self.hidden(input_ids, cache, attention_mask)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        return F.linear(h, self.lm_head_weight)
+        logits = F.linear(h, self.lm_head_weight)
+        return output(logits, None if labels is None else causal_lm_loss(logits, labels), cache)
 
     def new_cache(self) -> KVCache:
         return KVCache(self.shape.layers)
@@ -298,56 +333,27 @@ class DTPModel(nn.Module):
     @classmethod
     def from_state_dict(cls, hf_config: Any, state_dict: dict[str, torch.Tensor], devices: int = 4,
                         delay: float = 1, stage3: str = "sqrt", layout: Any = None,
-                        dtype: torch.dtype = torch.float32) -> "DTPModel":
+                        dtype: torch.dtype | str = torch.float32) -> "DTPModel":
+        """dtype "auto": the config's, else the weights' (as transformers)."""
         from dtpshard.core.layout import as_layout
         from dtpshard.core.permutation import apply_layout
+        from dtpshard.model.hf import resolve_dtype
 
         with torch.device("meta"):
             model = cls(hf_config, devices, delay, stage3)
         sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
         if model.shape.tied:
             sd.pop("lm_head.weight", None)
+        stored = next((v.dtype for v in sd.values() if v.is_floating_point()), None)
+        dtype = resolve_dtype(dtype, hf_config, stored)
         layout = as_layout(layout)
         if layout is not None:
             layout.check_model(model.shape.summary())
             if layout.devices != devices:
                 raise UserError(f"layout was made for devices={layout.devices}, the model runs devices={devices}")
             sd = apply_layout(sd, model.shape, layout)
+            model.layout_sha256 = layout.content_sha256()
         sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
         model.load_state_dict(sd, strict=True, assign=True)
         model.rotary = rotary_for(hf_config)  # its buffers were built on meta
         return model
-
-    @classmethod
-    def from_hf(cls, hf_model: nn.Module, devices: int = 4, delay: float = 1, **kw: Any) -> "DTPModel":
-        """From an in-memory transformers model (e.g. one dequantised from GGUF)."""
-        sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
-        return cls.from_state_dict(hf_model.config, sd, devices, delay, **kw)
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, devices: int | None = None, delay: float | None = None,
-                        dtype: torch.dtype = torch.float32, layout: Any = None, stage3: str | None = None,
-                        device: str | torch.device = "cpu") -> "DTPModel":
-        """Load a local HF checkpoint directory. Defaults come from its dtp.json if it has one
-        (a distilled student), else devices from the layout or 4, delay=1, stage3='sqrt'."""
-        from dtpshard.model.checkpoint import open_checkpoint
-        from dtpshard.core.layout import as_layout
-
-        ckpt = open_checkpoint(path)
-        saved = json.loads((Path(path) / DTP_JSON).read_text()) if (Path(path) / DTP_JSON).is_file() else {}
-        layout = as_layout(layout)
-        if devices is None:  # a student's own setting, else the layout's, else 4
-            devices = saved.get("devices", layout.devices if layout is not None else 4)
-        delay = saved.get("delay", 1) if delay is None else delay
-        stage3 = saved.get("stage3", "sqrt") if stage3 is None else stage3
-        check_devices(ckpt.shape, devices)
-        model = cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(dtype), devices, delay, stage3, layout, dtype)
-        model.source_path = Path(path)
-        return model.to(device)
-
-    def save_pretrained(self, out_dir: Path, source: Path | None = None) -> None:
-        """Write weights, HF config, tokenizer files (copied from `source`) and dtp.json."""
-        from dtpshard.model.checkpoint import save_checkpoint
-
-        save_checkpoint(Path(out_dir), self.hf_config, self.state_dict(), source or getattr(self, "source_path", None),
-                        extra_json={DTP_JSON: self.dtp_settings()})

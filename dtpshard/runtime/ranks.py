@@ -232,16 +232,17 @@ class RankModel:
 
 
 # -- the command ------------------------------------------------------------------------------
-def run_cmd(model: Path, *, prompt: str, delay: Delay = 1, layout: Path | None = None, max_new_tokens: Count = 40,
-            timeout: Seconds = 600, stage3: Stage3 = "sqrt", latency_ms: NonNegativeNumber = 0,
-            dtype: DType = "float32", device: Device = "auto", nproc: Count = 1, threads: NonNegativeInt = 0) -> int:
+def run_cmd(model: Path, *, prompt: str, delay: Delay | None = None, layout: Path | None = None,
+            max_new_tokens: Count = 40, timeout: Seconds = 600, stage3: Stage3 = "sqrt",
+            latency_ms: NonNegativeNumber = 0, dtype: DType = "float32", device: Device = "auto", nproc: Count = 1,
+            threads: NonNegativeInt = 0, tokenizer: Path | None = None, json: bool = False) -> int:
     """Greedy continuation of PROMPT with MODEL run as DTP across processes, one rank per device
     (start it with torchrun --nproc-per-node L, or pass --nproc L). Rank 0 prints the text.
 
     Args:
         model: Hugging Face checkpoint directory (the world size L must divide its KV groups and neurons)
         prompt: the text to continue
-        delay: δ in modules (fractional allowed); 0 is tensor parallelism with a blocking all-reduce
+        delay: δ in modules (fractional allowed); 0 is tensor parallelism with a blocking all-reduce; default a student's recorded δ, else 1
         layout: a layout JSON made for L devices, applied while each rank reads its slices
         max_new_tokens: how many tokens to generate
         timeout: seconds to wait for the ranks to join and for any one transfer before giving up
@@ -251,6 +252,8 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay = 1, layout: Path | None =
         device: auto (cuda if available, else cpu), cpu (gloo) or cuda (NCCL, one GPU per rank: cuda:LOCAL_RANK)
         nproc: spawn this many local ranks; 1: this process is one rank of a torchrun
         threads: torch threads per rank (0: the cores divided by the local ranks, less two for the transfers)
+        tokenizer: tokenizer directory, where MODEL has no tokenizer files
+        json: rank 0 prints one JSON object {text, completion, new_token_ids, ...} instead of the text
     """
     from dtpshard.core.devices import DTYPES
 
@@ -261,8 +264,10 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay = 1, layout: Path | None =
     device = pick_device(device)
     if device == "cuda" and latency_ms:
         raise UserError("latency_ms emulates a link with host-side waits: only with device=cpu")
+    delay = _student_delay(model, delay, nproc if nproc > 1 else int(os.environ.get("WORLD_SIZE", "1")))
     kwargs = dict(model=model, prompt=prompt, delay=delay, layout=layout, max_new_tokens=max_new_tokens,
-                  timeout=timeout, stage3=stage3, latency_ms=latency_ms, dtype=dtype, device=device, threads=threads)
+                  timeout=timeout, stage3=stage3, latency_ms=latency_ms, dtype=dtype, device=device, threads=threads,
+                  tokenizer=tokenizer, json=json)
     if nproc > 1 and "RANK" not in os.environ:  # the launcher: refuse before spawning anything
         check_world(model, nproc, layout, delay)
         exits = launch_local(nproc, _run_rank, (kwargs,), grace=timeout, who="dtpshard run")
@@ -276,9 +281,9 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay = 1, layout: Path | None =
     rank, world = world_from_env()
     ckpt, lay = check_world(model, world, layout, delay)  # before any collective
     from dtpshard.model.checkpoint import load_tokenizer
-    from dtpshard.model.generate import generate_ids
+    from dtpshard.model.decode import generate_ids
 
-    tok = load_tokenizer(model)
+    tok = load_tokenizer(tokenizer or model)
     ids = tok(prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
         raise UserError("the prompt encodes to no tokens")
@@ -288,8 +293,33 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay = 1, layout: Path | None =
         net = RankModel(ckpt, rank, world, lay, delay, stage3, DTYPES[dtype], timeout, latency_ms / 1000, dev)
         out = generate_ids(net, ids.to(dev), max_new_tokens, eos_id=tok.eos_token_id)
         if rank == 0:
-            print(prompt + tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), flush=True)
+            new = out[0, ids.shape[1]:]
+            completion = tok.decode(new, skip_special_tokens=True)
+            if json:
+                import json as _json
+
+                print(_json.dumps({"model": str(model), "devices": world, "delay": delay, "stage3": stage3,
+                                   "prompt": prompt, "completion": completion, "text": prompt + completion,
+                                   "prompt_ids": ids[0].tolist(), "new_token_ids": new.tolist()}), flush=True)
+            else:
+                print(prompt + completion, flush=True)
     return 0
+
+
+def _student_delay(model: Path, delay: float | None, world: int) -> float:
+    """A DTP student's recorded δ unless one is given (1 for a dense checkpoint); one warning line
+    when a student runs at another L or δ than it was distilled for."""
+    from dtpshard.model.checkpoint import load_hf_config
+    from dtpshard.model.hf import log, recorded_dtp
+
+    block = recorded_dtp(load_hf_config(model))
+    if block is None:
+        return 1 if delay is None else delay
+    delay = block.get("delay", 1) if delay is None else delay
+    if (world, delay) != (block.get("devices"), block.get("delay")) and os.environ.get("RANK", "0") == "0":
+        log.warning(f"warning: {model} is a DTP student distilled for devices={block.get('devices')}, "
+                    f"delay={block.get('delay')}; running it with {world} ranks, delay={delay} computes another function")
+    return delay
 
 
 def _run_rank(kwargs: dict[str, Any]) -> int:

@@ -18,7 +18,7 @@ FORMAT = "dtpshard.experiment/1"
 OPTIMISING = OPTIMISING_KINDS
 # DistillConfig fields the experiment sets itself (per arm, or from the other sections)
 NOT_TRAINING = ("teacher", "out", "layout", "devices", "delay", "stage3", "seed", "force", "device",
-                "eval_blocks", "eval_text", "eval_dataset", "eval_micro_batch")
+                "eval_blocks", "eval_text", "eval_dataset", "eval_micro_batch", "text_field", "tokenizer", "tensorboard")
 
 
 @dataclass
@@ -73,6 +73,8 @@ class Experiment:
     delay: Delay = 1
     device: Device = "auto"
     stage3: Stage3 = "sqrt"
+    text_field: str = "text"  # the column/field of every text source
+    tokenizer: str | None = None  # None: the model's
     calibration: Calibration = field(default_factory=Calibration)
     evaluation: Evaluation = field(default_factory=Evaluation)
     layouts: LayoutSearch = field(default_factory=LayoutSearch)

@@ -7,6 +7,7 @@ value is refused with the key named. Example (the paper's study: dtpshard/config
     model = "/models/Qwen3-0.6B"   # a local HF checkpoint dir, or an HF id already in the HF cache
     devices = 4
     delay = 1
+    text_field = "text"            # the column / JSON field of every text source; tokenizer = DIR if the model has none
     [calibration]                  # text = [files] | dataset = "fineweb-edu" | neither: offline corpus
     blocks = 64
     seq_len = 1024
@@ -66,7 +67,8 @@ def _compared(record: dict[str, Any]) -> dict[str, Any]:
     from dtpshard.training.distill import OPERATIONAL
 
     train = {k: v for k, v in (record.get("training") or {}).items() if k not in OPERATIONAL}
-    return {**record, "training": train}
+    defaults = {"text_field": "text", "tokenizer": None}  # keys added later: an older directory lacks them
+    return {**{k: v for k, v in record.items() if k not in defaults or v != defaults[k]}, "training": train}
 
 
 def _prepare_dir(out: Path, cfg: dict[str, Any], force: bool) -> None:
@@ -103,7 +105,8 @@ def _affinity(cfg: dict[str, Any], model: Path, out: Path) -> Path:
 
     cal = cfg["calibration"]
     _say(f"affinity: {cal['blocks']} blocks x {cal['seq_len']} tokens")
-    affinity_cmd(model, out=path, text=cal["text"], dataset=cal["dataset"], blocks=cal["blocks"], seq_len=cal["seq_len"],
+    affinity_cmd(model, out=path, text=cal["text"], dataset=cal["dataset"], text_field=cfg["text_field"],
+                 tokenizer=cfg["tokenizer"], blocks=cal["blocks"], seq_len=cal["seq_len"],
                  delay=cfg["delay"], seed=cal["seed"], micro_batch=cal["micro_batch"], device=cfg["device"],
                  progress=cfg["training"].get("progress", True))
     return path
@@ -167,7 +170,8 @@ def _zero_shot(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: 
     teacher = _CachedTeacher(DTPModel.from_state_dict(ckpt.hf_config, sd, devices=1, delay=0).to(dev).eval())
     ev = cfg["evaluation"]
     seq_len = cfg["training"].get("seq_len", 1024)
-    blocks, _ = eval_blocks_for(model, ev["text"], ev["dataset"], ev["blocks"], seq_len, load_tokenizer(model))
+    blocks, _ = eval_blocks_for(model, ev["text"], ev["dataset"], ev["blocks"], seq_len,
+                                load_tokenizer(cfg["tokenizer"] or model), cfg["text_field"])
     micro = ev["micro_batch"] or cfg["training"].get("micro_batch", 4)
     autocast = cfg["training"].get("autocast", True)
     for name in todo:
@@ -179,7 +183,8 @@ def _zero_shot(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: 
         _say(f"zero-shot {name}: KL {done[name]['kl']:.4f}, ppl {done[name]['ppl']:.2f}")
 
 
-def _arms(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: Path) -> None:
+def _arms(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: Path,
+          tensorboard: Path | None = None) -> None:
     from dtpshard.training.distill import DistillConfig, distill
     from dtpshard.training.rundir import is_done
 
@@ -194,10 +199,12 @@ def _arms(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: Path)
         distill(DistillConfig(teacher=model, out=run, layout=layouts[name], devices=cfg["devices"],
                               delay=cfg["delay"], stage3=cfg["stage3"], seed=seed, device=cfg["device"],
                               eval_blocks=ev["blocks"], eval_text=ev["text"], eval_dataset=ev["dataset"],
-                              eval_micro_batch=ev["micro_batch"], **cfg["training"]))
+                              eval_micro_batch=ev["micro_batch"], text_field=cfg["text_field"],
+                              tokenizer=cfg["tokenizer"], tensorboard=None if tensorboard is None else tensorboard / run.name,
+                              **cfg["training"]))
 
 
-def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False) -> Path:
+def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False, tensorboard: Path | None = None) -> Path:
     """Every stage of a checked config (`check_config`) into `out`; returns the report path."""
     from dtpshard.model.checkpoint import read_shape
     from dtpshard.core.shape import check_delay, check_devices
@@ -211,7 +218,7 @@ def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False) -> Path:
     affinity = _affinity(cfg, model, out)
     layouts = _layouts(cfg, affinity, out)
     _zero_shot(cfg, model, layouts, out)
-    _arms(cfg, model, layouts, out)
+    _arms(cfg, model, layouts, out, tensorboard)
     from dtpshard.studies.report import write_report
 
     report = write_report(out)
@@ -219,7 +226,8 @@ def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False) -> Path:
     return report
 
 
-def experiment_cmd(study: Path, *, out: Path, force: bool = False, overrides: dict[str, Any] | None = None) -> int:
+def experiment_cmd(study: Path, *, out: Path, force: bool = False, tensorboard: Path | None = None,
+                   overrides: dict[str, Any] | None = None) -> int:
     """Run a whole study from STUDY (TOML or YAML): affinity once, every layout once with its J and
     zero-shot KL, every arm distilled, then the report. Rerun the same command to resume. Any key
     of the file but the model and the arms can be overridden by a flag: --devices 2,
@@ -229,10 +237,11 @@ def experiment_cmd(study: Path, *, out: Path, force: bool = False, overrides: di
         study: the study's config file (.toml, or .yaml/.yml); see dtpshard/configs/ for the paper's
         out: the experiment directory (created; an existing one is resumed if its config matches)
         force: start over an experiment directory that was made with another config
+        tensorboard: also write every arm's metrics as TensorBoard events, to TENSORBOARD/ARM-sSEED
         overrides: the study keys given as flags, nested as in the file
     """
     cfg = load_config(study, overrides)
-    run_experiment(cfg, out, force)
+    run_experiment(cfg, out, force, tensorboard)
     print(f"report: {Path(out) / 'report.md'}", file=sys.stderr)
     return 0
 

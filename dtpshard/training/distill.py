@@ -45,7 +45,7 @@ def distill(cfg: DistillConfig) -> Path:
 
 
 # -- `dtpshard distill` --------------------------------------------------------------------------
-def distill_cmd(teacher: Path, cfg: DistillConfig) -> int:
+def distill_cmd(teacher: Path, cfg: DistillConfig, *, json: bool = False) -> int:
     """Distil the DTP student of TEACHER (L devices, delay δ, permuted by --layout) into the run
     directory --out: config.json, metrics.jsonl, checkpoints, final/ (the student) and DONE.
     Rerunning the same command on an interrupted run resumes it. Data-parallel: --nproc K, or
@@ -54,8 +54,18 @@ def distill_cmd(teacher: Path, cfg: DistillConfig) -> int:
     Args:
         teacher: the dense Hugging Face checkpoint directory
         cfg: the recipe; every DistillConfig field is a flag
+        json: print one JSON object {student, metrics, steps, eval_kl, eval_ppl} instead of text
     """
+    as_json = json
     run = distill(dataclasses.replace(cfg, teacher=Path(teacher)))
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"student: {run / 'final'}  metrics: {run / 'metrics.jsonl'}")
+        import json as _json
+
+        from dtpshard.training.rundir import DONE
+
+        if as_json:
+            summary = _json.loads((run / DONE).read_text())
+            print(_json.dumps({"student": str(run / "final"), "metrics": str(run / "metrics.jsonl"), **summary}))
+        else:
+            print(f"student: {run / 'final'}  metrics: {run / 'metrics.jsonl'}")
     return 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json as _json
 import math
-import sys
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -73,40 +72,32 @@ def evaluate(student: torch.nn.Module, teacher: torch.nn.Module | None, blocks: 
     return summarise(eval_sums(student, teacher, blocks, micro_batch, autocast), teacher is not None)
 
 
-def source_blocks(tok: Any, text: list[str] | None, dataset: str | None, role: str, online: str, seq_len: int,
-                  n: int, **kw: Any) -> tuple[torch.Tensor, str]:
-    """n blocks of seq_len + 1 tokens; with neither text nor dataset, `online` where reachable,
-    else the offline corpus (said on stderr)."""
+def source_blocks(tok: Any, text: list[str] | None, dataset: str | None, role: str, seq_len: int, n: int,
+                  text_field: str = "text", **kw: Any) -> tuple[torch.Tensor, str]:
+    """n blocks of seq_len + 1 tokens of --text or --dataset, by default the offline corpus (no hub
+    attempt: with `datasets` installed and no network that is half a minute of retries)."""
     from dtpshard.data.blocks import load_texts, make_blocks
 
-    if text is not None or dataset is not None:
-        texts = load_texts(text, dataset, role=role)
-        return make_blocks(tok, texts, seq_len + 1, n, **kw), texts.source
-    try:
-        texts = load_texts(dataset=online, role=role)
-        return make_blocks(tok, texts, seq_len + 1, n, **kw), texts.source
-    except UserError as e:
-        texts = load_texts(role=role)
-        print(f"note: {online} unreachable ({e}); using the offline corpus for {role}", file=sys.stderr)
-        return make_blocks(tok, texts, seq_len + 1, n, **kw), texts.source
+    texts = load_texts(text, dataset, role=role, text_field=text_field)
+    return make_blocks(tok, texts, seq_len + 1, n, **kw), texts.source
 
 
 def eval_blocks_for(model: Path, text: list[str] | None = None, dataset: str | None = None, blocks: int = 16,
-                    seq_len: int = 1024, tokenizer: Any = None) -> tuple[torch.Tensor, str]:
+                    seq_len: int = 1024, tokenizer: Any = None, text_field: str = "text") -> tuple[torch.Tensor, str]:
     """The first `blocks` held-out blocks [blocks, seq_len + 1] (role "eval": disjoint from every
-    calibration and training block); default WikiText-2 test, else the offline corpus."""
+    calibration and training block); default the offline corpus."""
     from dtpshard.model.checkpoint import load_tokenizer
 
     tok = tokenizer if tokenizer is not None else load_tokenizer(model)
-    return source_blocks(tok, text, dataset, "eval", "wikitext-2", seq_len, blocks, shuffle=False)
+    return source_blocks(tok, text, dataset, "eval", seq_len, blocks, text_field, shuffle=False)
 
 
 # -- `dtpshard eval` ---------------------------------------------------------------------------
 def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None = None, layout: Path | None = None,
              teacher: Path | None = None, text: list[str] | None = None, dataset: str | None = None,
-             blocks: Count = 16, seq_len: Count = 1024, micro_batch: Count = 4,
-             stage3: Stage3 | None = None, device: Device = "auto", autocast: bool = True,
-             json: bool = False) -> int:
+             text_field: str = "text", tokenizer: Path | None = None, blocks: Count = 16, seq_len: Count = 1024,
+             micro_batch: Count = 4, stage3: Stage3 | None = None, device: Device = "auto", autocast: bool = True,
+             compile: bool = False, json: bool = False) -> int:
     """Perplexity of MODEL run as L devices with delay δ and, with --teacher, KL(teacher ‖ model) in
     nats per token, on held-out evaluation blocks (never the calibration or training blocks).
 
@@ -116,14 +107,17 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
         delay: δ in modules (fractional allowed, 0 is tensor parallelism); default dtp.json, else 1
         layout: a layout JSON applied to MODEL's weights before sharding
         teacher: the dense teacher checkpoint; without it kl is null
-        text: local text, JSONL or parquet files to evaluate on instead of the default data
-        dataset: a Hugging Face dataset name (online only); default WikiText-2 test where reachable, else the offline corpus
+        text: local .txt/.jsonl/.json/.parquet files to evaluate on (their held-out share)
+        dataset: a save_to_disk directory, a parquet file or directory, or a hub name (wikitext-2, ...); default the offline corpus
+        text_field: the column or JSON field that holds the text
+        tokenizer: tokenizer directory, where MODEL has no tokenizer files
         blocks: number of evaluation blocks of seq_len + 1 tokens
         seq_len: positions per block (the models read seq_len tokens)
         micro_batch: blocks per forward pass
         stage3: own-partial scale of the last δ modules: sqrt (√L, the paper's) or one
         device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         autocast: bf16 autocast on CUDA (ignored on CPU)
+        compile: torch.compile the models' forward passes (pays a compile; worth it for many blocks)
         json: print one JSON object {kl, ppl, tokens, ...} instead of text
     """
     from dtpshard.core.devices import pick_device
@@ -134,14 +128,23 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
     if layout is not None and (Path(model) / "distill.json").is_file():
         raise UserError(f"{model} is a distilled student whose weights are already permuted: drop --layout")
     dev = pick_device(device)
-    student = DTPModel.from_pretrained(model, devices, delay, layout=layout, stage3=stage3, device=dev)
+    # fp32 weights whatever the checkpoint's dtype: CUDA runs under bf16 autocast, the CPU in fp32
+    student = DTPModel.from_pretrained(model, devices, delay, dtype=torch.float32, layout=layout, stage3=stage3,
+                                       device=dev)
     dense = None
     if teacher is not None:
-        dense = DTPModel.from_pretrained(teacher, devices=1, delay=0, device=dev)
+        dense = DTPModel.from_pretrained(teacher, devices=1, delay=0, dtype=torch.float32, device=dev)
         if dense.shape != student.shape:
             raise UserError(f"teacher {teacher} has another shape than {model}: "
                             f"{dense.shape.summary()} vs {student.shape.summary()}")
-    ev, source = eval_blocks_for(Path(model), text=text, dataset=dataset, blocks=blocks, seq_len=seq_len)
+    from dtpshard.model.checkpoint import load_tokenizer
+
+    ev, source = eval_blocks_for(Path(model), text=text, dataset=dataset, blocks=blocks, seq_len=seq_len,
+                                 tokenizer=load_tokenizer(tokenizer or model), text_field=text_field)
+    if compile:
+        for net in (student, dense):
+            if net is not None:  # evaluation reads h, the LM head's input, so compile that
+                net.hidden = torch.compile(net.hidden)
     result = evaluate(student, dense, ev, micro_batch, autocast)
     result.update({"model": str(model), **student.dtp_settings(), "layout": None if layout is None else str(layout),
                    "teacher": None if teacher is None else str(teacher), "blocks": int(ev.shape[0]),

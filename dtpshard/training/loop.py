@@ -74,9 +74,10 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
     cfg = resolve(cfg)
     run = Path(cfg.out)
     teacher, student, layout = build_models(cfg, d.device)
-    tok = load_tokenizer(cfg.teacher)
+    tok = load_tokenizer(cfg.tokenizer or cfg.teacher)
     train_data, train_src = train_blocks_for(cfg, d.world, tok)
-    ev, eval_src = eval_blocks_for(cfg.teacher, cfg.eval_text, cfg.eval_dataset, cfg.eval_blocks, cfg.seq_len, tok)
+    ev, eval_src = eval_blocks_for(cfg.teacher, cfg.eval_text, cfg.eval_dataset, cfg.eval_blocks, cfg.seq_len, tok,
+                                   cfg.text_field)
     config = run_config(cfg, student.shape, layout, d.world, d.device, train_data, train_src, ev, eval_src)
     resuming = rundir.check_run(run, config, compared_keys(), cfg.force)  # every rank refuses alike
     d.barrier()
@@ -89,12 +90,12 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
     if rundir.is_done(run):
         if d.main:
             rundir.remove_checkpoint(run)  # in case a kill came between DONE and its removal
-            print(f"{run}: already finished ({rundir.DONE} present)")
+            print(f"{run}: already finished ({rundir.DONE} present)", file=sys.stderr)
         return run
 
     named, opt, sched = _optimizer(cfg, student)
     state = rundir.load_checkpoint(run)
-    start, wall0, metrics = 0, 0.0, rundir.Metrics(run)
+    start, wall0 = 0, 0.0
     if state is not None:
         missing = [n for n, _ in named if n not in state["student"]]
         if missing:
@@ -108,6 +109,7 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
         start, wall0 = state["step"], state["wall"]
         if d.main:
             print(f"resuming {run} after step {start} of {cfg.steps}", file=sys.stderr)
+    metrics = rundir.Metrics(run, cfg.tensorboard if d.main else None, start)
     if d.main:
         metrics.truncate(state["metrics_bytes"] if state is not None else 0)
     d.barrier()
@@ -167,6 +169,7 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
             rundir.save_checkpoint(run, state)
             last_ckpt = time.perf_counter()
     bar.close()
+    metrics.close()
     if d.main:
         _finish(run, student, cfg, config)
     d.barrier()
@@ -189,7 +192,7 @@ def _finish(run: Path, student: torch.nn.Module, cfg: DistillConfig, config: dic
     from dtpshard.core.io import atomic_dir
 
     with atomic_dir(run / rundir.FINAL, force=True) as tmp:
-        student.save_pretrained(tmp, source=Path(cfg.teacher))
+        student.save_pretrained(tmp, source=Path(cfg.tokenizer or cfg.teacher))
         provenance = {k: config[k] for k in ("teacher", "layout", "layout_kind", "layout_sha256", "steps", "seed",
                                               "train_data", "eval_data")}
         (tmp / "distill.json").write_text(json.dumps(provenance, indent=1) + "\n")

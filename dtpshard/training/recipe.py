@@ -33,7 +33,8 @@ FORMAT = "dtpshard.distill/1"
 FROZEN = ("model.embed_tokens.weight", "lm_head.weight")
 # Settings that do not change what is computed: a resumed run may change them.
 OPERATIONAL = ("out", "force", "progress", "checkpoint_every", "checkpoint_minutes", "nproc", "timeout",
-               "eval_micro_batch", "grad_checkpointing", "compile", "device", "text", "eval_text", "layout")
+               "eval_micro_batch", "grad_checkpointing", "compile", "device", "text", "eval_text", "layout",
+               "text_field", "tokenizer", "tensorboard")  # data changes show in the data hashes
 DERIVED_COMPARED = ("model", "layout_sha256", "world_size", "device_type", "train_data_sha256", "eval_data_sha256")
 
 
@@ -65,10 +66,12 @@ class DistillConfig:
         eval_every: evaluate every this many steps (and at step 0 and at the end)
         eval_blocks: held-out evaluation blocks of seq_len + 1 tokens
         eval_micro_batch: blocks per evaluation forward pass (default: --micro-batch)
-        text: local text/JSONL/parquet training files (their held-out share is never trained on)
-        dataset: Hugging Face training dataset (online); default fineweb-edu where reachable, else the offline corpus
+        text: local .txt/.jsonl/.json/.parquet training files (their held-out share is never trained on)
+        dataset: training dataset: a save_to_disk directory, a parquet file or directory, or a hub name (fineweb-edu, ...); default the offline corpus
         eval_text: local evaluation files (their held-out share is used)
-        eval_dataset: Hugging Face evaluation dataset; default wikitext-2 test where reachable, else the offline corpus
+        eval_dataset: evaluation dataset, as --dataset (wikitext-2 is the paper's); default the offline corpus
+        text_field: the column or JSON field that holds the text
+        tokenizer: tokenizer directory, where TEACHER has no tokenizer files
         seed: data-order seed
         grad_checkpointing: recompute each module's activations in backward (less memory)
         compile: torch.compile the student
@@ -79,6 +82,7 @@ class DistillConfig:
         nproc: data-parallel processes to spawn on this machine (gloo on CPU, NCCL on GPUs); 1: this one
         timeout: seconds a process waits for the others before the run fails
         progress: show a progress bar with ETA
+        tensorboard: also write the metrics as TensorBoard events to this directory (metrics.jsonl stays the record)
         force: start over a run directory that was made with different settings
     """
 
@@ -107,6 +111,8 @@ class DistillConfig:
     dataset: str | None = None
     eval_text: list[str] | None = None
     eval_dataset: str | None = None
+    text_field: str = "text"
+    tokenizer: Path | None = None  # None: the teacher's
     seed: Seed = 0
     grad_checkpointing: bool = False
     compile: bool = False
@@ -117,6 +123,7 @@ class DistillConfig:
     nproc: Count = 1
     timeout: Seconds = 600.0
     progress: bool = True
+    tensorboard: Path | None = None
     force: bool = False
 
 
@@ -191,7 +198,7 @@ def train_blocks_for(cfg: DistillConfig, world: int, tokenizer: Any) -> tuple[to
     n = cfg.steps * cfg.micro_batch * cfg.grad_accum * world
     from dtpshard.training.evaluate import source_blocks
 
-    return source_blocks(tokenizer, cfg.text, cfg.dataset, "train", "fineweb-edu", cfg.seq_len, n, seed=cfg.seed,
+    return source_blocks(tokenizer, cfg.text, cfg.dataset, "train", cfg.seq_len, n, cfg.text_field, seed=cfg.seed,
                          shuffle=True, repeat=True)
 
 
@@ -207,6 +214,8 @@ def resolve(cfg: DistillConfig) -> DistillConfig:
     return dataclasses.replace(
         cfg, teacher=Path(cfg.teacher).absolute(), out=Path(cfg.out).absolute(),
         layout=None if cfg.layout is None else Path(cfg.layout).absolute(), devices=devices, delay=delay,
+        tokenizer=None if cfg.tokenizer is None else Path(cfg.tokenizer).absolute(),
+        tensorboard=None if cfg.tensorboard is None else Path(cfg.tensorboard).absolute(),
         text=None if cfg.text is None else [absolute(p) for p in cfg.text],
         eval_text=None if cfg.eval_text is None else [absolute(p) for p in cfg.eval_text])
 

@@ -107,10 +107,22 @@ def mark_done(run: Path, summary: dict[str, Any]) -> None:
 
 
 class Metrics:
-    """Append-only JSONL, flushed per row; truncate() rewinds to a checkpoint's length."""
+    """Append-only JSONL, flushed per row; truncate() rewinds to a checkpoint's length.
 
-    def __init__(self, run: Path):
+    With `tensorboard` (a directory) every row is also written as TensorBoard scalars
+    (train/loss, train/kl, ..., eval/kl, eval/ppl against the step); metrics.jsonl stays the
+    record. A resumed run purges the events after its checkpoint's step, as it truncates the file."""
+
+    def __init__(self, run: Path, tensorboard: Path | None = None, start: int = 0):
         self.path = run / METRICS
+        self.writer = None
+        if tensorboard is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise UserError("--tensorboard needs the tensorboard package (pip install tensorboard)") from None
+            # rows up to step `start` are covered by the checkpoint: the resumed run writes start + 1 on
+            self.writer = SummaryWriter(str(tensorboard), purge_step=start + 1 if start else None)
 
     def size(self) -> int:
         return self.path.stat().st_size if self.path.exists() else 0
@@ -128,6 +140,16 @@ class Metrics:
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        if self.writer is not None:
+            kind = row.get("kind", "train")
+            for key, value in row.items():
+                if key not in ("kind", "step", "tokens", "wall") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.writer.add_scalar(f"{kind}/{key.removeprefix(kind + '_')}", value, row["step"])
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 def read_metrics(run: Path) -> list[dict[str, Any]]:

@@ -1,0 +1,83 @@
+"""Data a user already has on disk, named by `--dataset PATH`: a directory written by `datasets`'
+`save_to_disk`, one parquet file, or a directory of parquet files.
+
+A `save_to_disk` DatasetDict with a held-out split gives the roles by split, as WikiText-2 does
+(eval: `test`, else `validation`; calibration/train: `train`); any other source gives its documents,
+and the caller holds out by content hash (blocks.is_eval_doc).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from dtpshard.core.errors import UserError
+
+EVAL_SPLITS = ("test", "validation")
+_SAVED_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
+
+
+def is_local_dataset(name: str) -> bool:
+    return Path(name).expanduser().exists()
+
+
+def _first_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
+
+
+def read_parquet(path: Path, field: str) -> list[str]:
+    """The string values of column `field` of one parquet file."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"{path}: reading parquet needs pyarrow (pip install 'dtpshard[hf]' or pyarrow)") from None
+    try:
+        schema = pq.read_schema(str(path))
+    except Exception as e:  # noqa: BLE001 - pyarrow raises its own exception types
+        raise UserError(f"{path}: not a readable parquet file ({_first_line(e)})") from None
+    if field not in schema.names:
+        raise UserError(f"{path}: no column {field!r} (columns: {', '.join(schema.names)}); pick one with --text-field")
+    table = pq.read_table(str(path), columns=[field])
+    return [d for d in table.column(field).to_pylist() if isinstance(d, str)]
+
+
+def _column(ds, field: str, where: str) -> list[str]:
+    if field not in ds.column_names:
+        raise UserError(f"{where}: no column {field!r} (columns: {', '.join(ds.column_names)}); "
+                        "pick one with --text-field")
+    return [d for d in ds[field] if isinstance(d, str)]
+
+
+def _saved(path: Path, role: str, field: str) -> tuple[list[str], str, bool]:
+    try:
+        import datasets
+    except ImportError:
+        raise UserError(f"--dataset {path}: a save_to_disk directory needs the `datasets` package "
+                        "(pip install 'dtpshard[hf]')") from None
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - datasets raises many types for a damaged directory
+        raise UserError(f"--dataset {path}: cannot load it with datasets.load_from_disk ({_first_line(e)})") from None
+    if not isinstance(ds, datasets.DatasetDict):
+        return _column(ds, field, str(path)), f"dataset:{path}", False
+    held_out = next((s for s in EVAL_SPLITS if s in ds), None)
+    if held_out is not None and "train" in ds and role != "all":
+        split = held_out if role == "eval" else "train"
+        return _column(ds[split], field, f"{path} [{split}]"), f"dataset:{path}/{split}", True
+    docs = [d for s in sorted(ds) for d in _column(ds[s], field, f"{path} [{s}]")]
+    return docs, f"dataset:{path} (splits {', '.join(sorted(ds))})", False
+
+
+def read_local_dataset(name: str, role: str, field: str = "text") -> tuple[list[str], str, bool]:
+    """(documents, source description, whether the role was chosen by split) of a dataset on disk."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".parquet":
+            raise UserError(f"--dataset {path}: a file must be .parquet (use --text for .txt/.jsonl/.json files)")
+        return read_parquet(path, field), f"dataset:{path}", False
+    if any((path / m).is_file() for m in _SAVED_MARKERS):
+        return _saved(path, role, field)
+    files = sorted(p for p in path.rglob("*.parquet") if p.is_file())
+    if not files:
+        raise UserError(f"--dataset {path}: neither a save_to_disk directory nor a directory of parquet files")
+    docs = [d for f in files for d in read_parquet(f, field)]
+    return docs, f"dataset:{path} ({len(files)} parquet files)", False

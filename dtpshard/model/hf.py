@@ -1,0 +1,170 @@
+"""What makes `DTPModel` look like a transformers causal LM: padding masks and positions, the loss,
+the output object, `dtype="auto"`, and the DTP block a student records in its config.json."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dtpshard.core.errors import UserError
+
+log = logging.getLogger("dtpshard")
+
+DTP_JSON = "dtp.json"  # the same block, next to a student's weights (students before the config block had only this)
+DTP_KEY = "dtp"  # the block in a student's config.json: devices, delay, stage3, layout_sha256
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def output(logits: torch.Tensor, loss: torch.Tensor | None = None, cache: Any = None) -> Any:
+    """transformers' own output class, so `.logits`, `.loss`, `out[0]` and `out["logits"]` work."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    out = CausalLMOutputWithPast(loss=loss, logits=logits)
+    if cache is not None:  # transformers 5 names the field `cache`, 4.x `past_key_values`
+        out["cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"] = cache
+    return out
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """transformers' ForCausalLMLoss: position t predicts labels[t + 1], -100 ignored, mean over the rest."""
+    shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].to(logits.device)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=-100)
+
+
+def positions_from_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """Position ids [B, length] of the last `length` tokens, counted over real tokens only, as
+    transformers' generate does for left padding (padding positions get 1, never read)."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.masked_fill(attention_mask == 0, 1)[:, -length:]
+
+
+def padding_attn_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """Boolean SDPA mask [B, 1, T, S] for the last T = `length` queries over S = mask width keys:
+    causal and no padding key. A padding query also sees itself, so no row is empty (an all-False
+    row makes SDPA return NaN); its output is never read by a real token."""
+    S = attention_mask.shape[1]
+    q = torch.arange(S - length, S, device=attention_mask.device)[:, None]  # [T, 1] absolute position
+    k = torch.arange(S, device=attention_mask.device)[None]  # [1, S]
+    allowed = (k <= q)[None] & attention_mask.bool()[:, None, :]  # [B, T, S]
+    return (allowed | (k == q)[None])[:, None]
+
+
+def resolve_dtype(dtype: Any, hf_config: Any, stored: torch.dtype | None) -> torch.dtype:
+    """`dtype="auto"` (transformers' rule): the config's dtype, else the stored weights' dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in DTYPE_NAMES:
+            raise UserError(f"dtype={dtype!r}: one of auto, {', '.join(DTYPE_NAMES)}")
+        return DTYPE_NAMES[dtype]
+    named = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(named, str):
+        named = DTYPE_NAMES.get(named)
+    if isinstance(named, torch.dtype) and named.is_floating_point:
+        return named
+    return stored if stored is not None and stored.is_floating_point else torch.float32
+
+
+def recorded_dtp(hf_config: Any) -> dict[str, Any] | None:
+    """The DTP settings a student recorded in its config.json, or None for a dense checkpoint."""
+    block = getattr(hf_config, DTP_KEY, None)
+    return dict(block) if isinstance(block, dict) else None
+
+
+def warn_if_student(where: Any, block: dict[str, Any] | None, devices: int, delay: float) -> None:
+    """One line when a DTP student is about to run dense: its logits would not be the ones it was
+    trained to produce (a distilled student differs from its DTP self by O(1) logits)."""
+    if block is not None and (devices == 1 or delay == 0) and (block.get("devices", 1) != 1 and block.get("delay", 0) != 0):
+        log.warning(f"warning: {where} is a DTP student (devices={block.get('devices')}, delay={block.get('delay')}); "
+                    f"loading it with devices={devices}, delay={delay} runs it as a dense model, not the "
+                    "function it was distilled for")
+
+
+class PretrainedMixin:
+    """DTPModel's transformers-like surface: config/device/dtype, generate, loading and saving."""
+
+    @property
+    def config(self) -> Any:  # the Hugging Face config, as on a transformers model
+        return self.hf_config
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 20, do_sample: bool = False,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 attention_mask: torch.Tensor | None = None, eos_token_id: int | list[int] | None = None,
+                 pad_token_id: int | None = None, seed: int | None = None) -> torch.Tensor:
+        """[B, T] prompt ids -> [B, T + new] with the KV cache, as transformers' generate: greedy
+        unless do_sample (then temperature, top_k, top_p); rows that emitted an EOS token are
+        padded after it; stops when all have. eos_token_id defaults to the config's; `seed` fixes
+        the sampling generator (None: torch's global RNG). `dtpshard generate` calls this."""
+        from dtpshard.model.decode import generate_ids
+
+        if eos_token_id is None:
+            eos_token_id = getattr(self.hf_config, "eos_token_id", None)
+        if pad_token_id is None:
+            pad_token_id = getattr(self.hf_config, "pad_token_id", None)
+        return generate_ids(self, input_ids.to(self.device), max_new_tokens, temperature if do_sample else 0.0,
+                            top_k, seed, eos_token_id, top_p=top_p, attention_mask=attention_mask,
+                            pad_id=pad_token_id)
+
+    @classmethod
+    def from_hf(cls, hf_model: torch.nn.Module, devices: int = 4, delay: float = 1, **kw: Any) -> "DTPModel":
+        """From an in-memory transformers model (e.g. one dequantised from GGUF)."""
+        sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
+        return cls.from_state_dict(hf_model.config, sd, devices, delay, **kw)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, devices: int | None = None, delay: float | None = None,
+                        dtype: torch.dtype | str = "auto", layout: Any = None, stage3: str | None = None,
+                        device: str | torch.device = "cpu") -> "DTPModel":
+        """Load a local HF checkpoint directory. A distilled student runs with the settings it
+        recorded (the `dtp` block of its config.json, or its dtp.json) unless told otherwise; a
+        dense checkpoint with devices from the layout or 4, delay=1, stage3='sqrt'. dtype "auto"
+        keeps the checkpoint's (a bf16 checkpoint loads as bf16), as transformers does."""
+        from dtpshard.core.layout import as_layout
+        from dtpshard.core.shape import check_devices
+        from dtpshard.model.checkpoint import open_checkpoint
+
+        ckpt = open_checkpoint(path)
+        saved = recorded_dtp(ckpt.hf_config)
+        if saved is None and (Path(path) / DTP_JSON).is_file():  # students saved before the config block
+            saved = json.loads((Path(path) / DTP_JSON).read_text())
+        settings = saved or {}
+        layout = as_layout(layout)
+        if devices is None:  # a student's own setting, else the layout's, else 4
+            devices = settings.get("devices", layout.devices if layout is not None else 4)
+        delay = settings.get("delay", 1) if delay is None else delay
+        stage3 = settings.get("stage3", "sqrt") if stage3 is None else stage3
+        check_devices(ckpt.shape, devices)
+        warn_if_student(path, saved, devices, delay)
+        model = cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), devices, delay, stage3, layout, dtype)
+        if layout is None:
+            model.layout_sha256 = settings.get("layout_sha256")
+        model.source_path = Path(path)
+        return model.to(device)
+
+    def dtp_block(self) -> dict[str, Any]:
+        """What a student records (config.json's `dtp` block and dtp.json): the settings it runs with."""
+        return {**self.dtp_settings(), "layout_sha256": self.layout_sha256}
+
+    def save_pretrained(self, out_dir: Path, source: Path | None = None) -> None:
+        """Write weights, HF config (with the `dtp` block), tokenizer files (copied from `source`) and dtp.json."""
+        import copy
+
+        from dtpshard.model.checkpoint import save_checkpoint
+
+        config = copy.deepcopy(self.hf_config)  # the teacher may share this object
+        setattr(config, DTP_KEY, self.dtp_block())
+        config.dtype = self.dtype  # what dtype="auto" will load: the weights as saved
+        save_checkpoint(Path(out_dir), config, self.state_dict(), source or getattr(self, "source_path", None),
+                        extra_json={DTP_JSON: self.dtp_block()})
