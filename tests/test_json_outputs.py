@@ -31,5 +31,10 @@ def test_layout_score_and_permute(tiny_dirs, tmp_path, capsys):
     assert "J" not in _one_object(capsys)["score"]
     assert main(["permute", str(src), str(tmp_path / "r.json"), "--out", str(tmp_path / "p"), "--json"]) == 0
     out = _one_object(capsys)
-    assert out["check"]["passed"] and 0 <= out["check"]["max_abs_diff"] <= out["check"]["tolerance"]
+    assert out["check"]["passed"] and out["check"]["kind"] == "construction" and out["check"]["tensors"] > 0
+    assert main(["permute", str(src), str(tmp_path / "r.json"), "--out", str(tmp_path / "p"), "--force",
+                 "--check", "logits", "--json"]) == 0
+    out = _one_object(capsys)
+    assert out["check"]["passed"] and 0 <= out["check"]["max_abs_diff"] <= out["check"]["tolerance"] * \
+        out["check"]["max_abs_logit"]
     assert out["out"] == str(tmp_path / "p") and out["devices"] == 2

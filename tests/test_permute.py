@@ -142,9 +142,7 @@ def test_permute_round_trip_with_transformers(permuted, family):
     from dtpshard.model.checkpoint import load_tokenizer
 
     src, layout_file, out, printed = permuted(family)
-    m = re.search(r"max \|logits\(permuted\) - logits\(original\)\| = (\S+) over 256 tokens "
-                  r"\(fp32, max \|logit\| (\S+), tolerance 0.0001\)", printed)
-    assert m and float(m.group(1)) <= TOL and float(m.group(2)) > 0.1, printed
+    assert re.search(r"check: all \d+ tensors of 1 weight file\(s\) read back equal, bit for bit", printed), printed
     assert str(out) in printed
     load = dict(dtype=torch.float32, attn_implementation="eager", local_files_only=True)
     original = AutoModelForCausalLM.from_pretrained(str(src), **load).eval()
@@ -159,8 +157,7 @@ def test_permute_round_trip_with_transformers(permuted, family):
     with torch.no_grad():
         assert (reloaded(ids).logits - original(ids).logits).abs().max().item() <= TOL
     assert json.loads((out / LAYOUT_JSON).read_text()) == json.loads(layout_file.read_text())
-    assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (out / name).read_bytes() == (src / name).read_bytes()
     assert load_tokenizer(out)("hello world")["input_ids"] == load_tokenizer(src)("hello world")["input_ids"]
     assert not [p for p in out.parent.iterdir() if ".tmp" in p.name]
@@ -182,13 +179,27 @@ def test_in_memory_layout_equals_permuted_checkpoint_exactly(permuted, family):
         DTPModel.from_pretrained(src, devices=2, delay=1, layout=layout_file)
 
 
-def test_permute_contiguous_writes_the_same_weights(tiny_dirs, tmp_path, capsys):
+def test_permute_contiguous_writes_the_same_file(tiny_dirs, tmp_path, capsys):
     src = tiny_dirs["qwen3"]
     Layout.contiguous(shape_from_hf_config(tiny_hf_model("qwen3").config).summary(), 2).save(tmp_path / "c.json")
     assert main(["permute", str(src), str(tmp_path / "c.json"), "--out", str(tmp_path / "o"),
-                 "--check-tokens", "32"]) == 0
-    assert "over 32 tokens" in capsys.readouterr().out
-    a, b = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "o" / "model.safetensors"))
+                 "--check", "logits", "--check-tokens", "32"]) == 0
+    m = re.search(r"check: max \|logits\(permuted\) - logits\(original\)\| = (\S+) = (\S+) x max \|logit\| (\S+) "
+                  r"over 32 tokens \(fp32, relative tolerance 0.0001\)", capsys.readouterr().out)
+    assert m and float(m.group(1)) == 0 and float(m.group(3)) > 0.1
+    assert (src / "model.safetensors").read_bytes() == (tmp_path / "o" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_logits_check_passes_a_real_permutation(permuted, family, tmp_path, capsys):
+    src, layout_file, _, _ = permuted(family)
+    assert main(["permute", str(src), str(layout_file), "--out", str(tmp_path / "o"), "--check", "logits"]) == 0
+    m = re.search(r"logits\(original\)\| = (\S+) = (\S+) x max \|logit\| (\S+) over 256 tokens",
+                  capsys.readouterr().out)
+    assert m and 0 < float(m.group(1)) <= TOL and float(m.group(3)) > 0.1
+    assert main(["permute", str(src), str(layout_file), "--out", str(tmp_path / "n"), "--check", "none"]) == 0
+    assert "check: none (--check none): nothing was read back" in capsys.readouterr().out
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("o", "n"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -251,7 +262,8 @@ def test_refuses_bad_layout_files(env, capsys):
 
 def test_refuses_missing_model_files(env, capsys):
     src, shape, good, tmp = env
-    for missing, expected in (("config.json", "no config.json"), ("model.safetensors", "no *.safetensors")):
+    for missing, expected in (("config.json", "no config.json"),
+                              ("model.safetensors", "no model.safetensors or model.safetensors.index.json")):
         broken = tmp / f"no-{missing}"
         shutil.copytree(src, broken)
         (broken / missing).unlink()
@@ -268,7 +280,7 @@ def test_refuses_existing_output_unless_forced(env, capsys):
     assert (out / "keep").read_text() == "x"
     (tmp / "afile").write_text("y")
     refused(capsys, [src, good], tmp / "afile", "exists and is not a directory", exists=True)
-    assert main(["permute", str(src), str(good), "--out", str(out), "--force", "--check-tokens", "16"]) == 0
+    assert main(["permute", str(src), str(good), "--out", str(out), "--force"]) == 0
     assert not (out / "keep").exists() and (out / "model.safetensors").is_file() and (out / LAYOUT_JSON).is_file()
     assert not [p for p in tmp.iterdir() if ".tmp" in p.name or ".old" in p.name]
     refused(capsys, [src, good, "--force"], src, "is the source model directory", exists=True)
@@ -292,17 +304,20 @@ def test_refuses_unwritable_output(env, capsys):
         ro.chmod(0o755)
 
 
-def test_failed_check_writes_nothing(env, capsys, monkeypatch):
+@pytest.mark.parametrize("check", ["construction", "logits"])
+def test_failed_check_writes_nothing(env, capsys, monkeypatch, check):
     import dtpshard.layouts.permute as permute
 
     src, shape, good, tmp = env
+    write = permute.permute_file
 
-    def forgets_down_proj(sd, shape_, layout):  # a bug the check must catch
-        out = apply_layout(sd, shape_, layout)
-        return {k: (sd[k] if k.endswith("down_proj.weight") else v) for k, v in out.items()}
+    def forgets_down_proj(src_, dst, gathers):  # a bug the check must catch
+        return write(src_, dst, {k: v for k, v in gathers.items() if not k.endswith("down_proj.weight")})
 
-    monkeypatch.setattr(permute, "apply_layout", forgets_down_proj)
-    refused(capsys, [src, good, "--check-tokens", "32"], tmp / "o", "permuted logits differ from the original by")
+    monkeypatch.setattr(permute, "permute_file", forgets_down_proj)
+    expected = {"construction": "tensor model.layers.0.mlp.down_proj.weight read back differs from the source",
+                "logits": "permuted logits differ from the original by"}[check]
+    refused(capsys, [src, good, "--check", check, "--check-tokens", "32"], tmp / "o", expected)
 
 
 @pytest.mark.slow
@@ -315,6 +330,6 @@ def test_permute_smollm2_passes_the_check(tmp_path, capsys):
         pytest.skip(str(e))
     shape = shape_from_hf_config(__import__("transformers").AutoConfig.from_pretrained(str(src)))
     no_identity_layout(shape, devices=3, seed=1).save(tmp_path / "r.json")
-    assert main(["permute", str(src), str(tmp_path / "r.json"), "--out", str(tmp_path / "o")]) == 0
-    m = re.search(r"\| = (\S+) over 256 tokens", capsys.readouterr().out)
+    assert main(["permute", str(src), str(tmp_path / "r.json"), "--out", str(tmp_path / "o"), "--check", "logits"]) == 0
+    m = re.search(r"\| = (\S+) = (\S+) x max \|logit\| (\S+) over 256 tokens", capsys.readouterr().out)
     assert m and float(m.group(1)) <= TOL

@@ -78,7 +78,7 @@ def test_missing_files(tmp_path, tiny_dirs, capsys):
     d = tmp_path / "noweights"
     d.mkdir()
     (d / "config.json").write_text((tiny_dirs["llama"] / "config.json").read_text())
-    assert "no *.safetensors" in _refusal(capsys, d)
+    assert "no model.safetensors or model.safetensors.index.json" in _refusal(capsys, d)
     (d / "config.json").write_text("{not json")
     assert "config.json" in _refusal(capsys, d)
 

@@ -1,9 +1,14 @@
-"""Atomic writes: nothing half-written, ever. Write to a temporary sibling, then rename."""
+"""Atomic writes: nothing half-written, ever. Write to a temporary sibling, then rename.
+
+Temporaries are named `.NAME.tmp-PID...`: a run killed outright (SIGKILL, power loss) cannot remove
+its own, so the next write of NAME removes those whose process is gone. `exit_on_sigterm` lets a
+terminated run remove its temporary itself."""
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -13,6 +18,53 @@ from dtpshard.core.errors import UserError
 
 def _tmp_sibling(path: Path, suffix: str = "") -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}{suffix}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: Path) -> None:
+    """Remove the temporaries of earlier writes of `path` whose process no longer exists."""
+    parent = path.parent if str(path.parent) else Path(".")
+    prefix = f".{path.name}.tmp-"
+    if not parent.is_dir():
+        return
+    for p in parent.iterdir():
+        pid = p.name[len(prefix):].split("-")[0].split(".")[0] if p.name.startswith(prefix) else ""
+        if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+            continue  # not ours, or its writer still runs
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
+@contextlib.contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """Inside this block SIGTERM raises SystemExit(143), so `finally` clauses (removing a
+    temporary) run; Python's default for SIGTERM is to die on the spot."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def share(path: Path, mode: int) -> None:
@@ -42,6 +94,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary file path next to `path`; rename it over `path` on success."""
     path = Path(path)
     check_writable_dir(path)
+    remove_stale_temporaries(path)
     tmp = _tmp_sibling(path)
     try:
         yield tmp
@@ -65,7 +118,9 @@ def atomic_dir(path: str | Path, force: bool = False) -> Iterator[Path]:
     if path.exists() and not force:
         raise UserError(f"output {path} exists (use --force to replace it)")
     check_writable_dir(path)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent if str(path.parent) else "."))
+    remove_stale_temporaries(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=parent))
     share(tmp, 0o777)  # mkdtemp's 0700 would hide the output from other users
     try:
         yield tmp

@@ -2,7 +2,9 @@
 
 `permutation_spec` says which axis of which tensor moves with which unit permutation, and in
 blocks of how many rows (a KV group carries its r query heads of head_dim rows each).
-`apply_layout` is the one function that applies it; the dense function is unchanged.
+`layout_indices` turns a layout into one (axis, index) gather per tensor; `apply_layout` (a whole
+state dict) and the streaming `dtpshard permute` (one tensor at a time) both apply those gathers,
+so the dense function is unchanged either way.
 """
 from __future__ import annotations
 
@@ -36,10 +38,18 @@ def unit_index(perm: np.ndarray, rows: int) -> torch.Tensor:
     return torch.from_numpy(idx.reshape(-1))
 
 
+def layout_indices(shape: ModelShape, layout: Layout) -> dict[str, tuple[int, torch.Tensor]]:
+    """tensor name -> (axis, index): its permuted form is `tensor.index_select(axis, index)`."""
+    out = {}
+    for name, (m, axis, rows) in permutation_spec(shape).items():
+        out[name] = (axis, unit_index(layout.perm(m), rows))
+    return out
+
+
 def apply_layout(state_dict: dict[str, torch.Tensor], shape: ModelShape, layout: Layout) -> dict[str, torch.Tensor]:
     """A new state dict with every layer's KV groups and neurons permuted as the layout says."""
     out = dict(state_dict)
-    for name, (m, axis, rows) in permutation_spec(shape).items():
+    for name, (axis, index) in layout_indices(shape, layout).items():
         if name in out:
-            out[name] = out[name].index_select(axis, unit_index(layout.perm(m), rows).to(out[name].device))
+            out[name] = out[name].index_select(axis, index.to(out[name].device))
     return out

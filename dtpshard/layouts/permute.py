@@ -1,41 +1,59 @@
-"""`dtpshard permute`: write a layout-permuted Hugging Face checkpoint, checked against the original."""
+"""`dtpshard permute`: a layout-permuted copy of a Hugging Face checkpoint, streamed tensor by tensor.
+
+A permutation changes no tensor's name, dtype, shape or size, so every weight file is rewritten
+as itself: the same header bytes (names, dtypes, shapes, offsets, metadata), then each tensor's
+bytes gathered by the layout or copied. One tensor is in memory at a time, whatever the model's
+size. Every other file (index, config, tokenizer, README...) is copied byte for byte: sending
+config.json through transformers would modernise it (rope_scaling -> rope_parameters, torch_dtype
+-> dtype), which an older transformers, as inference servers often pin, silently misreads.
+"""
 from __future__ import annotations
 
+import json as _json
+import os
+import shutil
 from pathlib import Path
 
 import torch
 
-from dtpshard.model.checkpoint import save_checkpoint
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout
-from dtpshard.core.permutation import apply_layout
-from dtpshard.core.vocab import Count, PositiveNumber
+from dtpshard.core.permutation import layout_indices
+from dtpshard.core.vocab import Count, PermuteCheck, PositiveNumber
 
 LAYOUT_JSON = "layout.json"  # the applied layout, saved next to the permuted weights
-CHECK_TOL = 1e-4  # max |Δlogits| in fp32 (docs/design.md §3)
+CHECK_TOL = 1e-4  # --check logits: max |Δlogits| relative to max |logit|, fp32 (docs/design.md §3)
+_CHUNK = 16 << 20  # bytes per read when copying or comparing an unpermuted tensor
+
+Gathers = dict[str, tuple[int, torch.Tensor]]
 
 
-def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False, check_tokens: Count = 256,
+def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False,
+                check: PermuteCheck = "construction", check_tokens: Count = 256,
                 tolerance: PositiveNumber = CHECK_TOL, json: bool = False) -> int:
     """Write a permuted Hugging Face checkpoint that any tensor-parallel engine loads as is.
 
     Device d of an L-way contiguous split of the output holds the units the layout gives it.
-    Before anything is renamed into place, the dense logits of the output and of the input are
-    compared in fp32 (transformers' own model) and must agree to 1e-4. The permutation itself is
-    exact; the difference is fp32 rounding of reordered sums, which grows with depth and logit
-    size (SmolLM2-135M: 8e-5), while a wrong permutation differs by O(1).
+    Weights are streamed one tensor at a time into shards mirroring the input's (same files,
+    index, dtypes and metadata); every other file is copied byte for byte. Nothing is renamed
+    into place before the check passes. The default check reads every written tensor back and
+    compares it bit for bit with the source gathered by the layout's indices (no forward pass,
+    any model size). `--check logits` instead compares transformers' fp32 logits of both
+    checkpoints: the permutation is exact, the difference is fp32 rounding of reordered sums
+    (grows with depth), while a wrong permutation differs by the logits' own scale.
 
     Args:
         model: the source Hugging Face checkpoint directory (safetensors)
         layout: the layout file (dtpshard.layout/1), made for this model
-        out: the directory to write (weights, config, tokenizer files, layout.json)
+        out: the directory to write (weights, index, every other source file, layout.json)
         force: replace --out if it exists
-        check_tokens: sequence length of the logits check (random token ids, seeded)
-        tolerance: largest max |Δlogits| the check accepts
-        json: print one JSON object {out, check: {max_abs_diff, ...}} instead of text
+        check: construction (tensors read back, compared exactly), logits (fp32 forward of both), or none
+        check_tokens: sequence length of --check logits (random token ids, seeded)
+        tolerance: --check logits: largest max |Δlogits| / max |logit| accepted
+        json: print one JSON object {out, check: {kind, passed, ...}} instead of text
     """
+    from dtpshard.core.io import atomic_dir, exit_on_sigterm
     from dtpshard.model.checkpoint import open_checkpoint
-    from dtpshard.core.io import atomic_dir
 
     model, layout_path, out = Path(model), Path(layout), Path(out)
     if check_tokens < 1:
@@ -50,31 +68,173 @@ def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False, ch
     if out.exists() and not (force and out.is_dir()):  # refuse before the (long) read of the weights
         raise UserError(f"output {out} exists (use --force to replace it)" if out.is_dir()
                         else f"output {out} exists and is not a directory")
-    sd = apply_layout(ckpt.state_dict(), ckpt.shape, lay)  # stored dtype kept: a permutation is exact
+    gathers = layout_indices(ckpt.shape, lay)
+    weights = ckpt.files.files
+    say = (lambda line: None) if json else print  # --json: stdout holds the one JSON object only
     try:
-        with atomic_dir(out, force=force) as tmp:
-            save_checkpoint(tmp, ckpt.hf_config, sd, source=model, extra_json={LAYOUT_JSON: lay.to_json()})
-            del sd
-            tokens = min(check_tokens, getattr(ckpt.hf_config, "max_position_embeddings", None) or check_tokens)
-            diff, scale = dense_logits_diff(model, tmp, tokens, ckpt.shape.vocab)
-            if not json:
-                print(f"check: max |logits(permuted) - logits(original)| = {diff:.3g} over {tokens} tokens "
-                      f"(fp32, max |logit| {scale:.3g}, tolerance {tolerance:g})")
-            if not diff <= tolerance:  # also catches NaN
-                raise UserError(f"permuted logits differ from the original by {diff:.3g} > --tolerance "
-                                f"{tolerance:g} (max |logit| {scale:.3g}); nothing written")
+        # atomic_dir also removes what killed runs left behind; SIGTERM removes this run's temporary.
+        with exit_on_sigterm(), atomic_dir(out, force=force) as tmp:
+            others = copy_other_files(model, tmp, skip=set(weights) | {out})
+            counts = [0, 0]
+            for src in weights:
+                for i, n in enumerate(permute_file(src, tmp / src.name, gathers)):
+                    counts[i] += n
+            (tmp / LAYOUT_JSON).write_text(_json.dumps(lay.to_json(), indent=1) + "\n")
+            if check == "construction":
+                for src in weights:
+                    check_file(src, tmp / src.name, gathers)
+                summary = {"kind": "construction", "tensors": sum(counts), "gathered": counts[0], "copied": counts[1],
+                           "other_files": others}
+                say(f"check: all {sum(counts)} tensors of {len(weights)} weight file(s) read back equal, bit for "
+                      f"bit, to the source ({counts[0]} gathered by the layout's indices, {counts[1]} copied); "
+                      f"{others} other file(s) copied byte for byte")
+            elif check == "logits":
+                summary = check_logits(model, tmp, ckpt, check_tokens, tolerance, say)
+            else:
+                summary = {"kind": "none"}
+                say("check: none (--check none): nothing was read back")
     except OSError as e:
         raise UserError(f"cannot write {out}: {e.strerror or e}") from None
+    size = sum(f.stat().st_size for f in weights)
     if json:
-        import json as _json
-
         print(_json.dumps({"model": str(model), "layout": str(layout_path), "out": str(out), "kind": lay.kind,
-                           "devices": lay.devices, "layout_sha256": lay.content_sha256(),
-                           "check": {"max_abs_diff": diff, "max_abs_logit": scale, "tokens": tokens,
-                                     "tolerance": tolerance, "passed": True}}))
+                           "devices": lay.devices, "layout_sha256": lay.content_sha256(), "weight_files": len(weights),
+                           "bytes": size, "check": {**summary, "passed": True}}))
     else:
-        print(f"{lay.kind} layout (L = {lay.devices}) applied to {model} -> {out}")
+        print(f"{lay.kind} layout (L = {lay.devices}) applied to {model} -> {out} "
+              f"({len(weights)} weight file(s), {size / 2**30:.2f} GiB)")
     return 0
+
+
+# -- the weights, one tensor at a time ----------------------------------------------------------
+def read_header(file: Path) -> tuple[bytes, list[tuple[str, int, int]]]:
+    """A safetensors file's header as stored (length prefix included) and its tensors as (name,
+    start, end) byte ranges of the data section, in file order. The file is first opened with
+    safetensors itself, which refuses a damaged one."""
+    from dtpshard.model.checkpoint import tensor_names
+
+    names = tensor_names(file)
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")  # the format: u64 little-endian length, JSON, data
+        head = f.read(n)
+    entries = _json.loads(head)
+    ranges = sorted((entries[k]["data_offsets"][0], entries[k]["data_offsets"][1], k) for k in names)
+    return len(head).to_bytes(8, "little") + head, [(k, a, b) for a, b, k in ranges]
+
+
+def permute_file(src: Path, dst: Path, gathers: Gathers) -> tuple[int, int]:
+    """Write safetensors file `src` to `dst` with each tensor named in `gathers` permuted and the
+    rest copied; returns (permuted, copied) tensor counts. Peak memory: about the largest
+    permuted tensor twice (its source pages and its gathered copy)."""
+    from safetensors import safe_open
+
+    from dtpshard.model.checkpoint import canonical
+
+    head, ranges = read_header(src)
+    counts = [0, 0]
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        fout.write(head)
+        for name, start, end in ranges:
+            if fout.tell() != len(head) + start:  # safetensors stores tensors back to back
+                raise UserError(f"{src}: tensor {name} is not stored where the previous one ends")
+            gather = gathers.get(canonical(name))
+            if gather is None:
+                fin.seek(len(head) + start)
+                _copy_bytes(fin, fout, end - start)
+            else:
+                # A handle per tensor: the pages it maps are released when it closes.
+                with safe_open(str(src), framework="pt") as st:
+                    t = st.get_tensor(name).index_select(*gather)
+                    fout.write(_as_bytes(t).numpy())
+                    del t
+            counts[gather is None] += 1
+        fout.flush()
+        os.fsync(fout.fileno())
+    return counts[0], counts[1]
+
+
+def check_file(src: Path, dst: Path, gathers: Gathers) -> None:
+    """`dst` read back has `src`'s header (names, dtypes, shapes, offsets, metadata), its copied
+    tensors byte for byte and its permuted ones equal, bit for bit, to the source's gathered by
+    the layout's indices; else UserError. Memory: the largest permuted tensor three times."""
+    from safetensors import safe_open
+
+    from dtpshard.model.checkpoint import canonical
+
+    head, ranges = read_header(src)
+    if read_header(dst)[0] != head:
+        raise UserError(f"{dst.name}: its header differs from {src}'s; nothing written")
+    with open(src, "rb") as a, open(dst, "rb") as b:
+        for name, start, end in ranges:
+            gather = gathers.get(canonical(name))
+            if gather is None:
+                a.seek(len(head) + start)
+                b.seek(len(head) + start)
+                same = _same_bytes(a, b, end - start)
+            else:
+                with safe_open(str(src), framework="pt") as s, safe_open(str(dst), framework="pt") as d:
+                    want = s.get_tensor(name).index_select(*gather)
+                    same = torch.equal(_as_bytes(d.get_tensor(name)), _as_bytes(want))
+            if not same:
+                raise UserError(f"{dst.name}: tensor {name} read back differs from the source gathered by the "
+                                "layout; nothing written")
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes (bf16 and fp8 have no numpy dtype; bytes compare NaNs and -0 exactly)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _copy_bytes(fin, fout, count: int) -> None:  # noqa: ANN001 -- binary files
+    buf = memoryview(bytearray(min(_CHUNK, count)))
+    while count:
+        n = fin.readinto(buf[:min(len(buf), count)])
+        if not n:
+            raise UserError(f"{fin.name}: file ends before its header says")
+        fout.write(buf[:n])
+        count -= n
+
+
+def _same_bytes(a, b, count: int) -> bool:  # noqa: ANN001 -- binary files
+    while count:
+        n = min(_CHUNK, count)
+        if a.read(n) != b.read(n):
+            return False
+        count -= n
+    return True
+
+
+# -- every other file, byte for byte ----------------------------------------------------------------
+def copy_other_files(src: Path, dst: Path, skip: set[Path]) -> int:
+    """Copy every file under `src` but the weight files (and a --out inside it) byte for byte;
+    hidden folders (.git, huggingface_hub's .cache) stay behind. Returns the number copied."""
+    skip_resolved = {p.resolve() for p in skip}
+    copied = 0
+    for root, dirs, files in os.walk(src, followlinks=True):
+        here = Path(root)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and (here / d).resolve() not in skip_resolved)
+        for name in sorted(files):
+            if (here / name).resolve() in skip_resolved:
+                continue
+            target = dst / (here / name).relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(here / name, target)  # follows links: a hub snapshot's files are links to blobs
+            copied += 1
+    return copied
+
+
+# -- the optional forward check ------------------------------------------------------------------
+def check_logits(original: Path, permuted: Path, ckpt, tokens: int, tolerance: float,  # noqa: ANN001
+                 say=print) -> dict:  # noqa: ANN001
+    tokens = min(tokens, getattr(ckpt.hf_config, "max_position_embeddings", None) or tokens)
+    diff, scale = dense_logits_diff(original, permuted, tokens, ckpt.shape.vocab)
+    rel = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+    say(f"check: max |logits(permuted) - logits(original)| = {diff:.3g} = {rel:.3g} x max |logit| {scale:.3g} "
+          f"over {tokens} tokens (fp32, relative tolerance {tolerance:g})")
+    if not diff <= tolerance * scale:  # also catches NaN
+        raise UserError(f"permuted logits differ from the original by {diff:.3g} = {rel:.3g} x max |logit| "
+                        f"{scale:.3g} > --tolerance {tolerance:g}; nothing written")
+    return {"kind": "logits", "max_abs_diff": diff, "max_abs_logit": scale, "tokens": tokens, "tolerance": tolerance}
 
 
 def dense_logits_diff(original: Path, permuted: Path, tokens: int, vocab: int) -> tuple[float, float]:

@@ -52,43 +52,72 @@ def read_shape(path: str | Path) -> ModelShape:
     return shape_from_hf_config(load_hf_config(path))
 
 
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
 class TensorFiles:
-    """Name -> safetensors file of a (possibly sharded) checkpoint; reads whole tensors or slices."""
+    """Name -> safetensors file of a checkpoint, found as Hugging Face finds it: the index and the
+    shards it names, else model.safetensors. Any other *.safetensors in the directory (an affinity
+    file saved next to the model, say) is not a weight file and is ignored."""
 
     def __init__(self, path: Path):
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.where = {k: path / v for k, v in weight_map.items()}
+        self.index: Path | None = path / INDEX
+        if self.index.is_file():
+            try:
+                weight_map = json.loads(self.index.read_text())["weight_map"]
+                self.where = {str(k): path / str(v) for k, v in weight_map.items()}
+            except (ValueError, KeyError, TypeError, AttributeError):  # JSON, UTF-8, shape of the object
+                raise UserError(f"{self.index}: not a safetensors index (a JSON object with a weight_map)") from None
+            outside = sorted({str(v) for v in weight_map.values() if Path(str(v)).name != str(v) or str(v) == ".."})
+            if outside:  # Hugging Face reads shards from the checkpoint directory itself
+                raise UserError(f"{self.index}: weight file {outside[0]!r} is not a file of {path}")
+        elif (path / SINGLE).is_file():
+            self.index = None
+            self.where = {k: path / SINGLE for k in tensor_names(path / SINGLE)}
         else:
-            files = sorted(path.glob("*.safetensors"))
-            if not files:
-                raise UserError(f"{path}: no *.safetensors weights (convert .bin checkpoints with transformers first)")
-            from safetensors import safe_open
-
-            self.where = {}
-            for f in files:
-                with safe_open(str(f), framework="pt") as st:
-                    self.where.update({k: f for k in st.keys()})
+            others = sorted(p.name for p in path.glob("*.safetensors"))
+            why = (f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} not model weights" if others
+                   else "convert .bin checkpoints with transformers first")
+            raise UserError(f"{path}: no {SINGLE} or {INDEX} ({why})")
         missing = sorted({str(f.name) for f in self.where.values() if not f.is_file()})
         if missing:
             raise UserError(f"{path}: missing weight file {missing[0]}")
-        # Some checkpoints store the backbone without the "model." prefix.
-        self.alias = {_canonical(k): k for k in self.where}
+        self.alias = {canonical(k): k for k in self.where}
+
+    @property
+    def files(self) -> list[Path]:
+        """The weight files, each once, in the order the index first names them."""
+        return list(dict.fromkeys(self.where.values()))
 
     def keys(self) -> list[str]:
         return list(self.alias)
 
     def get(self, name: str) -> torch.Tensor:
         """Tensor `name` (canonical HF name)."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         key = self.alias[name]
-        with safe_open(str(self.where[key]), framework="pt") as st:
-            return st.get_tensor(key)
+        try:
+            with safe_open(str(self.where[key]), framework="pt") as st:
+                return st.get_tensor(key)
+        except SafetensorError as e:
+            raise UserError(f"{self.where[key]}: cannot read tensor {key} ({str(e).splitlines()[0]})") from None
 
 
-def _canonical(key: str) -> str:
+def tensor_names(file: Path) -> list[str]:
+    """The tensors a safetensors file holds (its header only); a damaged file is one line."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as st:
+            return list(st.keys())
+    except SafetensorError as e:
+        raise UserError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+
+
+def canonical(key: str) -> str:
+    """The Hugging Face name of a stored tensor name (some checkpoints drop the "model." prefix)."""
     if key.startswith(("model.", "lm_head.")):
         return key
     return "model." + key
