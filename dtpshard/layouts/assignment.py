@@ -20,7 +20,7 @@ def _positive_cycle(best: np.ndarray, tol: float) -> tuple[list[int] | None, np.
     Bellman-Ford for longest paths from a virtual source joined to every device. Any cycle
     in the predecessor graph is a positive cycle, so we stop at the first one we see; if
     L + 1 passes relax nothing, no positive cycle exists (the optimality certificate), and
-    then dist[e] >= dist[d] + best[d, e] - tol: -dist are optimal device prices (LP duals).
+    then dist[e] >= dist[d] + best[d, e] - tol: dist are optimal device prices (LP duals).
     """
     n = len(best)
     dist = np.zeros(n)
@@ -172,7 +172,7 @@ def assign(gain: np.ndarray, devices: int, start: np.ndarray | None = None) -> t
         np.fill_diagonal(graph, -np.inf)
         cycle, dist = _positive_cycle(graph, tol)
         if cycle is None:
-            return devices_of(members), -dist
+            return devices_of(members), dist
         cycles += 1
         if cycles == PRICE_AFTER and per > 1:
             priced = price_start(gain, per)
@@ -190,7 +190,7 @@ def assign(gain: np.ndarray, devices: int, start: np.ndarray | None = None) -> t
             k = min(per, 4 * k)
         batch = int(np.argmax(stop)) if stop.any() else per
         if batch == 0:  # the cycle's gain is below rounding: optimal to within tol
-            return devices_of(members), -dist
+            return devices_of(members), dist
         movers = [members[d, s[:batch]] for (d, _), s in zip(hops, slots)]
         for i, ((d, _), s) in enumerate(zip(hops, slots)):
             incoming = movers[i - 1]  # the previous hop ends at d

@@ -115,8 +115,12 @@ class Problem:
                 return prod
             if 8 * len(moved) < len(partner_dev):
                 change = one_hot(partner_dev[moved], self.devices) - one_hot(old[moved], self.devices)
-                part = e.scores[:, moved] if is_source else e.scores[moved, :].T
-                prod = prod + e.weight * (part @ change)
+                prod = prod.copy()
+                step = max(1, 2 ** 25 // len(prod))  # gathered columns in chunks of <= 256 MB
+                for lo in range(0, len(moved), step):
+                    cols = moved[lo:lo + step]
+                    part = e.scores[:, cols] if is_source else e.scores[cols, :].T
+                    prod += e.weight * (part @ change[lo:lo + step])
                 self._cache[key] = (partner_dev.copy(), prod)
                 return prod
         prod = e.towards(partner_dev, self.devices) if is_source else e.back(partner_dev, self.devices)
