@@ -135,9 +135,10 @@ def assign(gain: np.ndarray, devices: int, start: np.ndarray | None = None) -> t
 
     An optimal `start` is kept. Cancelling from a start far from the optimum is slow (a cold
     70B block: ~140 cycles), so after PRICE_AFTER cycles the `price_start` replaces the
-    current assignment when it is better, which leaves a few cycles. A balanced assignment is held as an [L, U/L] table (device d holds
-    members[d]); a cycle move refills the slots it empties, so only those rows of `delta` are
-    recomputed and only each batch's top gains are sorted.
+    current assignment when it is better, which leaves a few cycles. A balanced assignment is
+    held as an [L, U/L] table (device d holds members[d]); a cycle move refills the slots it
+    empties, so only those rows of `delta` are recomputed and only each batch's top gains
+    are sorted.
     """
     gain = np.asarray(gain, dtype=np.float64)
     n_units, n_dev = gain.shape
