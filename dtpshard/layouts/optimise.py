@@ -23,8 +23,8 @@ from dtpshard.core.layout import Layout
 from dtpshard.core.shape import check_delay, check_devices
 from dtpshard.core.vocab import KV_SEARCHES, OPTIMISING_KINDS, KvSearch
 from dtpshard.layouts.assignment import balanced_assignment
-from dtpshard.layouts.score import (Edge, Edges, normalised_edges, one_hot, perm_from_devices,
-                    score_devices)
+from dtpshard.layouts.score import (Edge, Edges, blas_threads, normalised_edges, one_hot, perm_from_devices,
+                                    score_devices)
 
 MAX_PARTITIONS = 200_000  # the exhaustive KV search is the paper's 2520 for G=8, L=4
 
@@ -153,17 +153,18 @@ def ascend(problem: Problem, devs: list[np.ndarray], blocks: list[int], maximise
     """
     devs = [d.copy() for d in devs]
     sign = 1.0 if maximise else -1.0
-    history = [problem.j(devs)]
-    for _ in range(max_sweeps):
-        for m in blocks:
-            gain = sign * problem.block_gain(devs, m)
-            if m % 2 == 0 and kv_search == "exhaustive":
-                devs[m] = exhaustive_assignment(gain, problem.devices, start=devs[m])
-            else:
-                devs[m] = balanced_assignment(gain, problem.devices, start=devs[m])
-        history.append(problem.j(devs))
-        if sign * (history[-1] - history[-2]) < min_gain:
-            break
+    with blas_threads(problem.edges):
+        history = [problem.j(devs)]
+        for _ in range(max_sweeps):
+            for m in blocks:
+                gain = sign * problem.block_gain(devs, m)
+                if m % 2 == 0 and kv_search == "exhaustive":
+                    devs[m] = exhaustive_assignment(gain, problem.devices, start=devs[m])
+                else:
+                    devs[m] = balanced_assignment(gain, problem.devices, start=devs[m])
+            history.append(problem.j(devs))
+            if sign * (history[-1] - history[-2]) < min_gain:
+                break
     return devs, history
 
 
