@@ -1,4 +1,4 @@
-"""Exact balanced assignment (spec section 3): the optimiser's block update.
+"""Exact balanced assignment (docs/design.md §3): the optimiser's block update.
 
 Maximise Σ_u gain[u, dev(u)] over the assignments of U units to L devices, U/L units each: a
 transportation problem with L sinks, solved exactly by cycle cancelling on the L-device
