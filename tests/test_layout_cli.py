@@ -127,3 +127,19 @@ def test_bad_inputs(aff, tmp_path, capsys):
     zero.save(tmp_path / "zero.safetensors")
     _one_line_error(capsys, ["layout", str(tmp_path / "zero.safetensors"), "--out", out], "total mass 0")
     assert not (tmp_path / "x.json").exists()
+
+
+def test_only_the_edges_the_delay_needs_are_loaded_and_memory_is_checked(tmp_path, capsys, monkeypatch):
+    """A δ = 1 layout from a δ = 2 file reads no FFN -> FFN edge; what does not fit is one line."""
+    path = write_affinity(tmp_path / "d2.safetensors", delay=2)
+    modules = 2 * MODEL["layers"]
+    assert set(Affinity.load(path, delay=1).edges) == set(edges_for_delay(modules, 1))
+    assert set(Affinity.load(path).edges) == set(edges_for_delay(modules, 2))
+    need_1 = 8 * sum(units(MODEL, a) * units(MODEL, b) for a, b in edges_for_delay(modules, 1))
+    monkeypatch.setattr("dtpshard.core.memory.available_bytes", lambda: need_1 + 8 * 24 * 8)
+    out = tmp_path / "x.json"
+    assert main(["layout", str(path), "--delay", "1", "--out", str(out)]) == 0 and out.exists()
+    capsys.readouterr()
+    _one_line_error(capsys, ["layout", str(path), "--delay", "2", "--out", str(tmp_path / "y.json")],
+                    "GiB of memory, more than the")
+    assert not (tmp_path / "y.json").exists()

@@ -10,6 +10,8 @@ from scipy.optimize import linear_sum_assignment
 from dtpshard.affinity.file import Affinity, edges_for_delay, units
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout
+from dtpshard.layouts import assignment
+from dtpshard.layouts.assignment import assign, price_start
 from dtpshard.layouts.optimise import (Problem, ascend, balanced_assignment, evenly_spaced_layers,
                                exhaustive_assignment, family_blocks, labelled_partitions, optimise_layout)
 from dtpshard.layouts.score import colocated_score, j_of_devices
@@ -61,6 +63,47 @@ def test_balanced_assignment_equals_linear_sum_assignment(devices):
         rows, cols = linear_sum_assignment(slots, maximize=True)
         dev = balanced_assignment(gain, devices, rng.permutation(np.arange(n_units) // (n_units // devices)))
         assert value(gain, dev) == pytest.approx(slots[rows, cols].sum(), rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("price_after", [1, 3])
+def test_price_started_assignment_equals_linear_sum_assignment(monkeypatch, price_after):
+    """The price start replaces the start after `price_after` cycles: the result stays exact."""
+    monkeypatch.setattr(assignment, "PRICE_AFTER", price_after)
+    rng = np.random.default_rng(price_after)
+    for trial in range(12):
+        devices = [2, 4, 8][trial % 3]
+        n_units = devices * int(rng.integers(2, 40))
+        gain = rng.lognormal(0, 2, (n_units, devices)) * 1e-4
+        if trial % 2:
+            gain = np.round(gain / gain.max() * 3)  # ties everywhere: prices cannot balance alone
+        slots = np.repeat(gain, n_units // devices, axis=1)
+        rows, cols = linear_sum_assignment(slots, maximize=True)
+        dev = balanced_assignment(gain, devices, rng.permutation(np.arange(n_units) // (n_units // devices)))
+        assert value(gain, dev) == pytest.approx(slots[rows, cols].sum(), rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("rounds", [1, 8])
+def test_price_start_is_balanced(rounds):
+    """Balanced with ties, and when Gauss-Seidel stops before the counts balance (the repair)."""
+    rng = np.random.default_rng(rounds)
+    for gain in (rng.standard_normal((96, 8)), rng.integers(0, 2, (96, 8)) * 1.0, np.ones((96, 4))):
+        dev = price_start(gain, 96 // gain.shape[1], rounds=rounds)
+        assert (np.bincount(dev, minlength=gain.shape[1]) == 96 // gain.shape[1]).all()
+
+
+def test_assignment_at_the_70b_block_size_meets_its_dual_certificate():
+    """28672 neurons on 8 devices (LSA's [U, U] matrix would be 6.6 GB): the returned prices p
+    certify the optimum by LP duality, Σ_u max_d (gain - p) + U/L · Σ p = Σ_u gain[u, dev(u)]."""
+    rng = np.random.default_rng(70)
+    n_units, devices = 28672, 8
+    low = rng.standard_normal((n_units, 3)) @ rng.standard_normal((3, devices))
+    gain = np.exp(low + 0.5 * rng.standard_normal((n_units, devices))) * rng.lognormal(0, 1, (n_units, 1))
+    dev, prices = assign(gain, devices)
+    assert (np.bincount(dev, minlength=devices) == n_units // devices).all()
+    primal = value(gain, dev)
+    dual = (gain - prices).max(axis=1).sum() + n_units // devices * prices.sum()
+    assert dual >= primal - 1e-9 and dual - primal <= n_units * 1e-12 * np.abs(gain).max()
+    assert (dev != np.arange(n_units) // (n_units // devices)).mean() > 0.5  # a cold solve, far from its start
 
 
 def test_balanced_assignment_keeps_an_optimal_start():

@@ -112,6 +112,15 @@ def test_zero_mass_edge_is_refused():
         colocated_score(aff, Layout.contiguous(MODEL, 2, 1))
 
 
+
+@pytest.mark.parametrize("bad,match", [(np.nan, "NaN or infinite"), (np.inf, "NaN or infinite"),
+                                       (-np.inf, "NaN or infinite"), (-1e-3, "negative scores")])
+def test_non_finite_or_negative_scores_are_refused(bad, match):
+    aff = random_affinity()
+    aff.edges[(1, 2)][2, 1] = bad
+    with pytest.raises(UserError, match=f"edge.1.2 (contains|has) {match}"):
+        colocated_score(aff, Layout.contiguous(MODEL, 2, 1))
+
 # -- the command ---------------------------------------------------------------------------------
 def _files(tmp_path, model=MODEL, delay=1, devices=2, layout_model=None, layout_delay=None):
     aff = tmp_path / "aff.safetensors"

@@ -16,6 +16,7 @@ import numpy as np
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import units
+from dtpshard.core.memory import check_fits
 from dtpshard.core.io import atomic_path
 
 FORMAT = "dtpshard.affinity/1"
@@ -27,6 +28,14 @@ def edges_for_delay(modules: int, delay: float) -> list[tuple[int, int]]:
 
 
 __all__ = ["Affinity", "edges_for_delay", "units"]
+
+
+def _needed(name: str, delay: float) -> bool:
+    """Whether tensor `edge.a.b` is an edge δ needs (other names are kept, to be refused later)."""
+    parts = name.split(".")
+    if len(parts) != 3 or not (parts[1].isdigit() and parts[2].isdigit()):
+        return True
+    return math.ceil(int(parts[2]) - delay) <= int(parts[1])
 
 
 @dataclass
@@ -48,7 +57,9 @@ class Affinity:
             save_file(tensors, str(tmp), metadata=meta)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Affinity":
+    def load(cls, path: str | Path, delay: float | None = None) -> "Affinity":
+        """Every edge, or only those `delay` needs (a δ = 1 layout from a δ = 2 file skips
+        the neurons x neurons edges); refused in one line if they do not fit in memory."""
         from safetensors import SafetensorError, safe_open
 
         path = Path(path)
@@ -57,7 +68,10 @@ class Affinity:
         try:
             with safe_open(str(path), framework="numpy") as f:
                 meta = f.metadata() or {}
-                names = list(f.keys())
+                names = [k for k in f.keys() if delay is None or _needed(k, delay)]
+                sizes = [math.prod(f.get_slice(k).get_shape()) for k in names]
+                check_fits(8 * sum(sizes) + 4 * max(sizes, default=0), f"{path}: {len(names)} edges in float64",
+                           "at delay >= 2 every FFN -> FFN edge is neurons x neurons")
                 arrays = {k: f.get_tensor(k) for k in names}
         except (SafetensorError, OSError, ValueError) as e:
             raise UserError(f"{path}: not a safetensors affinity file ({e})") from None

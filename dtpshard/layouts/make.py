@@ -96,7 +96,7 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = 4, delay: Delay = 1.
     else:
         from dtpshard.affinity.file import Affinity
 
-        affinity = Affinity.load(source)
+        affinity = Affinity.load(source, delay=delay)
         model = affinity.model
     check_devices(model, devices, where=str(source))
     check_delay(model, delay)

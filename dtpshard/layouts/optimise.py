@@ -4,8 +4,8 @@ With every other module fixed, J is linear in the device assignment of one modul
 unit u on device d is worth gain[u, d], the sum of u's normalised affinities to the units on d
 of every module m shares an edge with (any δ, so several modules). A block update is therefore
 a balanced assignment (U/L units per device) maximising Σ_u gain[u, dev(u)]: a transportation
-problem, solved exactly here by cycle cancelling on the L-device residual graph (see
-`balanced_assignment`). Each accepted update is a block optimum, so J never decreases.
+problem, solved exactly by cycle cancelling on the L-device residual graph (see
+layouts/assignment.py). Each accepted update is a block optimum, so J never decreases.
 """
 from __future__ import annotations
 
@@ -22,96 +22,14 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout
 from dtpshard.core.shape import check_delay, check_devices
 from dtpshard.core.vocab import KV_SEARCHES, OPTIMISING_KINDS, KvSearch
-from dtpshard.layouts.score import (Edge, Edges, normalised_edges, one_hot, perm_from_devices,
-                    score_devices)
+from dtpshard.layouts.assignment import balanced_assignment
+from dtpshard.layouts.score import (Edge, Edges, blas_threads, normalised_edges, one_hot, perm_from_devices,
+                                    score_devices)
 
 MAX_PARTITIONS = 200_000  # the exhaustive KV search is the paper's 2520 for G=8, L=4
 
 
-# -- exact balanced assignment --------------------------------------------------------------
-def _positive_cycle(best: np.ndarray, tol: float) -> list[int] | None:
-    """A cycle of devices d0 -> d1 -> ... -> d0 whose best single moves gain > 0, or None.
-
-    Bellman-Ford for longest paths from a virtual source joined to every device. Any cycle
-    in the predecessor graph is a positive cycle, so we stop at the first one we see; if
-    L + 1 passes relax nothing, no positive cycle exists (the optimality certificate).
-    """
-    n = len(best)
-    dist = np.zeros(n)
-    pred = np.full(n, -1)
-    for _ in range(n + 1):
-        cand = dist[:, None] + best  # cand[d, e]: reach e through d
-        src = cand.argmax(axis=0)
-        val = cand[src, np.arange(n)]
-        better = val > dist + tol
-        if not better.any():
-            return None
-        dist[better] = val[better]
-        pred[better] = src[better]
-        for start in np.flatnonzero(better):
-            seen: dict[int, int] = {}
-            v, k = int(start), 0
-            while v >= 0 and v not in seen:
-                seen[v] = k
-                v, k = int(pred[v]), k + 1
-            if v >= 0:  # walked back into a cycle: read it forwards
-                cyc = [v]
-                u = int(pred[v])
-                while u != v:
-                    cyc.append(u)
-                    u = int(pred[u])
-                return cyc[::-1]
-    raise AssertionError("Bellman-Ford kept relaxing without a predecessor cycle")
-
-
-def balanced_assignment(gain: np.ndarray, devices: int, start: np.ndarray | None = None) -> np.ndarray:
-    """Exact maximiser of Σ_u gain[u, dev(u)] subject to U/L units on every device.
-
-    The problem is a min-cost flow (units -> devices). A balanced assignment is optimal iff
-    its residual graph has no positive cycle; every such cycle alternates devices and units,
-    so it suffices to look at the L-node graph whose edge d -> e carries the best gain of
-    moving one unit from d to e. While a positive cycle exists, we push the largest batch of
-    units around it that still gains (the per-edge gains, sorted, are non-increasing, so the
-    batch stops at the first non-positive marginal sum). Moves along a simple cycle keep the
-    balance and touch distinct units, and the objective is separable, so the gain is exact.
-    Terminates (strict gain, finitely many assignments) with the certificate above, up to
-    rounding (`tol` is 1e-12 of the largest |gain|).
-    """
-    gain = np.asarray(gain, dtype=np.float64)
-    n_units, n_dev = gain.shape
-    if n_dev != devices or n_units % devices:
-        raise ValueError(f"gain {gain.shape} cannot be split evenly over {devices} devices")
-    per = n_units // devices
-    dev = (np.arange(n_units) // per) if start is None else np.array(start, dtype=np.int64)
-    if (np.bincount(dev, minlength=devices) != per).any():
-        raise ValueError("start assignment is not balanced")
-    scale = float(np.abs(gain).max()) if gain.size else 0.0
-    if devices == 1 or scale == 0.0:
-        return dev
-    tol = 1e-12 * scale
-    rows = np.arange(n_units)
-    while True:
-        delta = gain - gain[rows, dev][:, None]  # delta[u, e]: gain of moving u to e
-        members = [np.flatnonzero(dev == d) for d in range(devices)]
-        best = np.stack([delta[m].max(axis=0) for m in members])
-        np.fill_diagonal(best, -np.inf)
-        cycle = _positive_cycle(best, tol)
-        if cycle is None:
-            return dev
-        hops = list(zip(cycle, cycle[1:] + cycle[:1]))
-        movers, marginal = [], np.zeros(per)
-        for d, e in hops:
-            g = delta[members[d], e]
-            order = np.argsort(-g, kind="stable")
-            movers.append(members[d][order])
-            marginal += g[order]
-        batch = int(np.argmax(marginal <= tol)) if (marginal <= tol).any() else per
-        if batch == 0:  # the cycle's gain is below rounding: optimal to within tol
-            return dev
-        for (d, e), mv in zip(hops, movers):
-            dev[mv[:batch]] = e
-
-
+# -- the KV side's exhaustive search --------------------------------------------------------
 @functools.lru_cache(maxsize=8)
 def labelled_partitions(n_units: int, devices: int) -> np.ndarray:
     """Every balanced assignment of n_units to labelled devices, as a [P, n_units] array."""
@@ -197,8 +115,12 @@ class Problem:
                 return prod
             if 8 * len(moved) < len(partner_dev):
                 change = one_hot(partner_dev[moved], self.devices) - one_hot(old[moved], self.devices)
-                part = e.scores[:, moved] if is_source else e.scores[moved, :].T
-                prod = prod + e.weight * (part @ change)
+                prod = prod.copy()
+                step = max(1, 2 ** 25 // len(prod))  # gathered columns in chunks of <= 256 MB
+                for lo in range(0, len(moved), step):
+                    cols = moved[lo:lo + step]
+                    part = e.scores[:, cols] if is_source else e.scores[cols, :].T
+                    prod += e.weight * (part @ change[lo:lo + step])
                 self._cache[key] = (partner_dev.copy(), prod)
                 return prod
         prod = e.towards(partner_dev, self.devices) if is_source else e.back(partner_dev, self.devices)
@@ -231,17 +153,18 @@ def ascend(problem: Problem, devs: list[np.ndarray], blocks: list[int], maximise
     """
     devs = [d.copy() for d in devs]
     sign = 1.0 if maximise else -1.0
-    history = [problem.j(devs)]
-    for _ in range(max_sweeps):
-        for m in blocks:
-            gain = sign * problem.block_gain(devs, m)
-            if m % 2 == 0 and kv_search == "exhaustive":
-                devs[m] = exhaustive_assignment(gain, problem.devices, start=devs[m])
-            else:
-                devs[m] = balanced_assignment(gain, problem.devices, start=devs[m])
-        history.append(problem.j(devs))
-        if sign * (history[-1] - history[-2]) < min_gain:
-            break
+    with blas_threads(problem.edges):
+        history = [problem.j(devs)]
+        for _ in range(max_sweeps):
+            for m in blocks:
+                gain = sign * problem.block_gain(devs, m)
+                if m % 2 == 0 and kv_search == "exhaustive":
+                    devs[m] = exhaustive_assignment(gain, problem.devices, start=devs[m])
+                else:
+                    devs[m] = balanced_assignment(gain, problem.devices, start=devs[m])
+            history.append(problem.j(devs))
+            if sign * (history[-1] - history[-2]) < min_gain:
+                break
     return devs, history
 
 
