@@ -12,6 +12,9 @@ FFN), but one module at a time and with the intermediates the affinity scores ar
 - `ffn(i, x)`: the module output, the neuron outputs act = silu(g)·u, the gate/up
   pre-activations g, u and ρ.
 
+`StreamedDense` is the same model over the checkpoint's files, one decoder layer held at a time
+(calibration of models bigger than memory).
+
 KV group g owns query heads g·r .. g·r+r-1 (transformers' repeat_kv order), so the o_proj columns
 and q rows of a group are contiguous. Weights are kept as [out, in] matrices like nn.Linear.
 """
