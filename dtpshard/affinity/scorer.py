@@ -314,13 +314,13 @@ def compute_affinity(model: DenseModel, blocks: torch.Tensor, delay: float = 1, 
     ids, where = torch.unique(blocks, return_inverse=True)  # the streamed model reads only these rows
     table = model.embed(ids)  # [U, D]
     x_all = hidden.new((B, T, s.hidden), table.dtype, table.device)
-    for b0 in steps:
-        x_all.write(b0, table[where[b0:b0 + micro_batch]])
-    del table
-    sources: dict[int, tuple[torch.Tensor, MemoryArray | DiskArray]] = {}  # a -> (output weight, [B, T, H, hd] o or [B, T, N] act)
+    sources: dict[int, tuple[torch.Tensor, MemoryArray | DiskArray]] = {}  # a -> (W_o | W_down, o | act)
     out: dict[tuple[int, int], np.ndarray] = {}
     bar = tqdm(total=M * len(steps), desc="affinity", unit="step", disable=not progress)
     try:
+        for b0 in steps:
+            x_all.write(b0, table[where[b0:b0 + micro_batch]])
+        del table
         for b in range(M):
             layer = model.layers[b // 2]
             scorers = {a: EdgeScorer(s, sources[a][0], layer, a, b, opts, chunk) for a in into[b]}
