@@ -227,9 +227,10 @@ class StreamedDense(DenseModel):
         ids = ids.to(self.device)
         V, D = self.shape.vocab, self.shape.hidden
         out = torch.empty(ids.shape + (D,), dtype=self.dtype, device=self.device)
-        step = max(1, EMBED_BLOCK_BYTES // (D * max(4, self.dtype.itemsize)))
+        step = max(1, EMBED_BLOCK_BYTES // (4 * D))
         for r0 in range(0, V, step):
             hit = (ids >= r0) & (ids < r0 + step)
-            if bool(hit.any()):
-                out[hit] = self.read("model.embed_tokens.weight", slice(r0, min(V, r0 + step)))[ids[hit] - r0]
+            if bool(hit.any()):  # the rows picked before the conversion: only those are copied
+                block = self.ckpt.files.get("model.embed_tokens.weight", slice(r0, min(V, r0 + step)))
+                out[hit] = block[(ids[hit] - r0).cpu()].to(device=self.device, dtype=self.dtype)
         return out
