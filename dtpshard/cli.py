@@ -121,7 +121,7 @@ def _normalise(argv: list[str], parser: Any) -> list[str]:
     import json
 
     hints = {a.dest: getattr(a, "_typehint", a.type) for a in parser._actions}
-    bools = {d for d, t in hints.items() if t is bool}
+    bools = {d for d, t in hints.items() if t is bool or set(typing.get_args(t)) == {bool, type(None)}}  # bool | None too
     lists = {d for d, t in hints.items() if list in (typing.get_origin(t), *map(typing.get_origin, typing.get_args(t)))}
     out, i = [], 0
     while i < len(argv):

@@ -5,14 +5,15 @@ import sys
 import time
 from pathlib import Path
 from dtpshard.core.errors import UserError
-from dtpshard.core.vocab import AffinityDType, Count, Delay, Device, NonNegativeInt, Seed
+from dtpshard.core.vocab import AffinityDType, Count, Delay, Device, NonNegativeInt, NonNegativeNumber, Seed
 
 
 def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, dataset: str | None = None,
                  text_field: str = "text", tokenizer: Path | None = None, blocks: Count = 64, seq_len: Count = 1024, delay: Delay = 1.0, seed: Seed = 0,
                  group_unit: bool = False, exact_jacobian: bool = False, ablation: bool = False,
                  micro_batch: Count = 4, chunk: NonNegativeInt = 0, device: Device = "auto",
-                 dtype: AffinityDType = "float32", progress: bool = True, json: bool = False) -> int:
+                 dtype: AffinityDType = "float32", offload: bool | None = None, memory_budget: NonNegativeNumber = 0.0,
+                 spill_dir: Path | None = None, progress: bool = True, json: bool = False) -> int:
     """Score how much every unit depends on every co-located unit (docs/design.md §2), in one pass.
 
     Calibration text (--text files, or --dataset, or by default the built-in offline corpus) is
@@ -21,6 +22,11 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
     [units(a), units(b)], the mean over tokens accumulated in float64. The defaults are the
     paper's: the up edge is first order through SwiGLU per query head, summed per KV group, with ρ
     held at its dense value; the down edge is the additive q/k/v score.
+
+    A model that does not fit --memory-budget is streamed: one decoder layer at a time is read
+    from the checkpoint, all calibration tokens go through it, its edges are accumulated and it is
+    dropped (the scores are the same as in memory); calibration hidden states beyond what is left
+    of the budget are kept in temporary files.
 
     Args:
         model: Hugging Face checkpoint directory (llama, mistral, qwen2 or qwen3 family)
@@ -40,6 +46,9 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
         chunk: cap on tokens per score chunk; 0 = automatic (memory)
         device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         dtype: compute dtype of the pass (sums are always accumulated in float64)
+        offload: --offload reads one decoder layer at a time from the checkpoint, --no-offload holds the whole model; default: offload only when the model does not fit --memory-budget
+        memory_budget: GiB the pass may hold (model and calibration hidden states); 0 = 0.8 x the memory available now (RAM, or the GPU's free memory)
+        spill_dir: directory for the hidden states that do not fit the budget, in anonymous temporary files (default: the directory of --out)
         progress: show a progress bar
         json: print one JSON object {out, edges, tokens, seconds, ...} on stdout
     """
@@ -50,13 +59,11 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
     from dtpshard.model.checkpoint import load_tokenizer, open_checkpoint
     from dtpshard.core.shape import check_delay
     from dtpshard.data.blocks import load_texts, make_blocks
-    from dtpshard.model.dense import DenseModel
+    from dtpshard.model.dense import DenseModel, StreamedDense
+    from dtpshard.affinity.offload import GiB, HiddenStates, default_budget, plan
+    from dtpshard.core.io import check_writable_dir
     from dtpshard.core.devices import pick_device
 
-    for name, value, low in (("blocks", blocks, 1), ("seq-len", seq_len, 1), ("micro-batch", micro_batch, 1),
-                             ("chunk", chunk, 0)):
-        if value < low:
-            raise UserError(f"--{name}={value}: must be at least {low}")
     opts = ScoreOptions(group_unit=group_unit, exact_jacobian=exact_jacobian, ablation=ablation)
     device = pick_device(device)
     ckpt = open_checkpoint(model)
@@ -70,10 +77,17 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
     if int(ids.max()) >= shape.vocab:
         raise UserError(f"tokenizer produced id {int(ids.max())} >= vocab_size {shape.vocab}")
 
+    budget = int(memory_budget * GiB) if memory_budget > 0 else default_budget(device)
+    how = plan(shape, ids.numel(), delay, getattr(torch, dtype), budget, offload)
+    spill = spill_dir if spill_dir is not None else out.parent
+    if how.hidden > how.hidden_budget:
+        check_writable_dir(spill / "spill")
+    print(f"affinity pass: {how.describe()}", file=sys.stderr)
     t0 = time.perf_counter()
-    dense = DenseModel.from_checkpoint(ckpt, dtype=getattr(torch, dtype), device=device)
+    build = StreamedDense if how.offload else DenseModel.from_checkpoint
+    dense = build(ckpt, dtype=getattr(torch, dtype), device=device)
     edges = compute_affinity(dense, ids, delay, opts, micro_batch=micro_batch, chunk=chunk or None,
-                             progress=progress)
+                             progress=progress, hidden=HiddenStates(how.hidden_budget, spill))
     elapsed = time.perf_counter() - t0
     options = dict(opts.to_dict(delay), blocks=blocks, seq_len=seq_len, seed=seed, dtype=dtype)
     Affinity(shape.summary(), delay, edges, tokens=ids.numel(), options=options,

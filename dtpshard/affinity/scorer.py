@@ -48,7 +48,9 @@ import torch
 import torch.nn.functional as F
 
 from dtpshard.affinity.file import edges_for_delay
-from dtpshard.model.dense import DenseModel
+from dtpshard.affinity.offload import DiskArray, HiddenStates, MemoryArray
+from dtpshard.core.shape import ModelShape
+from dtpshard.model.dense import DenseModel, Layer
 from dtpshard.core.errors import UserError
 
 CHUNK_ELEMENTS = {"cpu": 1 << 21, "cuda": 1 << 26}  # largest temporary per token chunk, in elements
@@ -103,12 +105,12 @@ class Target:
 class EdgeScorer:
     """Accumulates S_ab of one edge (a, b) over token chunks (see the module docstring)."""
 
-    def __init__(self, model: DenseModel, a: int, b: int, opts: ScoreOptions, chunk: int | None = None):
-        s = model.shape
+    def __init__(self, s: ModelShape, w_src: torch.Tensor, tgt: Layer, a: int, b: int, opts: ScoreOptions,
+                 chunk: int | None = None):
+        """w_src: module a's output weight (o_proj or down_proj, [D, cols]); tgt: module b's layer."""
         self.shape, self.opts, self.a, self.b = s, opts, a, b
         self.heads, self.to_ffn = a % 2 == 0, b % 2 == 1
-        src, tgt = model.layers[a // 2], model.layers[b // 2]
-        self.w_src = src.o_w if self.heads else src.down  # [D, cols]
+        self.w_src = w_src
         gamma = tgt.ln2 if self.to_ffn else tgt.ln1
         w_tgt = torch.cat([tgt.gate, tgt.up]) if self.to_ffn else tgt.qkv_w.reshape(-1, s.hidden)  # [rows, D]
         gw_src = gamma[:, None] * self.w_src  # [D, cols] diag(γ) W_src
@@ -280,56 +282,78 @@ class EdgeScorer:
         return s.clamp_min(0).cpu().numpy()
 
 
+def output_weight(layer: Layer, module: int) -> torch.Tensor:
+    """The weight through which module's units write to the residual: o_proj or down_proj, [D, cols]."""
+    return layer.o_w if module % 2 == 0 else layer.down
+
+
 @torch.no_grad()
 def compute_affinity(model: DenseModel, blocks: torch.Tensor, delay: float = 1, opts: ScoreOptions = ScoreOptions(),
-                     micro_batch: int = 4, chunk: int | None = None,
-                     progress: bool = False) -> dict[tuple[int, int], np.ndarray]:
+                     micro_batch: int = 4, chunk: int | None = None, progress: bool = False,
+                     hidden: HiddenStates | None = None) -> dict[tuple[int, int], np.ndarray]:
     """All edges of `delay` over token blocks [B, T]: {(a, b): S_ab float64 [units(a), units(b)]}.
 
-    Layer by layer over all blocks: the residual stream of every calibration token is kept
-    ([B, T, D]), plus the source outputs (o or act) of the modules a later edge still needs;
-    micro_batch sequences go through a module at once, `chunk` caps the tokens per score chunk.
+    Module by module over all blocks, each layer's weights asked for only while its modules run
+    (a `StreamedDense` model then holds one layer at a time): kept are the residual stream of
+    every calibration token ([B, T, D]) and, for each module a that a later edge still needs, its
+    outputs (o or act) and its output weight. `hidden` holds those [B, ...] arrays (default: all
+    in memory); micro_batch sequences go through a module at once, `chunk` caps the tokens per
+    score chunk. The result does not depend on the model class or on where `hidden` keeps them.
     """
     from tqdm import tqdm
 
     s = model.shape
     M = s.modules
+    hidden = HiddenStates() if hidden is None else hidden
     edges = edges_for_delay(M, delay)
     into: dict[int, list[int]] = {b: [a for a, bb in edges if bb == b] for b in range(M)}
     last_use = {a: max(bb for aa, bb in edges if aa == a) for a, _ in edges}
     blocks = blocks.to(model.device)
     B, T = blocks.shape
-    x_all = model.embed(blocks).clone()  # [B, T, D]
-    sources: dict[int, torch.Tensor] = {}  # a -> [B, T, H, hd] or [B, T, N]
-    out: dict[tuple[int, int], np.ndarray] = {}
     steps = range(0, B, micro_batch)
+    ids, where = torch.unique(blocks, return_inverse=True)  # the streamed model reads only these rows
+    table = model.embed(ids)  # [U, D]
+    x_all = hidden.new((B, T, s.hidden), table.dtype, table.device)
+    sources: dict[int, tuple[torch.Tensor, MemoryArray | DiskArray]] = {}  # a -> (W_o | W_down, o | act)
+    out: dict[tuple[int, int], np.ndarray] = {}
     bar = tqdm(total=M * len(steps), desc="affinity", unit="step", disable=not progress)
-    for b in range(M):
-        scorers = {a: EdgeScorer(model, a, b, opts, chunk) for a in into[b]}
-        keep = None
+    try:
         for b0 in steps:
-            x = x_all[b0:b0 + micro_batch]  # view; updated after the scores
-            if b % 2 == 0:
-                r = model.attention(b // 2, x)
-                w = r.qkv * r.rho[..., None] if into[b] and opts.mode != "first_order" else None
-                src, tgt = r.o, Target(x, r.rho, w=w)
-            else:
-                r = model.ffn(b // 2, x)
-                src, tgt = r.act, Target(x, r.rho, r.gate, r.up, r.act)
-            flat = Target(*(None if v is None else v.flatten(0, 1) for v in
-                            (tgt.x, tgt.rho, tgt.g, tgt.u, tgt.act, tgt.w)))
+            x_all.write(b0, table[where[b0:b0 + micro_batch]])
+        del table
+        for b in range(M):
+            layer = model.layers[b // 2]
+            scorers = {a: EdgeScorer(s, sources[a][0], layer, a, b, opts, chunk) for a in into[b]}
+            keep = None
+            for b0 in steps:
+                x = x_all.read(b0, b0 + micro_batch)  # a view in memory; updated after the scores
+                if b % 2 == 0:
+                    r = model.attention(b // 2, x)
+                    w = r.qkv * r.rho[..., None] if into[b] and opts.mode != "first_order" else None
+                    src, tgt = r.o, Target(x, r.rho, w=w)
+                else:
+                    r = model.ffn(b // 2, x)
+                    src, tgt = r.act, Target(x, r.rho, r.gate, r.up, r.act)
+                flat = Target(*(None if v is None else v.flatten(0, 1) for v in
+                                (tgt.x, tgt.rho, tgt.g, tgt.u, tgt.act, tgt.w)))
+                for a, scorer in scorers.items():
+                    scorer.add(sources[a][1].read(b0, b0 + micro_batch).flatten(0, 1), flat)
+                if b in last_use:
+                    keep = hidden.new((B,) + src.shape[1:], src.dtype, src.device) if keep is None else keep
+                    keep.write(b0, src)
+                x += r.out
+                x_all.write(b0, x)
+                bar.update()
             for a, scorer in scorers.items():
-                scorer.add(sources[a][b0:b0 + micro_batch].flatten(0, 1), flat)
-            if b in last_use:
-                keep = src.new_empty((B,) + src.shape[1:]) if keep is None else keep
-                keep[b0:b0 + micro_batch] = src
-            x += r.out
-            bar.update()
-        for a, scorer in scorers.items():
-            out[(a, b)] = scorer.result()
-        if keep is not None:
-            sources[b] = keep
-        for a in [a for a in sources if last_use[a] <= b]:
-            del sources[a]
-    bar.close()
+                out[(a, b)] = scorer.result()
+            if keep is not None:
+                sources[b] = (output_weight(layer, b), keep)
+            del scorers, layer, r, src, tgt, flat, x  # freed before the next layer is read
+            for a in [a for a in sources if last_use[a] <= b]:
+                hidden.free(sources.pop(a)[1])
+    finally:
+        for _, arr in sources.values():
+            hidden.free(arr)
+        hidden.free(x_all)
+        bar.close()
     return out

@@ -93,14 +93,15 @@ class TensorFiles:
     def keys(self) -> list[str]:
         return list(self.alias)
 
-    def get(self, name: str) -> torch.Tensor:
-        """Tensor `name` (canonical HF name)."""
+    def get(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """Tensor `name` (canonical HF name), or only its `rows` (a slice of dim 0: the streamed
+        calibration reads the embedding in blocks without holding all of it)."""
         from safetensors import SafetensorError, safe_open
 
         key = self.alias[name]
         try:
             with safe_open(str(self.where[key]), framework="pt") as st:
-                return st.get_tensor(key)
+                return st.get_tensor(key) if rows is None else st.get_slice(key)[rows]
         except SafetensorError as e:
             raise UserError(f"{self.where[key]}: cannot read tensor {key} ({str(e).splitlines()[0]})") from None
 

@@ -12,11 +12,15 @@ FFN), but one module at a time and with the intermediates the affinity scores ar
 - `ffn(i, x)`: the module output, the neuron outputs act = silu(g)·u, the gate/up
   pre-activations g, u and ρ.
 
+`StreamedDense` is the same model over the checkpoint's files, one decoder layer held at a time
+(calibration of models bigger than memory).
+
 KV group g owns query heads g·r .. g·r+r-1 (transformers' repeat_kv order), so the o_proj columns
 and q rows of a group are contiguous. Weights are kept as [out, in] matrices like nn.Linear.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,39 +67,41 @@ class Layer:
     down: torch.Tensor  # [D, N]
 
 
+def load_layer(get: Callable[[str], torch.Tensor], s: ModelShape, i: int) -> Layer:
+    """Decoder layer i from `get(HF tensor name)` (already in the compute dtype and device)."""
+    r, hd, g = s.heads_per_group, s.head_dim, s.kv_groups
+    p = f"model.layers.{i}."
+    qkv_w = torch.cat([get(p + "self_attn.q_proj.weight").view(g, r * hd, s.hidden),
+                       get(p + "self_attn.k_proj.weight").view(g, hd, s.hidden),
+                       get(p + "self_attn.v_proj.weight").view(g, hd, s.hidden)], dim=1)
+    qkv_b = None
+    if s.qkv_bias:
+        qkv_b = torch.cat([get(p + "self_attn.q_proj.bias").view(g, r * hd),
+                           get(p + "self_attn.k_proj.bias").view(g, hd),
+                           get(p + "self_attn.v_proj.bias").view(g, hd)], dim=1)
+    return Layer(
+        ln1=get(p + "input_layernorm.weight"), qkv_w=qkv_w.contiguous(), qkv_b=qkv_b,
+        q_norm=get(p + "self_attn.q_norm.weight") if s.qk_norm else None,
+        k_norm=get(p + "self_attn.k_norm.weight") if s.qk_norm else None,
+        o_w=get(p + "self_attn.o_proj.weight"), ln2=get(p + "post_attention_layernorm.weight"),
+        gate=get(p + "mlp.gate_proj.weight"), up=get(p + "mlp.up_proj.weight"),
+        down=get(p + "mlp.down_proj.weight"))
+
+
 class DenseModel:
     """The dense forward pass, module by module (module 2i: attention i, 2i+1: FFN i)."""
 
     def __init__(self, shape: ModelShape, hf_config: Any, state_dict: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         self.shape, self.dtype, self.device = shape, dtype, torch.device(device)
-        s = shape
 
         def get(name: str) -> torch.Tensor:
             return state_dict[name].to(device=self.device, dtype=dtype)
 
         self.embed_w = get("model.embed_tokens.weight")  # [V, D]
         self.norm_w = get("model.norm.weight")
-        self.lm_head = self.embed_w if s.tied else get("lm_head.weight")
-        r, hd, g = s.heads_per_group, s.head_dim, s.kv_groups
-        self.layers: list[Layer] = []
-        for i in range(s.layers):
-            p = f"model.layers.{i}."
-            qkv_w = torch.cat([get(p + "self_attn.q_proj.weight").view(g, r * hd, s.hidden),
-                               get(p + "self_attn.k_proj.weight").view(g, hd, s.hidden),
-                               get(p + "self_attn.v_proj.weight").view(g, hd, s.hidden)], dim=1)
-            qkv_b = None
-            if s.qkv_bias:
-                qkv_b = torch.cat([get(p + "self_attn.q_proj.bias").view(g, r * hd),
-                                   get(p + "self_attn.k_proj.bias").view(g, hd),
-                                   get(p + "self_attn.v_proj.bias").view(g, hd)], dim=1)
-            self.layers.append(Layer(
-                ln1=get(p + "input_layernorm.weight"), qkv_w=qkv_w.contiguous(), qkv_b=qkv_b,
-                q_norm=get(p + "self_attn.q_norm.weight") if s.qk_norm else None,
-                k_norm=get(p + "self_attn.k_norm.weight") if s.qk_norm else None,
-                o_w=get(p + "self_attn.o_proj.weight"), ln2=get(p + "post_attention_layernorm.weight"),
-                gate=get(p + "mlp.gate_proj.weight"), up=get(p + "mlp.up_proj.weight"),
-                down=get(p + "mlp.down_proj.weight")))
+        self.lm_head = self.embed_w if shape.tied else get("lm_head.weight")
+        self.layers: Sequence[Layer] = [load_layer(get, shape, i) for i in range(shape.layers)]
         self.rotary = rotary_for(hf_config).to(self.device)
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -171,3 +177,63 @@ class DenseModel:
             x = x + self.attention(i, x).out
             x = x + self.ffn(i, x).out
         return self.logits(x)
+
+
+EMBED_BLOCK_BYTES = 64 << 20  # embedding rows read at once by StreamedDense
+
+
+class _LayerWindow(Sequence[Layer]):
+    """`layers` of a StreamedDense: layer i is read when asked for, replacing the one held before."""
+
+    def __init__(self, model: "StreamedDense"):
+        self.model, self.index, self.layer = model, -1, None
+
+    def __len__(self) -> int:
+        return self.model.shape.layers
+
+    def __getitem__(self, i):  # type: ignore[override]
+        i = range(len(self))[i]
+        if i != self.index:
+            self.index, self.layer = -1, None  # free the old layer before the new one is read
+            self.layer, self.index = load_layer(self.model.read, self.model.shape, i), i
+        return self.layer
+
+
+class StreamedDense(DenseModel):
+    """The same model read from the checkpoint's files as it goes, holding one decoder layer at a time.
+
+    A pass that visits the layers in order (as calibration does) reads each layer once and holds
+    only it, whatever the model's size. The embedding is read in row blocks keeping only the rows
+    asked for; the final norm and LM head are read only when logits are asked for. The values are
+    the DenseModel's bit for bit: the same tensors, converted the same way.
+    """
+
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.shape, self.dtype, self.device = ckpt.shape, dtype, torch.device(device)
+        self.ckpt = ckpt
+        self.layers = _LayerWindow(self)
+        self.rotary = rotary_for(ckpt.hf_config).to(self.device)
+        self._rope = {}
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        return self.ckpt.files.get(name, rows).to(device=self.device, dtype=self.dtype)
+
+    @property
+    def norm_w(self) -> torch.Tensor:  # type: ignore[override]
+        return self.read("model.norm.weight")
+
+    @property
+    def lm_head(self) -> torch.Tensor:  # type: ignore[override]
+        return self.read("model.embed_tokens.weight" if self.shape.tied else "lm_head.weight")
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.to(self.device)
+        V, D = self.shape.vocab, self.shape.hidden
+        out = torch.empty(ids.shape + (D,), dtype=self.dtype, device=self.device)
+        step = max(1, EMBED_BLOCK_BYTES // (4 * D))
+        for r0 in range(0, V, step):
+            hit = (ids >= r0) & (ids < r0 + step)
+            if bool(hit.any()):  # the rows picked before the conversion: only those are copied
+                block = self.ckpt.files.get("model.embed_tokens.weight", slice(r0, min(V, r0 + step)))
+                out[hit] = block[(ids[hit] - r0).cpu()].to(device=self.device, dtype=self.dtype)
+        return out
