@@ -104,8 +104,9 @@ def _worker(arm: str, ckpt: Path, a: argparse.Namespace, out: Path) -> None:
         if s:
             times.append(time.perf_counter() - t)
         losses.append(float(sums[0]))
+    own = fsdp.local_bytes(student.parameters())
     both = fsdp.local_bytes([*student.parameters(), *teacher.parameters()])
-    result = {"student": fsdp.local_bytes(student.parameters()), "teacher": both - fsdp.local_bytes(student.parameters()),
+    result = {"student": own, "teacher": both - own,
               "grads": fsdp.local_bytes(p.grad for _, p in named if p.grad is not None),
               "optimizer": fsdp.local_bytes(fsdp.optimizer_tensors(opt)), "setup_rss": setup_rss,
               "load_peak": load_peak, "train_peak": _rss("VmHWM"), "step_s": statistics.median(times),

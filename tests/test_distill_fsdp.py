@@ -11,6 +11,7 @@ from dtpshard.cli import main
 from dtpshard.core.launch import launch_local, root_cause
 from dtpshard.model.dtp import DTPModel
 from dtpshard.training.evaluate import evaluate
+from dtpshard.training.recipe import FROZEN
 from test_distill_ddp import assert_same_curves, ddp_args, setup, single  # noqa: F401 - fixtures
 from test_distill import rows_without_wall
 
@@ -96,7 +97,8 @@ def _shard_sizes(teacher, out):
     opt.step()
     sizes = {"student": fsdp.local_bytes(s_net.parameters()), "teacher": fsdp.local_bytes(t_net.parameters()),
              "trained": fsdp.local_bytes(p for _, p in named),
-             "grads": fsdp.local_bytes(p.grad for _, p in named), "optimizer": fsdp.local_bytes(fsdp.optimizer_tensors(opt)), "eval": scores}
+             "grads": fsdp.local_bytes(p.grad for _, p in named),
+             "optimizer": fsdp.local_bytes(fsdp.optimizer_tensors(opt)), "eval": scores}
     (out / f"rank{rank}.json").write_text(json.dumps(sizes))
     dist.destroy_process_group()
 
@@ -106,7 +108,7 @@ def test_each_rank_holds_half_the_state_and_evaluates_in_lockstep(setup, tmp_pat
     assert [e.code for e in exits] == [0, 0], root_cause(exits)
     model = DTPModel.from_pretrained(setup["model"], 2, 1)
     full = sum(p.nbytes for p in model.parameters())
-    trained = sum(p.nbytes for n, p in model.named_parameters() if n not in ("model.embed_tokens.weight", "lm_head.weight"))
+    trained = sum(p.nbytes for n, p in model.named_parameters() if n not in FROZEN)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in ranks:
         # dim-0 shards: each rank holds ceil(rows / 2) rows of each tensor at most

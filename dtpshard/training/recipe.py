@@ -81,7 +81,7 @@ class DistillConfig:
         checkpoint_every: write a checkpoint every this many steps
         checkpoint_minutes: and whenever this many minutes passed since the last one
         nproc: data-parallel processes to spawn on this machine (gloo on CPU, NCCL on GPUs); 1: this one
-        fsdp: shard the student's weights, gradients and optimizer state and the teacher's weights across the processes (FSDP2; one process: nothing to shard)
+        fsdp: shard the student (weights, gradients, optimizer state) and the teacher across the processes (FSDP2)
         timeout: seconds a process waits for the others before the run fails
         progress: show a progress bar with ETA
         tensorboard: also write the metrics as TensorBoard events to this directory (metrics.jsonl stays the record)
@@ -151,7 +151,8 @@ def check_config(cfg: DistillConfig) -> None:
     if cfg.stage3 not in ("sqrt", "one"):
         raise UserError(f"--stage3 {cfg.stage3!r}: must be sqrt or one")
     if cfg.fsdp and cfg.compile:
-        raise UserError("--compile with --fsdp: not supported (torch.compile over FSDP2 modules is untested here); drop one")
+        raise UserError("--compile with --fsdp: not supported (torch.compile over FSDP2 modules is untested); "
+                        "drop one")
 
 
 def lr_factor(i: int, steps: int, warmup: int, min_ratio: float) -> float:
