@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dtpshard.training.distill import FROZEN, DistillConfig, Student
+from dtpshard.training.recipe import FROZEN, DistillConfig, Student, Teacher
 from dtpshard.training.loop import accumulate
 from dtpshard.training.evaluate import autocast_for
 from dtpshard.training.losses import kl_ce_sums
@@ -98,7 +98,7 @@ def main() -> None:
     opt_hf, p_hf = optimizer(hf, frozen)
     opt_dense, p_dense = optimizer(dense, frozen)
     opt_st, p_st = optimizer(student, frozen)
-    net = Student(student)
+    net, teacher_net = Student(student), Teacher(teacher)
 
     def hf_step():
         opt_hf.zero_grad(set_to_none=True)
@@ -122,7 +122,7 @@ def main() -> None:
 
     def distill_step():
         opt_st.zero_grad(set_to_none=True)
-        accumulate(net, None, student, teacher, batches, cfg, dev)
+        accumulate(net, None, teacher_net, batches, cfg, dev)
         torch.nn.utils.clip_grad_norm_(p_st, 1.0)
         opt_st.step()
 

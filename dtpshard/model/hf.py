@@ -157,8 +157,10 @@ class PretrainedMixin:
         """What a student records (config.json's `dtp` block and dtp.json): the settings it runs with."""
         return {**self.dtp_settings(), "layout_sha256": self.layout_sha256}
 
-    def save_pretrained(self, out_dir: Path, source: Path | None = None) -> None:
-        """Write weights, HF config (with the `dtp` block), tokenizer files (copied from `source`) and dtp.json."""
+    def save_pretrained(self, out_dir: Path, source: Path | None = None,
+                        state_dict: dict[str, Any] | None = None) -> None:
+        """Write weights (state_dict, default this model's own: a sharded model passes its gathered
+        one), HF config (with the `dtp` block), tokenizer files (copied from `source`) and dtp.json."""
         import copy
 
         from dtpshard.model.checkpoint import save_checkpoint
@@ -166,5 +168,6 @@ class PretrainedMixin:
         config = copy.deepcopy(self.hf_config)  # the teacher may share this object
         setattr(config, DTP_KEY, self.dtp_block())
         config.dtype = self.dtype  # what dtype="auto" will load: the weights as saved
-        save_checkpoint(Path(out_dir), config, self.state_dict(), source or getattr(self, "source_path", None),
+        sd = self.state_dict() if state_dict is None else state_dict
+        save_checkpoint(Path(out_dir), config, sd, source or getattr(self, "source_path", None),
                         extra_json={DTP_JSON: self.dtp_block()})

@@ -9,11 +9,11 @@ import os
 from pathlib import Path
 
 from dtpshard.core.errors import UserError
-from dtpshard.training.recipe import (FROZEN, OPERATIONAL, DistillConfig, Student, check_config,  # noqa: F401
-                                      lr_factor, resolve, train_blocks_for)
+from dtpshard.training.recipe import (FROZEN, OPERATIONAL, DistillConfig, Student, Teacher,  # noqa: F401
+                                      check_config, lr_factor, resolve, train_blocks_for)
 
 __all__ = ["DistillConfig", "distill", "distill_cmd", "check_config", "lr_factor", "resolve", "train_blocks_for",
-           "FROZEN", "OPERATIONAL", "Student"]
+           "FROZEN", "OPERATIONAL", "Student", "Teacher"]
 
 
 def _rank(cfg: DistillConfig) -> int:
@@ -49,7 +49,9 @@ def distill_cmd(teacher: Path, cfg: DistillConfig, *, json: bool = False) -> int
     """Distil the DTP student of TEACHER (L devices, delay δ, permuted by --layout) into the run
     directory --out: config.json, metrics.jsonl, checkpoints, final/ (the student) and DONE.
     Rerunning the same command on an interrupted run resumes it. Data-parallel: --nproc K, or
-    `torchrun --nproc-per-node K -m dtpshard distill ...` (global batch = micro × accum × K).
+    `torchrun --nproc-per-node K -m dtpshard distill ...` (global batch = micro × accum × K); with
+    --fsdp the processes share out the weights, gradients and optimizer state instead of each
+    holding all of them.
 
     Args:
         teacher: the dense Hugging Face checkpoint directory

@@ -1,4 +1,5 @@
-"""The distillation loop: one process, or one rank of a data-parallel group (distill_ddp.Dist).
+"""The distillation loop: one process, or one rank of a data-parallel group (ddp.Dist), its
+model replicated (DDP) or sharded (--fsdp, fsdp.py).
 
 Order of work per optimizer step k (1-based): train row → eval row (every eval_every steps and
 at the end) → checkpoint (every checkpoint_every steps, every checkpoint_minutes, and at the
@@ -7,7 +8,8 @@ end). A checkpoint therefore covers every metrics row written before it.
 Global data order: step s takes training blocks [s·G, (s+1)·G), G = micro × accum × ranks;
 micro-batch a of rank r is rows s·G + (a·ranks + r)·micro ... + micro. Each micro-batch's summed
 loss is divided by micro × accum × seq_len, and DDP averages over ranks, so the gradient is the
-mean over the global batch whatever the split.
+mean over the global batch whatever the split. Sharded, each micro-batch's gradients are
+reduce-scattered as soon as its backward ends, so no rank ever holds a whole gradient.
 """
 from __future__ import annotations
 
@@ -21,13 +23,12 @@ from typing import Any
 
 import torch
 
-from dtpshard.training import rundir
-from dtpshard.training.recipe import (DistillConfig, Student, build_models, compared_keys, lr_factor, resolve, rng_state,
-                      run_config, set_rng_state, train_blocks_for)
+from dtpshard.training import fsdp, rundir
+from dtpshard.training.recipe import (DistillConfig, build_models, compared_keys, lr_factor, resolve, rng_state,
+                                      run_config, set_rng_state, train_blocks_for)
 from dtpshard.training.ddp import Dist
 from dtpshard.core.errors import UserError
-from dtpshard.training.evaluate import autocast_for, eval_blocks_for, eval_sums, summarise
-from dtpshard.training.losses import kl_ce_sums
+from dtpshard.training.evaluate import autocast_for, eval_blocks_for, summarise
 
 
 def _optimizer(cfg: DistillConfig, student: torch.nn.Module):
@@ -41,30 +42,51 @@ def _optimizer(cfg: DistillConfig, student: torch.nn.Module):
     return named, opt, sched
 
 
-def accumulate(net, ddp, student, teacher, batches: list[torch.Tensor], cfg: DistillConfig,
-               device: str) -> torch.Tensor:
+def accumulate(net, ddp, teacher, batches: list[torch.Tensor], cfg: DistillConfig, device: str) -> torch.Tensor:
     """Forward/backward of this rank's micro-batches [micro, seq_len + 1] of one optimizer step
-    (gradients accumulate; DDP reduces after the last one). Returns [loss, kl, ce] sums (float64,
-    on the device: no host sync per micro-batch)."""
+    (net: a distill.Student, teacher: a distill.Teacher; gradients accumulate, DDP reduces after
+    the last one). Returns [loss, kl, ce] sums (float64, on the device: no host sync per
+    micro-batch)."""
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     for a, b in enumerate(batches):
         b = b.to(device)
         ids, tgt = b[:, :-1], b[:, 1:]
         with torch.no_grad(), autocast_for(device, cfg.autocast):
-            h_t = teacher.hidden(ids)
+            h_t = teacher(ids)
         sync = ddp.no_sync() if ddp is not None and a < len(batches) - 1 else nullcontext()
         with sync:
             with autocast_for(device, cfg.autocast):
-                loss, kl, ce = kl_ce_sums(net(ids), student.lm_head_weight, h_t, teacher.lm_head_weight, tgt,
-                                          cfg.ce_weight)
+                loss, kl, ce = net(ids, h_t, tgt, cfg.ce_weight)
             (loss / (cfg.micro_batch * cfg.grad_accum * cfg.seq_len)).backward()
         sums += torch.stack([loss.detach(), kl, ce]).double()
     return sums
 
 
-def _evaluate(student, teacher, ev: torch.Tensor, cfg: DistillConfig, d: Dist) -> dict[str, Any]:
-    """Each rank scores every world-th block; the sums are added across ranks."""
-    sums = eval_sums(student, teacher, ev[d.rank::d.world], cfg.eval_micro_batch or cfg.micro_batch, cfg.autocast)
+@torch.no_grad()
+def _evaluate(student, teacher, ev: torch.Tensor, cfg: DistillConfig, d: Dist, lockstep: bool) -> dict[str, Any]:
+    """Each rank scores every world-th block; the sums are added across ranks. lockstep (sharded):
+    every forward is a collective, so each rank makes as many as the busiest rank, scoring a
+    repeated block it does not count when it runs out."""
+    mb = cfg.eval_micro_batch or cfg.micro_batch
+    mine = ev[d.rank::d.world]
+    calls = math.ceil(math.ceil(ev.shape[0] / d.world) / mb) if lockstep else math.ceil(mine.shape[0] / mb)
+    sums = torch.zeros(3, dtype=torch.float64)
+    was = student.training
+    student.eval()
+    try:
+        for c in range(calls):
+            b = mine[c * mb:(c + 1) * mb]
+            counted = b.shape[0] > 0
+            b = (b if counted else ev[:1]).to(d.device)
+            ids, tgt = b[:, :-1], b[:, 1:]
+            with autocast_for(d.device, cfg.autocast):
+                _, kl, ce = student(ids, teacher(ids), tgt, 0.0)
+            if counted:
+                sums += torch.tensor([kl.item(), ce.item(), tgt.numel()], dtype=torch.float64)
+    finally:
+        student.train(was)
+        if lockstep:  # FSDP keeps a root's weights gathered after forward (for the backward, none here):
+            student.reshard()  # free them, and give named_parameters() the sharded ones back
     return summarise(d.sum(sums), True)
 
 
@@ -73,19 +95,27 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
 
     cfg = resolve(cfg)
     run = Path(cfg.out)
-    teacher, student, layout = build_models(cfg, d.device)
+    sharded = cfg.fsdp and d.world > 1  # one process holds everything whatever the flag
+    if sharded:
+        mesh = fsdp.mesh_for(d.device, d.world)
+        teacher, net0, layout = build_models(cfg, d.device, lambda net, frozen: fsdp.shard(net, mesh, frozen))
+    else:
+        teacher, net0, layout = build_models(cfg, d.device)
+    student = net0.model
     tok = load_tokenizer(cfg.tokenizer or cfg.teacher)
     train_data, train_src = train_blocks_for(cfg, d.world, tok)
     ev, eval_src = eval_blocks_for(cfg.teacher, cfg.eval_text, cfg.eval_dataset, cfg.eval_blocks, cfg.seq_len, tok,
                                    cfg.text_field)
     config = run_config(cfg, student.shape, layout, d.world, d.device, train_data, train_src, ev, eval_src)
-    resuming = rundir.check_run(run, config, compared_keys(), cfg.force)  # every rank refuses alike
+    # every rank refuses alike; runs from before --fsdp existed were not sharded
+    resuming = rundir.check_run(run, config, compared_keys(), cfg.force, added={"fsdp": False})
     d.barrier()
     if d.main:
         if not resuming:
             rundir.start_over(run)
             rundir.write_config(run, config)
         rundir.clean_temporaries(run)
+        fsdp.clean(run)
     d.barrier()
     if rundir.is_done(run):
         if d.main:
@@ -94,16 +124,20 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
         return run
 
     named, opt, sched = _optimizer(cfg, student)
-    state = rundir.load_checkpoint(run)
+    if sharded:
+        state = fsdp.load(run, net0, opt)  # the shards in place; `state` holds the rest
+    else:
+        state = rundir.load_checkpoint(run)
+        if state is not None:
+            missing = [n for n, _ in named if n not in state["student"]]
+            if missing:
+                raise UserError(f"{run / rundir.CHECKPOINT}: has no tensor {missing[0]!r}; use --force to start over")
+            with torch.no_grad():
+                for n, p in named:
+                    p.copy_(state["student"][n])
+            opt.load_state_dict(state["optimizer"])
     start, wall0 = 0, 0.0
     if state is not None:
-        missing = [n for n, _ in named if n not in state["student"]]
-        if missing:
-            raise UserError(f"{run / rundir.CHECKPOINT}: has no tensor {missing[0]!r}; use --force to start over")
-        with torch.no_grad():
-            for n, p in named:
-                p.copy_(state["student"][n])
-        opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         start, wall0 = state["step"], state["wall"]
@@ -115,12 +149,12 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
     d.barrier()
 
     student.gradient_checkpointing = cfg.grad_checkpointing
-    net: torch.nn.Module = Student(student)
+    net: torch.nn.Module = net0
     ddp = None
-    if d.world > 1:
+    if d.world > 1 and not sharded:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        net = ddp = DDP(net, device_ids=[d.local_rank] if d.device.startswith("cuda") else None)
+        net = ddp = DDP(net0, device_ids=[d.local_rank] if d.device.startswith("cuda") else None)
     if cfg.compile:
         net = torch.compile(net)
     t0 = time.perf_counter()
@@ -128,7 +162,7 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
     G, T = cfg.micro_batch * cfg.grad_accum * d.world, cfg.seq_len
 
     def eval_row(step: int) -> dict[str, Any]:
-        r = _evaluate(student, teacher, ev, cfg, d)
+        r = _evaluate(net0, teacher, ev, cfg, d, sharded)
         return {"kind": "eval", "step": step, "tokens": step * G * T, "eval_kl": r["kl"], "eval_ppl": r["ppl"],
                 "wall": wall()}
 
@@ -142,9 +176,9 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
         lr = sched.get_last_lr()[0]
         opt.zero_grad(set_to_none=True)
         rows = [step * G + (a * d.world + d.rank) * cfg.micro_batch for a in range(cfg.grad_accum)]
-        sums = accumulate(net, ddp, student, teacher, [train_data[r:r + cfg.micro_batch] for r in rows], cfg, d.device)
+        sums = accumulate(net, ddp, teacher, [train_data[r:r + cfg.micro_batch] for r in rows], cfg, d.device)
         params = [p for _, p in named]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf))
+        grad_norm = fsdp.full_norm(torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf))
         opt.step()
         sched.step()
         sums = d.sum(sums) / (G * T)
@@ -162,16 +196,22 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
             bar.set_postfix_str(f"kl {row['kl']:.4f} ce {row['ce']:.3f} lr {lr:.2e}")
         bar.update(1)
         due = done % cfg.checkpoint_every == 0 or time.perf_counter() - last_ckpt > 60 * cfg.checkpoint_minutes
-        if d.main and (due or done == cfg.steps):
-            state = {"step": done, "wall": wall(), "metrics_bytes": metrics.size(), "rng": rng_state(),
-                     "student": {n: p.detach() for n, p in named}, "optimizer": opt.state_dict(),
+        if sharded:  # saving is collective: rank 0's clock decides for all
+            due = bool(d.sum(torch.tensor([float(due and d.main)]))[0] > 0)
+        if due or done == cfg.steps:
+            extra = {"step": done, "wall": wall(), "metrics_bytes": metrics.size(), "rng": rng_state(),
                      "scheduler": sched.state_dict(), "config": config}
-            rundir.save_checkpoint(run, state)
+            if sharded:
+                fsdp.save(run, done, net0, opt, extra, d.main, d.barrier)
+            elif d.main:
+                extra.update({"student": {n: p.detach() for n, p in named}, "optimizer": opt.state_dict()})
+                rundir.save_checkpoint(run, extra)
             last_ckpt = time.perf_counter()
     bar.close()
     metrics.close()
+    full = fsdp.gather(net0) if sharded else None  # collective
     if d.main:
-        _finish(run, student, cfg, config)
+        _finish(run, student, cfg, config, full)
     d.barrier()
     return run
 
@@ -187,12 +227,14 @@ def _progress(cfg: DistillConfig, d: Dist, start: int):
                 disable=not (cfg.progress and d.main))
 
 
-def _finish(run: Path, student: torch.nn.Module, cfg: DistillConfig, config: dict[str, Any]) -> None:
-    """final/ (atomically), then DONE, then drop the checkpoint: a kill anywhere here is resumable."""
+def _finish(run: Path, student: torch.nn.Module, cfg: DistillConfig, config: dict[str, Any],
+            state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """final/ (atomically), then DONE, then drop the checkpoint: a kill anywhere here is resumable.
+    state_dict: the gathered weights of a sharded student."""
     from dtpshard.core.io import atomic_dir
 
     with atomic_dir(run / rundir.FINAL, force=True) as tmp:
-        student.save_pretrained(tmp, source=Path(cfg.tokenizer or cfg.teacher))
+        student.save_pretrained(tmp, source=Path(cfg.tokenizer or cfg.teacher), state_dict=state_dict)
         provenance = {k: config[k] for k in ("teacher", "layout", "layout_kind", "layout_sha256", "steps", "seed",
                                               "train_data", "eval_data")}
         (tmp / "distill.json").write_text(json.dumps(provenance, indent=1) + "\n")

@@ -8,8 +8,9 @@ processes blocks of seq_len + 1 tokens; the data order is a pure function of the
 is resumable from (weights, optimizer, scheduler, RNG, step) alone.
 
 This file: the recipe (DistillConfig), the models and data of a run and what config.json
-records. The loop is in loop.py, the run directory in rundir.py, the process group in ddp.py, and
-`distill` (one process, torchrun or --nproc) with the command in distill.py.
+records. The loop is in loop.py, the run directory in rundir.py, the process group in ddp.py,
+sharding (--fsdp) in fsdp.py, and `distill` (one process, torchrun or --nproc) with the command
+in distill.py.
 """
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ class DistillConfig:
         checkpoint_every: write a checkpoint every this many steps
         checkpoint_minutes: and whenever this many minutes passed since the last one
         nproc: data-parallel processes to spawn on this machine (gloo on CPU, NCCL on GPUs); 1: this one
+        fsdp: shard the student (weights, gradients, optimizer state) and the teacher across the processes (FSDP2)
         timeout: seconds a process waits for the others before the run fails
         progress: show a progress bar with ETA
         tensorboard: also write the metrics as TensorBoard events to this directory (metrics.jsonl stays the record)
@@ -121,6 +123,7 @@ class DistillConfig:
     checkpoint_every: Count = 100
     checkpoint_minutes: PositiveNumber = 30.0
     nproc: Count = 1
+    fsdp: bool = False
     timeout: Seconds = 600.0
     progress: bool = True
     tensorboard: Path | None = None
@@ -147,6 +150,9 @@ def check_config(cfg: DistillConfig) -> None:
         raise UserError(f"--eval-micro-batch {cfg.eval_micro_batch}: must be at least 1")
     if cfg.stage3 not in ("sqrt", "one"):
         raise UserError(f"--stage3 {cfg.stage3!r}: must be sqrt or one")
+    if cfg.fsdp and cfg.compile:
+        raise UserError("--compile with --fsdp: not supported (torch.compile over FSDP2 modules is untested); "
+                        "drop one")
 
 
 def lr_factor(i: int, steps: int, warmup: int, min_ratio: float) -> float:
@@ -164,18 +170,37 @@ def _sha(data: bytes) -> str:
 
 # -- setup ---------------------------------------------------------------------------------------
 class Student(torch.nn.Module):
-    """The student as a module whose forward is the LM head's input, so DDP/compile wrap it."""
+    """The student and the loss as one module, so DDP/FSDP/compile wrap all of it; FSDP needs the
+    LM head used inside the root's forward, where its weight is gathered. The teacher's head is
+    the same frozen tensor (FROZEN: shared, never trained), so it serves both."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B, T] -> h [B, T, D]
+    def forward(self, ids: torch.Tensor, h_t: torch.Tensor | None, targets: torch.Tensor,
+                ce_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # -> (loss, kl, ce) sums
+        from dtpshard.training.losses import kl_ce_sums
+
+        w = self.model.lm_head_weight
+        return kl_ce_sums(self.model.hidden(ids), w, h_t, None if h_t is None else w, targets, ce_weight)
+
+
+class Teacher(torch.nn.Module):
+    """The frozen dense teacher's LM-head input, h [B, T, D], as a module's forward (FSDP's root)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.hidden(ids)
 
 
-def build_models(cfg: DistillConfig, device: str):
-    """(teacher dense, student DTP, layout or None); the frozen embedding/head tensors are shared."""
+def build_models(cfg: DistillConfig, device: str, shard: Any = None):
+    """(Teacher, Student, layout or None) on `device`. The frozen embedding/head tensors are shared;
+    with shard(net, frozen) (FSDP) the teacher is sharded before the student is built, and the
+    student takes the loaded tensors without a copy: one full model in memory at a time."""
     from dtpshard.model.checkpoint import open_checkpoint
     from dtpshard.core.layout import as_layout
     from dtpshard.model.dtp import DTPModel
@@ -184,13 +209,21 @@ def build_models(cfg: DistillConfig, device: str):
     layout = as_layout(cfg.layout)
     sd = ckpt.state_dict(torch.float32)
     teacher = DTPModel.from_state_dict(ckpt.hf_config, sd, devices=1, delay=0)
-    own = {k: v if k in FROZEN else v.clone() for k, v in sd.items()}
-    student = DTPModel.from_state_dict(ckpt.hf_config, own, cfg.devices, cfg.delay, cfg.stage3, layout)
-    student.source_path = Path(cfg.teacher)
     teacher.requires_grad_(False).eval()
+    teacher_net = Teacher(teacher.to(device))
+    if shard is not None:
+        shard(teacher_net, True)  # its shards are copies: sd's tensors are free for the student
+    own = {k: v if k in FROZEN or shard is not None else v.clone() for k, v in sd.items()}
+    del sd
+    student = DTPModel.from_state_dict(ckpt.hf_config, own, cfg.devices, cfg.delay, cfg.stage3, layout)
+    del own
+    student.source_path = Path(cfg.teacher)
     for name, p in student.named_parameters():
         p.requires_grad_(name not in FROZEN)
-    return teacher.to(device), student.to(device), layout
+    student_net = Student(student.to(device))
+    if shard is not None:
+        shard(student_net, False)
+    return teacher_net, student_net, layout
 
 
 def train_blocks_for(cfg: DistillConfig, world: int, tokenizer: Any) -> tuple[torch.Tensor, str]:

@@ -3,6 +3,7 @@
     RUN/config.json     the resolved configuration (written once; a rerun must match it)
     RUN/metrics.jsonl   one JSON object per line: {"kind": "train", ...} and {"kind": "eval", ...}
     RUN/checkpoint.pt   the last good checkpoint (one file, replaced atomically by rename)
+    RUN/checkpoint.dcp/ instead, with --fsdp: each rank's shards (fsdp.py)
     RUN/final/          the student (DTPModel.save_pretrained), written when training ends
     RUN/DONE            written last, atomically
 
@@ -26,9 +27,10 @@ from dtpshard.core.io import atomic_path, atomic_write_text
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 CHECKPOINT = "checkpoint.pt"
+SHARDED_CHECKPOINT = "checkpoint.dcp"
 FINAL = "final"
 DONE = "DONE"
-OWNED = (CONFIG, METRICS, CHECKPOINT, FINAL, DONE)
+OWNED = (CONFIG, METRICS, CHECKPOINT, SHARDED_CHECKPOINT, FINAL, DONE)
 
 
 def _show(v: Any) -> str:
@@ -49,8 +51,10 @@ def config_differences(old: dict[str, Any], new: dict[str, Any], keys: list[str]
     return out
 
 
-def check_run(run: Path, config: dict[str, Any], compared: list[str], force: bool) -> bool:
+def check_run(run: Path, config: dict[str, Any], compared: list[str], force: bool,
+              added: dict[str, Any] | None = None) -> bool:
     """Whether RUN already holds this run (resume); refuse a RUN of other settings unless force.
+    added: settings newer than some run directories, with the value those runs had implicitly.
 
     Read-only, so every rank of a data-parallel run can call it and fail the same way."""
     if run.exists() and not run.is_dir():
@@ -66,7 +70,7 @@ def check_run(run: Path, config: dict[str, Any], compared: list[str], force: boo
         if force:
             return False
         raise UserError(f"{run / CONFIG}: unreadable ({e}); use --force to start the run over") from None
-    diff = config_differences(old, config, compared)
+    diff = config_differences({**(added or {}), **old}, config, compared)
     if diff and not force:
         raise UserError(f"--out {run} was made with different settings: {'; '.join(diff)} "
                         "(use --force to start it over, or another --out)")
@@ -183,3 +187,4 @@ def load_checkpoint(run: Path) -> dict[str, Any] | None:
 
 def remove_checkpoint(run: Path) -> None:
     (run / CHECKPOINT).unlink(missing_ok=True)
+    shutil.rmtree(run / SHARDED_CHECKPOINT, ignore_errors=True)

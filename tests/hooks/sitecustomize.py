@@ -5,6 +5,7 @@ process dies like a SIGKILL (os._exit, no cleanup) at a named point:
 
   DTPSHARD_TEST_CRASH=step:K[@RANK]        right after optimizer step K (before its metrics row), exit 17
   DTPSHARD_TEST_CRASH=checkpoint:K[@RANK]  after checkpoint K is written to its temporary, before the rename
+                                           (--fsdp: rank 0 dies; the shards of every rank are written)
   DTPSHARD_TEST_KILL=RANK:M                that runtime rank dies at module M of its forward, exit 3
 """
 import importlib.abc
@@ -45,6 +46,17 @@ def _patch_rundir(mod):
     mod.save_checkpoint = save_checkpoint
 
 
+def _patch_fsdp(mod):
+    publish = mod.publish
+
+    def dying(run, tmp, final):
+        if _crash_wanted("checkpoint", int(final.name.split("-")[1])):
+            os._exit(17)  # every rank's shards written to the temporary directory, never renamed
+        return publish(run, tmp, final)
+
+    mod.publish = dying
+
+
 def _patch_ranks(mod):
     cls = mod.RankModel
 
@@ -60,7 +72,7 @@ def _patch_ranks(mod):
 
 
 PATCHES = {"dtpshard.training.loop": _patch_loop, "dtpshard.training.rundir": _patch_rundir,
-           "dtpshard.runtime.ranks": _patch_ranks}
+           "dtpshard.training.fsdp": _patch_fsdp, "dtpshard.runtime.ranks": _patch_ranks}
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -1,0 +1,185 @@
+"""Fully sharded distillation (`--fsdp`): the student's weights, gradients and AdamW state, and the
+frozen teacher's weights, split across the ranks with PyTorch's FSDP2 (`fully_shard`).
+
+Groups. One FSDP group per DTP module (each layer's attention, each layer's FFN) plus the root.
+The schedule runs a layer's two modules as two separate calls with the residual-stream updates
+in between, so a per-layer group would be all-gathered twice per forward (or kept whole across
+both); per module, every weight is gathered once in forward and once in backward, as per-layer
+FSDP does for a dense model. The modules' entry point is `partials`, not `forward`, hence
+`register_fsdp_forward_method`. The RMSNorm weights (D floats each), the embedding and the LM
+head stay in the root group: gathered when the root's forward starts, kept until backward ends.
+
+Teacher. Sharded the same way and forward only (under no_grad FSDP registers no backward hooks),
+its root resharded after every forward: it costs 1/K of its weights per rank plus one gathered
+module at a time, and one all-gather per module per micro-batch; streaming its layers from the
+safetensors files instead would re-read the whole checkpoint from disk every micro-batch. Its
+untied LM head is never used (the loss uses the student's, the same frozen tensor), so it has
+a group of its own that is never gathered.
+
+Frozen tensors (embedding, LM head) are sharded with requires_grad False: no gradient, no
+optimizer state. Parameters stay fp32 (no MixedPrecisionPolicy), so the numbers match DDP's.
+
+Checkpoint: RUN/checkpoint.dcp/ holds step directories written by `torch.distributed.checkpoint`
+(every rank writes its own shards) and LATEST naming the complete one: a step is written under a
+temporary name, renamed, then LATEST is replaced atomically, then older steps are removed, so a
+kill at any moment leaves one whole checkpoint. All ranks must see the same run directory (one
+machine, or a shared filesystem).
+
+Backends: gloo on CPU (tested); NCCL on CUDA (written, not tested here: this machine has no GPU).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from dtpshard.core.errors import UserError
+from dtpshard.training.rundir import SHARDED_CHECKPOINT as DIR
+
+LATEST = "LATEST"
+EXTRA = "run.pt"  # the scheduler, step, wall time, metrics length, RNG: small, written by rank 0
+
+
+def mesh_for(device: str, world: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(torch.device(device).type, (world,))
+
+
+def shard(net: nn.Module, mesh: Any, frozen: bool) -> None:
+    """fully_shard a Student/Teacher wrapper (net.model a DTPModel) in place: one group per DTP
+    module, the rest in the root. frozen: a forward-only model (the teacher)."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    # FSDP warns that a view returned by a module would lose its pre-backward hook to an in-place
+    # op; the schedule only ever adds partials out of place (x = x + p), so the warning is noise
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    model = net.model
+    for layer in model.model.layers:
+        for part in (layer.self_attn, layer.mlp):
+            fully_shard(part, mesh=mesh)
+            register_fsdp_forward_method(part, "partials")
+    if frozen and model.lm_head is not None:
+        fully_shard(model.lm_head, mesh=mesh)  # never called: stays sharded
+    # a forward-only root frees its gathered weights after each forward; the student's root keeps
+    # them for the backward that follows (FSDP's default for the root)
+    fully_shard(net, mesh=mesh, reshard_after_forward=True if frozen else None)
+
+
+def local_bytes(tensors: Any) -> int:
+    """Bytes this rank holds of these tensors (a DTensor's local shard), a tensor seen twice counted
+    once (the student and the teacher share the frozen tensors when not sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, int] = {}
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        seen[t.data_ptr()] = t.nbytes
+    return sum(seen.values())
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+def full_norm(t: torch.Tensor) -> float:
+    """clip_grad_norm_'s total norm: over DTensor gradients it is a DTensor reduced across ranks."""
+    from torch.distributed.tensor import DTensor
+
+    return float(t.full_tensor() if isinstance(t, DTensor) else t)
+
+
+# -- the sharded checkpoint --------------------------------------------------------------------------
+def _step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def latest(run: Path) -> Path | None:
+    p = run / DIR / LATEST
+    if not p.is_file():
+        return None
+    return run / DIR / p.read_text().strip()
+
+
+def clean(run: Path) -> None:
+    """Rank 0, before training: drop temporaries and every step directory LATEST does not name."""
+    root = run / DIR
+    if not root.is_dir():
+        return
+    keep = latest(run)
+    for p in root.iterdir():
+        if p.is_dir() and p != keep:
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.is_file() and p.name != LATEST:
+            p.unlink(missing_ok=True)
+
+
+def save(run: Path, step: int, net: nn.Module, opt: torch.optim.Optimizer, extra: dict[str, Any], main: bool,
+         barrier: Callable[[], None]) -> None:
+    """Collective: every rank writes its shards of the student and AdamW state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from dtpshard.core.io import atomic_path
+
+    root = run / DIR
+    final = root / _step_name(step)
+    tmp = root / f".{final.name}.tmp"
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    model_sd, optim_sd = get_state_dict(net, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)  # ends with a collective: all shards written
+    if main:
+        with atomic_path(tmp / EXTRA) as f:
+            torch.save(extra, f)
+        publish(run, tmp, final)
+    barrier()
+
+
+def publish(run: Path, tmp: Path, final: Path) -> None:
+    """Rank 0: the complete temporary step directory becomes the checkpoint."""
+    from dtpshard.core.io import atomic_write_text
+
+    before = latest(run)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    atomic_write_text(run / DIR / LATEST, final.name + "\n")
+    if before is not None and before != final:
+        shutil.rmtree(before, ignore_errors=True)
+
+
+def load(run: Path, net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """Collective: restore the student and AdamW state in place -> rank 0's extras, or None."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = latest(run)
+    if path is None:
+        return None
+    try:
+        extra = torch.load(path / EXTRA, map_location="cpu", weights_only=False)
+        model_sd, optim_sd = get_state_dict(net, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+    except Exception as e:  # noqa: BLE001 - a corrupt or foreign checkpoint fails in many ways
+        raise UserError(f"{path}: unreadable sharded checkpoint ({type(e).__name__}: "
+                        f"{str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}); "
+                        "use --force to start over") from None
+    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return extra
+
+
+def gather(net: nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the student's full HF state dict on rank 0's CPU (empty on the other ranks)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k.removeprefix("model."): v for k, v in sd.items()}
