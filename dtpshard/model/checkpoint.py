@@ -144,9 +144,6 @@ def expected_shapes(shape: ModelShape) -> dict[str, list[int]]:
     return out
 
 
-def _canonical(key: str) -> str:
-
-
 def canonical(key: str) -> str:
     """The Hugging Face name of a stored tensor name (some checkpoints drop the "model." prefix)."""
     if key.startswith(("model.", "lm_head.")):
