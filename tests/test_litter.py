@@ -122,7 +122,7 @@ def test_explain_names_the_file():
         torch.nn.Linear(2, 3).load_state_dict({"weight": torch.zeros(3, 3), "bias": torch.zeros(3)})
     except RuntimeError as e:
         assert "tensor weight has shape [3, 3] in the weights but the config implies [3, 2]" in explain(e)
-    assert "not a valid safetensors file" in explain(SafetensorError("Error while deserializing header"))
+    assert "not a readable safetensors file" in explain(SafetensorError("Error while deserializing header"))
     assert "malformed JSON" in explain(json.JSONDecodeError("Expecting value", "{", 1))
     assert "not UTF-8" in explain(UnicodeDecodeError("utf-8", b"caf\xe9", 3, 4, "invalid"))
     assert explain(ValueError("a bug")) is None and explain(KeyError("k")) is None

@@ -72,7 +72,7 @@ def describe(exc: BaseException, path: str | Path | None = None) -> str | None:
     if isinstance(exc, json.JSONDecodeError):
         return f"{at}malformed JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
     if type(exc).__name__ == "SafetensorError":  # safetensors' Rust error: a truncated or damaged file
-        return f"{at}not a valid safetensors file ({_first_line(exc)}); it may be truncated: copy it again"
+        return f"{at}not a readable safetensors file ({_first_line(exc)}); it may be truncated: copy it again"
     if isinstance(exc, RuntimeError):
         m = _SIZE.search(str(exc))
         if m:
