@@ -56,7 +56,6 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
 
     from dtpshard.affinity.scorer import ScoreOptions, compute_affinity
     from dtpshard.affinity.file import Affinity, edges_for_delay
-    from dtpshard.core.io import check_writable_dir
     from dtpshard.model.checkpoint import check_token_ids, load_tokenizer, open_checkpoint
     from dtpshard.core.shape import check_delay
     from dtpshard.data.blocks import load_texts, make_blocks
