@@ -56,7 +56,7 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
 
     from dtpshard.affinity.scorer import ScoreOptions, compute_affinity
     from dtpshard.affinity.file import Affinity, edges_for_delay
-    from dtpshard.model.checkpoint import load_tokenizer, open_checkpoint
+    from dtpshard.model.checkpoint import check_token_ids, load_tokenizer, open_checkpoint
     from dtpshard.core.shape import check_delay
     from dtpshard.data.blocks import load_texts, make_blocks
     from dtpshard.model.dense import DenseModel, StreamedDense
@@ -71,11 +71,11 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
     check_delay(shape, delay)
     if not edges_for_delay(shape.modules, delay):
         raise UserError(f"--delay {delay}: no edges (every module sees all partials below δ = 1)")
+    check_writable_dir(Path(out), create=False)  # before the pass, not after it
     tok = load_tokenizer(tokenizer or model)
     texts = load_texts(text, dataset, role="calibration", text_field=text_field)
     ids = make_blocks(tok, texts, seq_len, blocks, seed=seed)  # [blocks, seq_len]
-    if int(ids.max()) >= shape.vocab:
-        raise UserError(f"tokenizer produced id {int(ids.max())} >= vocab_size {shape.vocab}")
+    check_token_ids(ids, shape.vocab, tokenizer or model)
 
     budget = int(memory_budget * GiB) if memory_budget > 0 else default_budget(device)
     how = plan(shape, ids.numel(), delay, getattr(torch, dtype), budget, offload)

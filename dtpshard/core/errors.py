@@ -1,15 +1,105 @@
 """The one exception that the CLI turns into a single line and exit code 2, and the one place that
-turns other libraries' and the OS's errors into such a line (`explain`)."""
+turns other libraries' and the OS's errors into such a line (`explain`).
+
+Library errors rarely say which file they were about (a SafetensorError, a JSONDecodeError, a
+write that failed for lack of space). Code that opens a file wraps the work in `naming(path)`,
+which turns any error `describe` understands into a UserError that names the file; `explain`
+handles whatever escapes without a name. Anything else is a bug and keeps its traceback.
+"""
 from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import re
+from pathlib import Path
+from typing import Iterator
 
 
 class UserError(Exception):
     """Bad input from the user: a config, a file, a flag. The message is one line naming it."""
 
 
+_TMP = re.compile(r"^\.(?P<name>.+)\.tmp-[^/]*$")  # io's temporaries: .NAME.tmp-PID[-X][.old]
+
+
+def public_path(path: str | Path) -> str:
+    """The path a user asked for: a temporary of io.atomic_* is shown as the file it becomes."""
+    parts = [(_TMP.match(p).group("name") if _TMP.match(p) else p) for p in Path(path).parts]
+    return str(Path(*parts)) if parts else str(path)
+
+
+_OS_WHAT = {
+    errno.ENOSPC: ("no space left on device", "free some space or write elsewhere"),
+    errno.EDQUOT: ("disk quota exceeded", "free some space or write elsewhere"),
+    errno.EACCES: ("permission denied", "check the file's permissions"),
+    errno.EPERM: ("operation not permitted", "check the file's permissions"),
+    errno.EROFS: ("read-only file system", "write elsewhere"),
+    errno.ENOENT: ("no such file or directory", "check the path"),
+}
+_WRITING = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def _os_line(exc: OSError, path: str | Path | None) -> str:
+    path = exc.filename if exc.filename is not None else path
+    what, todo = _OS_WHAT.get(exc.errno or -1, ((exc.strerror or str(exc)).lower() or "I/O error", ""))
+    todo = f" ({todo})" if todo else ""
+    if path is None:
+        return f"{what}{todo}"
+    where = "writing" if exc.errno in _WRITING else "on" if exc.errno != errno.ENOENT else ":"
+    return f"{what} {where} {public_path(path)}{todo}".replace(" : ", ": ")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+_SIZE = re.compile(r"size mismatch for (\S+): copying a param with shape torch\.Size\((\[.*?\])\) from "
+                   r"checkpoint, the shape in current model is torch\.Size\((\[.*?\])\)")
+
+
+def describe(exc: BaseException, path: str | Path | None = None) -> str | None:
+    """One line for an error a user can cause (about `path` when the error does not name a file);
+    None for anything else."""
+    if isinstance(exc, UserError):
+        return str(exc)
+    at = f"{public_path(path)}: " if path is not None else ""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return _os_line(exc, path)
+    if isinstance(exc, UnicodeDecodeError):
+        return f"{at}not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}; save it as UTF-8)"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"{at}malformed JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+    if type(exc).__name__ == "SafetensorError":  # safetensors' Rust error: a truncated or damaged file
+        return f"{at}not a readable safetensors file ({_first_line(exc)}); it may be truncated: copy it again"
+    if isinstance(exc, RuntimeError):
+        m = _SIZE.search(str(exc))
+        if m:
+            return (f"{at}tensor {m.group(1)} has shape {m.group(2)} in the weights but the config implies "
+                    f"{m.group(3)} (config.json does not match the weights)")
+    return None
+
+
 def explain(exc: BaseException) -> str | None:
     """One line saying what went wrong and what to do, for errors a user can cause or fix
     (bad files, a full disk, permissions); None for a bug, which should keep its traceback."""
-    if isinstance(exc, UserError):
-        return str(exc)
-    return None
+    return describe(exc)
+
+
+@contextlib.contextmanager
+def naming(path: str | Path) -> Iterator[None]:
+    """Errors inside that `describe` understands become a UserError naming `path` (the file being
+    read or written); others (bugs) pass through untouched."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - `describe` decides which ones are the user's
+        line = describe(e, path)
+        if line is None:
+            raise
+        if isinstance(e, OSError) and e.errno is not None:
+            e.filename = e.filename if e.filename is not None else str(path)
+            raise  # an OSError keeps its type (callers test errno); explain names the file
+        raise UserError(line) from None

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from dtpshard.core.errors import UserError
+from dtpshard.core.errors import UserError, explain
 
 
 class RankFailure(UserError):
@@ -135,9 +135,14 @@ def _child(stdio: Any, env: dict[str, str], target: Callable[..., Any], args: tu
     said = Path(report) / f"rank{env['RANK']}"
     try:
         code = target(*args)
-    except UserError as e:  # the launcher says it, once
-        said.with_suffix(".user").write_text(str(e))
-        code = 2
+    except Exception as e:  # noqa: BLE001 -- a user's error (per explain: a full disk too): said once, by the launcher
+        line = explain(e)
+        if line is None:
+            said.with_suffix(".error").write_text(traceback.format_exc())
+            code = 1
+        else:
+            said.with_suffix(".user").write_text(line)
+            code = 2
     except BaseException:  # noqa: BLE001 -- the launcher shows the root cause's traceback
         said.with_suffix(".error").write_text(traceback.format_exc())
         code = 1

@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from dtpshard.core.errors import UserError
+from dtpshard.core.errors import UserError, naming
 
 ROLES = ("calibration", "train", "eval", "all")
 OFFLINE = "offline"
@@ -154,16 +154,16 @@ def read_text_files(paths: Sequence[str | Path], text_field: str = "text") -> li
     for path in _expand(paths):
         suffix = path.suffix.lower()
         if suffix == ".json":
-            found = _read_json(path, text_field)
+            with naming(path):  # not UTF-8, unreadable: named
+                found = _read_json(path, text_field)
         elif suffix in JSON_SUFFIXES:
-            found = _read_jsonl(path, text_field)
+            with naming(path):
+                found = _read_jsonl(path, text_field)
         elif suffix == ".parquet":
             found = _read_parquet(path, text_field)
         else:
-            try:
+            with naming(path):
                 raw = path.read_text(encoding="utf-8")
-            except UnicodeDecodeError as e:
-                raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             found = [d.strip() for d in re.split(r"\n\s*\n", raw)]
         found = [d for d in found if d.strip()]
         if not found:

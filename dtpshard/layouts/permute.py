@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from dtpshard.core.errors import UserError
+from dtpshard.core.errors import UserError, explain
 from dtpshard.core.layout import Layout
 from dtpshard.core.permutation import layout_indices
 from dtpshard.core.vocab import Count, PermuteCheck, PositiveNumber
@@ -54,6 +54,7 @@ def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False,
     """
     from dtpshard.core.io import atomic_dir, exit_on_sigterm
     from dtpshard.model.checkpoint import open_checkpoint
+    from dtpshard.core.io import check_writable_dir
 
     model, layout_path, out = Path(model), Path(layout), Path(out)
     if check_tokens < 1:
@@ -68,6 +69,7 @@ def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False,
     if out.exists() and not (force and out.is_dir()):  # refuse before the (long) read of the weights
         raise UserError(f"output {out} exists (use --force to replace it)" if out.is_dir()
                         else f"output {out} exists and is not a directory")
+    check_writable_dir(out, create=False)
     gathers = layout_indices(ckpt.shape, lay)
     weights = ckpt.files.files
     say = (lambda line: None) if json else print  # --json: stdout holds the one JSON object only
@@ -94,7 +96,7 @@ def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False,
                 summary = {"kind": "none"}
                 say("check: none (--check none): nothing was read back")
     except OSError as e:
-        raise UserError(f"cannot write {out}: {e.strerror or e}") from None
+        raise UserError(explain(e) or f"cannot write {out}: {e}") from None
     size = sum(f.stat().st_size for f in weights)
     if json:
         print(_json.dumps({"model": str(model), "layout": str(layout_path), "out": str(out), "kind": lay.kind,

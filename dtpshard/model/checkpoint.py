@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from dtpshard.core.shape import ModelShape, shape_from_hf_config
-from dtpshard.core.errors import UserError
-from dtpshard.core.io import share
+from dtpshard.core.errors import UserError, naming
+from dtpshard.core.io import read_json_object, share
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
@@ -62,6 +62,8 @@ class TensorFiles:
     file saved next to the model, say) is not a weight file and is ignored."""
 
     def __init__(self, path: Path):
+        from safetensors import safe_open
+
         self.index: Path | None = path / INDEX
         if self.index.is_file():
             try:
@@ -84,6 +86,13 @@ class TensorFiles:
         if missing:
             raise UserError(f"{path}: missing weight file {missing[0]}")
         self.alias = {canonical(k): k for k in self.where}
+        self.shapes: dict[str, list[int]] = {}  # every header read now: a damaged file is refused before any work
+        for f in self.files:
+            with naming(f), safe_open(str(f), framework="pt") as st:
+                self.shapes.update({k: list(st.get_slice(k).get_shape()) for k in st.keys()})
+        absent = [k for k in self.where if k not in self.shapes]
+        if absent:
+            raise UserError(f"{self.where[absent[0]]}: has no tensor {absent[0]!r} (named in {INDEX})")
 
     @property
     def files(self) -> list[Path]:
@@ -92,6 +101,9 @@ class TensorFiles:
 
     def keys(self) -> list[str]:
         return list(self.alias)
+
+    def shape(self, name: str) -> list[int]:
+        return self.shapes[self.alias[name]]
 
     def get(self, name: str, rows: slice | None = None) -> torch.Tensor:
         """Tensor `name` (canonical HF name), or only its `rows` (a slice of dim 0: the streamed
@@ -115,6 +127,21 @@ def tensor_names(file: Path) -> list[str]:
             return list(st.keys())
     except SafetensorError as e:
         raise UserError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+
+
+def expected_shapes(shape: ModelShape) -> dict[str, list[int]]:
+    """The shape config.json implies for every tensor name the DTP forward reads."""
+    D, q, kv, N = shape.hidden, shape.heads * shape.head_dim, shape.kv_groups * shape.head_dim, shape.neurons
+    out = {"model.embed_tokens.weight": [shape.vocab, D], "model.norm.weight": [D], "lm_head.weight": [shape.vocab, D]}
+    per = {"input_layernorm.weight": [D], "post_attention_layernorm.weight": [D],
+           "self_attn.q_proj.weight": [q, D], "self_attn.k_proj.weight": [kv, D], "self_attn.v_proj.weight": [kv, D],
+           "self_attn.o_proj.weight": [D, q], "self_attn.q_proj.bias": [q], "self_attn.k_proj.bias": [kv],
+           "self_attn.v_proj.bias": [kv], "self_attn.q_norm.weight": [shape.head_dim],
+           "self_attn.k_norm.weight": [shape.head_dim], "mlp.gate_proj.weight": [N, D], "mlp.up_proj.weight": [N, D],
+           "mlp.down_proj.weight": [D, N]}
+    for i in range(shape.layers):
+        out.update({f"model.layers.{i}.{k}": v for k, v in per.items()})
+    return out
 
 
 def canonical(key: str) -> str:
@@ -167,6 +194,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     shape = shape_from_hf_config(cfg)
     files = TensorFiles(path)
     check_keys(files.keys(), shape)
+    want = expected_shapes(shape)
+    for k in files.keys():
+        if k in want and files.shape(k) != want[k]:
+            raise UserError(f"{path}: tensor {k} has shape {files.shape(k)} in the weights but config.json implies "
+                            f"{want[k]} (the config does not match the weights)")
     return Checkpoint(path, cfg, shape, files)
 
 
@@ -198,4 +230,11 @@ def save_checkpoint(out_dir: Path, hf_config: Any, state_dict: dict[str, torch.T
             if (source / name).is_file():
                 shutil.copy2(source / name, out_dir / name)
     for name, obj in (extra_json or {}).items():
-        (out_dir / name).write_text(json.dumps(obj, indent=1) + "\n")
+        (out_dir / name).write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
+
+
+def check_token_ids(ids: torch.Tensor, vocab: int, model: str | Path) -> None:
+    """Refuse ids the model has no embedding for: the tokenizer files belong to another model."""
+    if ids.numel() and int(ids.max()) >= vocab:
+        raise UserError(f"the tokenizer in {model} produced token id {int(ids.max())} but the model's vocab_size is "
+                        f"{vocab} (its tokenizer files belong to another model)")

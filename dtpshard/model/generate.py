@@ -38,7 +38,7 @@ def generate_cmd(model: Path, *, prompt: str, devices: Count | None = None, dela
     """
     import json as _json
 
-    from dtpshard.model.checkpoint import load_tokenizer
+    from dtpshard.model.checkpoint import check_token_ids, load_tokenizer
     from dtpshard.model.dtp import DTPModel
 
     if max_new_tokens < 1:
@@ -54,6 +54,7 @@ def generate_cmd(model: Path, *, prompt: str, devices: Count | None = None, dela
     ids = tok(prompt, return_tensors="pt").input_ids.to(dev)
     if ids.shape[1] == 0:
         raise UserError("the prompt encodes to no tokens")
+    check_token_ids(ids, net.shape.vocab, tokenizer or model)
     eos = net.config.eos_token_id if net.config.eos_token_id is not None else tok.eos_token_id
     out = net.generate(ids, max_new_tokens, do_sample=temperature > 0, temperature=temperature, top_k=top_k,
                        top_p=top_p, seed=seed, eos_token_id=eos)

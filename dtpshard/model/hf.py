@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.io import read_json_object
 
 log = logging.getLogger("dtpshard")
 
@@ -136,9 +137,9 @@ class PretrainedMixin:
         from dtpshard.model.checkpoint import open_checkpoint
 
         ckpt = open_checkpoint(path)
-        saved = recorded_dtp(ckpt.hf_config)
+        saved = checked_dtp(recorded_dtp(ckpt.hf_config), Path(path) / "config.json")
         if saved is None and (Path(path) / DTP_JSON).is_file():  # students saved before the config block
-            saved = json.loads((Path(path) / DTP_JSON).read_text())
+            saved = checked_dtp(read_json_object(Path(path) / DTP_JSON, "DTP settings"), Path(path) / DTP_JSON)
         settings = saved or {}
         layout = as_layout(layout)
         if devices is None:  # a student's own setting, else the layout's, else 4
@@ -171,3 +172,17 @@ class PretrainedMixin:
         sd = self.state_dict() if state_dict is None else state_dict
         save_checkpoint(Path(out_dir), config, sd, source or getattr(self, "source_path", None),
                         extra_json={DTP_JSON: self.dtp_block()})
+
+
+def checked_dtp(saved: Any, where: Path) -> dict[str, Any] | None:
+    """A student's recorded devices/delay/stage3, each checked (a hand-edited file names itself)."""
+    if saved is None:
+        return None
+    if not isinstance(saved, dict):
+        raise UserError(f"{where}: the DTP settings must be a JSON object")
+    for key, ok in (("devices", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+                    ("delay", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9),
+                    ("stage3", lambda v: v in ("sqrt", "one"))):
+        if key in saved and not ok(saved[key]):
+            raise UserError(f"{where}: {key} = {json.dumps(saved[key])} is not a valid DTP setting")
+    return saved

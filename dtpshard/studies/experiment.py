@@ -51,7 +51,7 @@ from typing import Any
 
 from dtpshard.core.errors import UserError
 from dtpshard.studies.config import FORMAT, OPTIMISING, check_config, load_config, resolve_model  # noqa: F401
-from dtpshard.core.io import atomic_write_text
+from dtpshard.core.io import atomic_write_text, read_json, read_json_object
 
 AFFINITY, LAYOUT_DIR, ZEROSHOT, RUNS = "affinity.safetensors", "layouts", "zeroshot.json", "runs"
 
@@ -71,17 +71,36 @@ def _compared(record: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in record.items() if k not in defaults or v != defaults[k]}, "training": train}
 
 
+def _check_inputs(cfg: dict[str, Any], model: Path) -> None:
+    """Every input an experiment reads, read once before anything is written: the weights (headers
+    and shapes), the tokenizer and every local text file."""
+    from dtpshard.data.blocks import read_text_files
+    from dtpshard.model.checkpoint import load_tokenizer, open_checkpoint
+
+    open_checkpoint(model)
+    load_tokenizer(model)
+    for where, text in (("calibration.text", cfg["calibration"]["text"]),
+                        ("evaluation.text", cfg["evaluation"]["text"]), ("training.text", cfg["training"].get("text"))):
+        if text:
+            try:
+                read_text_files(text)
+            except UserError as e:
+                raise UserError(f"{where}: {e}") from None
+
+
 def _prepare_dir(out: Path, cfg: dict[str, Any], force: bool) -> None:
+    from dtpshard.training.rundir import LOCK
+
     saved = out / "config.json"
     record = {"format": FORMAT, **cfg}
     if saved.is_file():
         try:
-            old = json.loads(saved.read_text())
-        except (OSError, json.JSONDecodeError):
+            old = read_json(saved)
+        except (OSError, UserError):
             old = None
         new = _compared(json.loads(json.dumps(record)))
         old = _compared(old) if isinstance(old, dict) else {}
-        if old == new:
+        if old == new and not force:
             return
         if not force:
             diff = [k for k in sorted(set(new) | set(old)) if old.get(k) != new.get(k)]
@@ -90,7 +109,7 @@ def _prepare_dir(out: Path, cfg: dict[str, Any], force: bool) -> None:
         for name in (AFFINITY, LAYOUT_DIR, ZEROSHOT, RUNS, "report.md", "figures"):
             p = out / name
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-    elif out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+    elif out.exists() and (not out.is_dir() or any(p.name != LOCK for p in out.iterdir())) and not force:
         raise UserError(f"--out {out}: exists and is not an experiment directory (use --force to use it anyway)")
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(saved, json.dumps(record, indent=1) + "\n")
@@ -152,7 +171,7 @@ class _CachedTeacher:
 def _zero_shot(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: Path) -> None:
     """KL and perplexity of every layout's untrained student on the evaluation blocks (step 0)."""
     path = out / ZEROSHOT
-    done = json.loads(path.read_text()) if path.is_file() else {}
+    done = read_json_object(path, "zero-shot results") if path.is_file() else {}
     todo = [n for n in layouts if n not in done]
     if not todo:
         return
@@ -212,16 +231,20 @@ def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False, tensorbo
     out = Path(out)
     model = resolve_model(cfg["model"])
     shape = read_shape(model)
+    from dtpshard.training.rundir import locked
+
     check_devices(shape, cfg["devices"])
     check_delay(shape, cfg["delay"])
-    _prepare_dir(out, cfg, force)
-    affinity = _affinity(cfg, model, out)
-    layouts = _layouts(cfg, affinity, out)
-    _zero_shot(cfg, model, layouts, out)
-    _arms(cfg, model, layouts, out, tensorboard)
-    from dtpshard.studies.report import write_report
+    _check_inputs(cfg, model)
+    with locked(out):
+        _prepare_dir(out, cfg, force)
+        affinity = _affinity(cfg, model, out)
+        layouts = _layouts(cfg, affinity, out)
+        _zero_shot(cfg, model, layouts, out)
+        _arms(cfg, model, layouts, out, tensorboard)
+        from dtpshard.studies.report import write_report
 
-    report = write_report(out)
+        report = write_report(out)
     _say(f"report: {report}")
     return report
 
@@ -236,7 +259,7 @@ def experiment_cmd(study: Path, *, out: Path, force: bool = False, tensorboard: 
     Args:
         study: the study's config file (.toml, or .yaml/.yml); see dtpshard/configs/ for the paper's
         out: the experiment directory (created; an existing one is resumed if its config matches)
-        force: start over an experiment directory that was made with another config
+        force: start the experiment directory over (everything it computed is deleted)
         tensorboard: also write every arm's metrics as TensorBoard events, to TENSORBOARD/ARM-sSEED
         overrides: the study keys given as flags, nested as in the file
     """

@@ -13,6 +13,7 @@ interpolation. Step matching compares the optimised and contiguous groups' mean 
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 from dtpshard.core.io import atomic_write_text
@@ -112,7 +113,14 @@ def write_report(directory: Path) -> Path:
     from dtpshard.studies.figures import draw_all
 
     study = load_study(directory)
-    figures = draw_all(study, Path(directory) / "figures")
+    where = Path(directory) / "figures"
+    created = not where.exists()
+    try:
+        figures = draw_all(study, where)
+    except BaseException:
+        if created:  # a failed report leaves the directory as it found it
+            shutil.rmtree(where, ignore_errors=True)
+        raise
     path = Path(directory) / "report.md"
     atomic_write_text(path, markdown(study, {k: f"figures/{v.name}" for k, v in figures.items()}))
     return path

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.io import read_json_object
 from dtpshard.core.vocab import LAYOUT_KINDS
 from dtpshard.studies.stats import Curve, make_curve
 
@@ -45,36 +46,84 @@ class Study:
     steps: int  # planned training steps (the end of the curves)
 
 
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
+# Every file is written by dtpshard; one edited by hand (or damaged) is refused by name here, before
+# the tables and figures meet a value of the wrong type.
+def _read_json(path: Path, what: str) -> dict[str, Any] | None:
+    if not path.exists():
         return None
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: unreadable {what} ({e})") from None
+    return read_json_object(path, what)
+
+
+def _table(obj: dict[str, Any], key: str, path: Path) -> dict[str, Any]:
+    v = obj.get(key, {})
+    if not isinstance(v, dict):
+        raise UserError(f"{path}: {key!r} must be a JSON object, found {json.dumps(v)[:40]}")
+    return v
+
+
+def _num(obj: dict[str, Any], key: str, path: Path, kind: type = float) -> Any:
+    """obj[key] as a number (None when absent or null); anything else names the file."""
+    v = obj.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
+        raise UserError(f"{path}: {key!r} must be {'an integer' if kind is int else 'a number'}, found "
+                        f"{json.dumps(v)[:40]}")
+    return v
+
+
+def _config(d: Path) -> dict[str, Any]:
+    path = d / "config.json"
+    config = _read_json(path, "experiment config") or {}
+    train = _table(config, "training", path)
+    for key in ("steps", "micro_batch", "grad_accum", "seq_len"):
+        _num(train, key, path, int)
+    _num(config, "devices", path, int)
+    _num(config, "delay", path)
+    return config
+
+
+def _layout_info(p: Path, zero: dict[str, Any], zero_path: Path) -> LayoutInfo:
+    obj = _read_json(p, "layout") or {}
+    s = _table(obj, "score", p)
+    rows = s.get("layers", [])
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        raise UserError(f"{p}: score.layers must be a list of objects")
+    z = _table(zero, p.stem, zero_path)
+    return LayoutInfo(p.stem, str(obj.get("kind", "unknown")), _num(s, "J", p), _num(s, "ratio_to_random", p),
+                      [_num(row, "up", p) for row in rows], _num(z, "kl", zero_path), _num(z, "ppl", zero_path))
+
+
+def _eval_rows(run: Path) -> list[dict[str, Any]]:
+    from dtpshard.training.rundir import METRICS, read_metrics
+
+    path = run / METRICS
+    rows = [row for row in read_metrics(run) if row.get("kind") == "eval"]
+    for row in rows:
+        if _num(row, "step", path) is None:
+            raise UserError(f"{path}: an eval row without a step")
+        _num(row, "eval_kl", path)
+        _num(row, "eval_ppl", path)
+    return rows
 
 
 def load_study(directory: Path) -> Study:
-    from dtpshard.training.rundir import is_done, read_metrics
+    from dtpshard.training.rundir import is_done
 
     d = Path(directory)
     if not d.is_dir():
         raise UserError(f"{d}: no such experiment directory")
-    config = _read_json(d / "config.json", "experiment config") or {}
+    config = _config(d)
     zero = _read_json(d / "zeroshot.json", "zero-shot results") or {}
     layouts: dict[str, LayoutInfo] = {}
     for p in sorted((d / "layouts").glob("*.json")):
-        obj = _read_json(p, "layout")
-        s = obj.get("score", {}) if isinstance(obj, dict) else {}
-        z = zero.get(p.stem, {})
-        layouts[p.stem] = LayoutInfo(p.stem, str(obj.get("kind", "unknown")), s.get("J"), s.get("ratio_to_random"),
-                                     [row.get("up") for row in s.get("layers", [])], z.get("kl"), z.get("ppl"))
+        layouts[p.stem] = _layout_info(p, zero, d / "zeroshot.json")
     runs: list[Run] = []
     for r in sorted(p for p in (d / "runs").glob("*-s*") if p.is_dir()):
         layout, _, seed = r.name.rpartition("-s")
         if not seed.isdigit():
             continue
-        rows = [row for row in read_metrics(r) if row.get("kind") == "eval"]
+        rows = _eval_rows(r)
         run = Run(r.name, layout, int(seed), is_done(r),
                   make_curve([x["step"] for x in rows], [x.get("eval_kl") for x in rows]),
                   make_curve([x["step"] for x in rows], [x.get("eval_ppl") for x in rows]))

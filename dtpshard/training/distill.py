@@ -31,17 +31,28 @@ def distill(cfg: DistillConfig) -> Path:
     from dtpshard.training.ddp import run_distributed
     from dtpshard.training.loop import train
 
-    check_config(cfg)
-    if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from dtpshard.core.launch import launch_local, root_cause
+    from contextlib import nullcontext
 
-        exits = launch_local(cfg.nproc, _rank, (cfg,), grace=cfg.timeout, who="dtpshard distill")
-        line = root_cause(exits)
-        if line is not None:
-            raise UserError(line if " failed: " in line else f"{line}; the run stopped (rerun the same command "
-                                                              "to resume)")
-        return Path(cfg.out).absolute()
-    return run_distributed(cfg, train)
+    from dtpshard.training.rundir import LOCKED_ENV, locked
+
+    check_config(cfg)
+    # One process owns RUN: this one, or the launcher of a data-parallel group (for its ranks).
+    owner = int(os.environ.get("RANK", "0")) == 0
+    with locked(cfg.out) if owner else nullcontext():
+        if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
+            from dtpshard.core.launch import launch_local, root_cause
+
+            os.environ[LOCKED_ENV] = str(Path(cfg.out).absolute())  # the ranks inherit it
+            try:
+                exits = launch_local(cfg.nproc, _rank, (cfg,), grace=cfg.timeout, who="dtpshard distill")
+            finally:
+                os.environ.pop(LOCKED_ENV, None)
+            line = root_cause(exits)
+            if line is not None:
+                raise UserError(line if " failed: " in line else f"{line}; the run stopped (rerun the same "
+                                                                  "command to resume)")
+            return Path(cfg.out).absolute()
+        return run_distributed(cfg, train)
 
 
 # -- `dtpshard distill` --------------------------------------------------------------------------

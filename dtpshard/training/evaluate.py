@@ -86,10 +86,12 @@ def eval_blocks_for(model: Path, text: list[str] | None = None, dataset: str | N
                     seq_len: int = 1024, tokenizer: Any = None, text_field: str = "text") -> tuple[torch.Tensor, str]:
     """The first `blocks` held-out blocks [blocks, seq_len + 1] (role "eval": disjoint from every
     calibration and training block); default the offline corpus."""
-    from dtpshard.model.checkpoint import load_tokenizer
+    from dtpshard.model.checkpoint import check_token_ids, load_tokenizer, read_shape
 
     tok = tokenizer if tokenizer is not None else load_tokenizer(model)
-    return source_blocks(tok, text, dataset, "eval", seq_len, blocks, text_field, shuffle=False)
+    ev, source = source_blocks(tok, text, dataset, "eval", seq_len, blocks, text_field, shuffle=False)
+    check_token_ids(ev, read_shape(model).vocab, model if tokenizer is None else "the given tokenizer")
+    return ev, source
 
 
 # -- `dtpshard eval` ---------------------------------------------------------------------------

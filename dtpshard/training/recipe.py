@@ -85,7 +85,7 @@ class DistillConfig:
         timeout: seconds a process waits for the others before the run fails
         progress: show a progress bar with ETA
         tensorboard: also write the metrics as TensorBoard events to this directory (metrics.jsonl stays the record)
-        force: start over a run directory that was made with different settings
+        force: start the run directory over (its checkpoint, metrics and student are deleted)
     """
 
     teacher: Path
@@ -231,8 +231,12 @@ def train_blocks_for(cfg: DistillConfig, world: int, tokenizer: Any) -> tuple[to
     n = cfg.steps * cfg.micro_batch * cfg.grad_accum * world
     from dtpshard.training.evaluate import source_blocks
 
-    return source_blocks(tokenizer, cfg.text, cfg.dataset, "train", cfg.seq_len, n, cfg.text_field, seed=cfg.seed,
-                         shuffle=True, repeat=True)
+    from dtpshard.model.checkpoint import check_token_ids, read_shape
+
+    blocks, source = source_blocks(tokenizer, cfg.text, cfg.dataset, "train", cfg.seq_len, n, cfg.text_field,
+                                   seed=cfg.seed, shuffle=True, repeat=True)
+    check_token_ids(blocks, read_shape(cfg.teacher).vocab, cfg.tokenizer or cfg.teacher)
+    return blocks, source
 
 
 def resolve(cfg: DistillConfig) -> DistillConfig:

@@ -6,6 +6,7 @@
     RUN/checkpoint.dcp/ instead, with --fsdp: each rank's shards (fsdp.py)
     RUN/final/          the student (DTPModel.save_pretrained), written when training ends
     RUN/DONE            written last, atomically
+    RUN/.lock           flock'ed by the one process that owns the run (released when it dies)
 
 A checkpoint records the byte length of metrics.jsonl when it was taken; resuming truncates
 the file there, so rows written after the last checkpoint (and a half-written last line) are
@@ -13,16 +14,19 @@ dropped and recomputed identically.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from dtpshard.core.errors import UserError
-from dtpshard.core.io import atomic_path, atomic_write_text
+from dtpshard.core.errors import UserError, naming
+from dtpshard.core.io import atomic_path, atomic_write_text, check_writable_dir, read_json, writing
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -30,7 +34,60 @@ CHECKPOINT = "checkpoint.pt"
 SHARDED_CHECKPOINT = "checkpoint.dcp"
 FINAL = "final"
 DONE = "DONE"
+LOCK = ".lock"
 OWNED = (CONFIG, METRICS, CHECKPOINT, SHARDED_CHECKPOINT, FINAL, DONE)
+LOCKED_ENV = "DTPSHARD_RUN_LOCKED"  # set by a launcher holding the lock for the processes it starts
+
+
+@contextlib.contextmanager
+def locked(run: Path, flag: str = "--out") -> Iterator[None]:
+    """Hold RUN/.lock exclusively, or refuse: "RUN is in use by process PID". The OS releases it
+    when the process dies, however it dies; a clean exit also removes the file. Also the check
+    that RUN can be written, made before any expensive work. A RUN this call created that holds
+    nothing afterwards (a refused start) is removed again."""
+    run = Path(run).absolute()
+    if os.environ.get(LOCKED_ENV) == str(run):  # a rank under our own launcher: it holds the lock
+        yield
+        return
+    if run.exists() and not run.is_dir():
+        raise UserError(f"{flag} {run}: exists and is not a directory")
+    created = not run.exists()
+    check_writable_dir(run / CONFIG)
+    path = run / LOCK
+    fd = _lock(path, run)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while still holding it: a waiting opener re-checks the inode
+        os.close(fd)
+        if created:
+            with contextlib.suppress(OSError):
+                run.rmdir()  # only if empty
+
+
+def _lock(path: Path, run: Path) -> int:
+    while True:
+        with naming(path), writing(path):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise UserError(f"{run} is in use by process {holder} (wait for it to finish, or stop it)") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # its holder removed it between our open and our lock: take the new one
+            os.close(fd)
+            continue
+        with writing(path):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
 
 
 def _show(v: Any) -> str:
@@ -56,20 +113,25 @@ def check_run(run: Path, config: dict[str, Any], compared: list[str], force: boo
     """Whether RUN already holds this run (resume); refuse a RUN of other settings unless force.
     added: settings newer than some run directories, with the value those runs had implicitly.
 
-    Read-only, so every rank of a data-parallel run can call it and fail the same way."""
+    Read-only, so every rank of a data-parallel run can call it and fail the same way. With
+    force it always starts over (a damaged checkpoint or config too)."""
     if run.exists() and not run.is_dir():
         raise UserError(f"--out {run}: exists and is not a directory")
+    if force:
+        return False
     if not (run / CONFIG).is_file():
         if run.is_dir() and any(p.name in OWNED for p in run.iterdir()):
             if not force:
                 raise UserError(f"--out {run}: has run files but no {CONFIG} (use --force to start it over)")
         return False
     try:
-        old = json.loads((run / CONFIG).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        if force:
-            return False
-        raise UserError(f"{run / CONFIG}: unreadable ({e}); use --force to start the run over") from None
+        old = read_json(run / CONFIG, "run config")
+    except UserError as e:
+        raise UserError(f"{e}; use --force to start the run over") from None
+    except OSError as e:
+        raise UserError(f"{run / CONFIG}: unreadable ({e.strerror}); use --force to start the run over") from None
+    if not isinstance(old, dict):
+        raise UserError(f"{run / CONFIG}: not a JSON object; use --force to start the run over")
     diff = config_differences({**(added or {}), **old}, config, compared)
     if diff and not force:
         raise UserError(f"--out {run} was made with different settings: {'; '.join(diff)} "
@@ -126,6 +188,8 @@ class Metrics:
             except ImportError:
                 raise UserError("--tensorboard needs the tensorboard package (pip install tensorboard)") from None
             # rows up to step `start` are covered by the checkpoint: the resumed run writes start + 1 on
+            if start:
+                _after_older_event_files(Path(tensorboard))
             self.writer = SummaryWriter(str(tensorboard), purge_step=start + 1 if start else None)
 
     def size(self) -> int:
@@ -140,7 +204,7 @@ class Metrics:
             self.path.touch()
 
     def append(self, row: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
+        with writing(self.path), open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -157,15 +221,25 @@ class Metrics:
 
 
 def read_metrics(run: Path) -> list[dict[str, Any]]:
-    """All complete rows of RUN/metrics.jsonl."""
+    """All complete rows of RUN/metrics.jsonl (a half-written last line is dropped; anything else
+    that is not a JSON object per line is refused, naming the file and line)."""
     rows = []
     path = Path(run) / METRICS
     if path.exists():
-        for line in path.read_text().splitlines():
+        with naming(path):
+            lines = path.read_bytes().decode("utf-8").split("\n")
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a half-written last line
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                if n == len(lines):  # no newline after it: a write cut short by a kill
+                    break
+                raise UserError(f"{path}:{n}: malformed JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path}:{n}: expected a JSON object per line")
+            rows.append(row)
     return rows
 
 
@@ -188,3 +262,15 @@ def load_checkpoint(run: Path) -> dict[str, Any] | None:
 def remove_checkpoint(run: Path) -> None:
     (run / CHECKPOINT).unlink(missing_ok=True)
     shutil.rmtree(run / SHARDED_CHECKPOINT, ignore_errors=True)
+
+
+def _after_older_event_files(directory: Path) -> None:
+    """Wait (at most a second) until a new event file sorts after the existing ones. TensorBoard
+    reads a directory's event files in name order, and the name starts with the second the file
+    was made: a resumed run's purge marker must come after the interrupted run's events."""
+    import time
+
+    stamps = [p.name.split(".")[3] for p in directory.glob("events.out.tfevents.*")]
+    newest = max((int(t) for t in stamps if t.isdigit()), default=0)
+    while time.time() < newest + 1:
+        time.sleep(0.05)
