@@ -31,64 +31,11 @@ import numpy as np
 
 def build_checkpoint(path: Path, args: argparse.Namespace) -> int:
     """Random bf16 Llama weights in shards of about --shard-mb MB plus an index; returns the weights' bytes."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig
+    from synthetic import write_sharded_llama
 
-    D, N, H, G, hd = args.hidden, args.neurons, args.heads, args.kv_groups, args.head_dim
-    cfg = LlamaConfig(hidden_size=D, intermediate_size=N, num_hidden_layers=args.layers, num_attention_heads=H,
-                      num_key_value_heads=G, head_dim=hd, vocab_size=args.vocab, tie_word_embeddings=False,
-                      max_position_embeddings=4096, rms_norm_eps=1e-5, torch_dtype="bfloat16")
-    cfg.save_pretrained(str(path))
-    gen = torch.Generator().manual_seed(0)
-
-    def rand(*shape: int, norm: bool = False) -> torch.Tensor:
-        t = 1 + 0.1 * torch.randn(shape, generator=gen) if norm else torch.randn(shape, generator=gen) / shape[-1] ** 0.5
-        return t.to(torch.bfloat16)
-
-    def tensors():
-        yield "model.embed_tokens.weight", lambda: rand(args.vocab, D)
-        for i in range(args.layers):
-            p = f"model.layers.{i}."
-            yield p + "input_layernorm.weight", lambda: rand(D, norm=True)
-            yield p + "self_attn.q_proj.weight", lambda: rand(H * hd, D)
-            yield p + "self_attn.k_proj.weight", lambda: rand(G * hd, D)
-            yield p + "self_attn.v_proj.weight", lambda: rand(G * hd, D)
-            yield p + "self_attn.o_proj.weight", lambda: rand(D, H * hd)
-            yield p + "post_attention_layernorm.weight", lambda: rand(D, norm=True)
-            yield p + "mlp.gate_proj.weight", lambda: rand(N, D)
-            yield p + "mlp.up_proj.weight", lambda: rand(N, D)
-            yield p + "mlp.down_proj.weight", lambda: rand(D, N)
-        yield "model.norm.weight", lambda: rand(D, norm=True)
-        yield "lm_head.weight", lambda: rand(args.vocab, D)
-
-    shard: dict[str, torch.Tensor] = {}
-    files: list[str] = []
-    weight_map: dict[str, str] = {}
-    size = total = 0
-
-    def flush() -> None:
-        files.append(f"part-{len(files)}.safetensors")
-        save_file(shard, str(path / files[-1]), metadata={"format": "pt"})
-        weight_map.update({k: files[-1] for k in shard})
-        shard.clear()  # this shard's tensors are freed before the next one is made
-
-    for name, make in tensors():
-        t = make()
-        if size and size + t.numel() * 2 > args.shard_mb << 20:
-            flush()
-            size = 0
-        shard[name] = t
-        size += t.numel() * 2
-        total += t.numel() * 2
-    flush()
-    for i, old in enumerate(files):  # the names Hugging Face gives: model-00001-of-0000K.safetensors
-        new = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        os.replace(path / old, path / new)
-        weight_map.update({k: new for k, v in weight_map.items() if v == old})
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    return total
+    return write_sharded_llama(path, layers=args.layers, hidden=args.hidden, neurons=args.neurons, heads=args.heads,
+                               kv_groups=args.kv_groups, head_dim=args.head_dim, vocab=args.vocab,
+                               shard_bytes=args.shard_mb << 20)
 
 
 def child(args: argparse.Namespace) -> None:

@@ -30,7 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -38,43 +37,10 @@ sys.path.insert(0, str(ROOT))
 
 def write_checkpoint(out: Path, layers: int, shard_bytes: int) -> int:
     """A random Llama checkpoint in shards of at most `shard_bytes`; returns the weights' bytes."""
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig
+    from synthetic import write_sharded_llama
 
-    D, N, H, G, V = 2048, 5632, 32, 4, 32000
-    hd = D // H
-    cfg = LlamaConfig(hidden_size=D, intermediate_size=N, num_hidden_layers=layers, num_attention_heads=H,
-                      num_key_value_heads=G, vocab_size=V, tie_word_embeddings=False, max_position_embeddings=2048)
-    cfg.save_pretrained(str(out))
-    shapes = {"model.embed_tokens.weight": (V, D)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (D,), p + "self_attn.q_proj.weight": (H * hd, D),
-                       p + "self_attn.k_proj.weight": (G * hd, D), p + "self_attn.v_proj.weight": (G * hd, D),
-                       p + "self_attn.o_proj.weight": (D, H * hd), p + "post_attention_layernorm.weight": (D,),
-                       p + "mlp.gate_proj.weight": (N, D), p + "mlp.up_proj.weight": (N, D),
-                       p + "mlp.down_proj.weight": (D, N)})
-    shapes.update({"model.norm.weight": (D,), "lm_head.weight": (V, D)})
-    groups, size = [[]], 0
-    for name, shape in shapes.items():
-        nbytes = 2 * int(torch.Size(shape).numel())
-        if groups[-1] and size + nbytes > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
-    g = torch.Generator().manual_seed(0)
-    weight_map, total = {}, 0
-    for j, names in enumerate(groups):
-        file = f"model-{j + 1:05d}-of-{len(groups):05d}.safetensors"
-        shard = {n: (0.02 * torch.randn(shapes[n], generator=g)).to(torch.bfloat16) for n in names}
-        save_file(shard, str(out / file), metadata={"format": "pt"})
-        total += sum(t.numel() * 2 for t in shard.values())
-        weight_map.update({n: file for n in names})
-        del shard
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                  "weight_map": weight_map}, indent=2))
-    return total
+    return write_sharded_llama(out, layers=layers, hidden=2048, neurons=5632, heads=32, kv_groups=4, vocab=32000,
+                               shard_bytes=shard_bytes)
 
 
 def today(src: Path, layout: Path, out: Path) -> None:
@@ -95,9 +61,8 @@ def today(src: Path, layout: Path, out: Path) -> None:
         with safe_open(str(src / f), framework="pt") as st:
             sd[k] = st.get_tensor(k)
     lay = Layout.load(layout)
-    for name, (kind, layer, axis, rows) in permutation_spec(shape).items():
-        perm = lay.kv_perms[layer] if kind == "kv" else lay.ffn_perms[layer]
-        sd[name] = sd[name].index_select(axis, unit_index(perm, rows))
+    for name, (m, axis, rows) in permutation_spec(shape).items():
+        sd[name] = sd[name].index_select(axis, unit_index(lay.perm(m), rows))
     out.mkdir()
     cfg.save_pretrained(str(out))
     save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
