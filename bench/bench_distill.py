@@ -10,6 +10,9 @@ LM head frozen in all of them, as in distillation):
 - dense fine-tune, transformers: Qwen3ForCausalLM, CE only (the baseline of the ratio)
 - dense fine-tune, DTPModel L=1 δ=0: CE only through the chunked loss
 - distill: the DTP student (L, δ) plus the frozen teacher's forward, KL + 0.1·CE (distill_loop.accumulate)
+- distill, cached teacher: the same student trained from a teacher cache (top-k KL + tail + 0.1·CE; the
+  cache is built before timing, in a temporary directory, and read from disk every step as in a run)
+- with --compile, the cached arm again with the student compiled (`distill --compile on`)
 Arms are interleaved per repeat so machine load hits them alike; the median is reported. On CUDA
 every arm runs under bf16 autocast with fp32 master weights (as distill does).
 Usage: python bench/bench_distill.py [--seq-len 256] [--repeats 3] [--device cpu]
@@ -17,6 +20,7 @@ Usage: python bench/bench_distill.py [--seq-len 256] [--repeats 3] [--device cpu
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -72,6 +76,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--grad-checkpointing", action="store_true")
+    ap.add_argument("--k", type=int, default=64, help="teacher-cache top k")
+    ap.add_argument("--compile", action="store_true", help="add the compiled cached arm")
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -126,18 +132,42 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(p_st, 1.0)
         opt_st.step()
 
+    import tempfile
+
+    from dtpshard.training.teacher_cache import TeacherCache, build_cache
+
+    tmp = tempfile.TemporaryDirectory()
+    hf.save_pretrained(tmp.name + "/teacher")
+    cache = TeacherCache(build_cache(Path(tmp.name) / "teacher", torch.cat(batches), Path(tmp.name) / "cache", a.k,
+                                     device=dev, progress=False))
+    opt_c, p_c = optimizer(student, frozen)  # the same student: only the step's work matters here
+
+    def cached_step(n=net):
+        opt_c.zero_grad(set_to_none=True)
+        accumulate(n, None, None, batches, cfg, dev, cache)  # no teacher forward
+        torch.nn.utils.clip_grad_norm_(p_c, 1.0)
+        opt_c.step()
+
     arms = {"dense fine-tune, transformers (CE)": hf_step, "dense fine-tune, DTPModel L=1 (CE)": dense_step,
-            f"distill L={a.devices} δ={a.delay:g} (KL+0.1·CE, teacher fwd)": distill_step}
+            f"distill L={a.devices} δ={a.delay:g} (KL+0.1·CE, teacher fwd)": distill_step,
+            f"distill L={a.devices} δ={a.delay:g}, teacher cache k={a.k}": cached_step}
+    if a.compile:
+        from dtpshard.model.compiled import compile_module
+
+        arms["  the same, student compiled"] = lambda n=compile_module(Student(student)): cached_step(n)
     times: dict[str, list[float]] = {k: [] for k in arms}
-    for k, step in arms.items():  # warm-up: allocator, optimizer state, autotuning
+    for k, step in arms.items():  # warm-up: allocator, optimizer state, autotuning, compile
+        t = time.perf_counter()
         step()
+        if "compiled" in k:
+            print(f"compile (first step): {time.perf_counter() - t:.0f} s", file=sys.stderr)
     for _ in range(a.repeats):
         for k, step in arms.items():
             times[k].append(timed(step, dev))
     n_params = sum(p.numel() for p in p_st)
     print(f"Qwen3-0.6B widths, {a.layers} layers, vocab {a.vocab} (real: 151936), {n_params / 1e6:.1f} M trained "
           f"parameters; batch {a.micro_batch}×{a.grad_accum}×{a.seq_len} tokens; device {dev}, "
-          f"{torch.get_num_threads()} threads, median of {a.repeats}")
+          f"{torch.get_num_threads()} threads, median of {a.repeats}, arms interleaved; load {os.getloadavg()[0]:.2f}")
     if dev.startswith("cuda"):
         print(f"peak CUDA memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB (all three models and optimizers)")
     base = statistics.median(times[next(iter(arms))])

@@ -1,15 +1,16 @@
 """Benchmark of the multi-process runtime (issue 8): DTP (δ = 1, 2) against tensor parallelism (δ = 0).
 
-L local gloo ranks (cores / L - 2 threads each, see dtpshard.launch.set_threads) run a random Qwen3-0.6B-width
+L local gloo ranks (--threads each, default 1: one core per rank on a 2-core machine) run a random Qwen3-0.6B-width
 model (D 1024, N 3072, head dim 128; 12 heads in 6 KV groups so that L = 2 and 3 both divide;
 4 layers; vocab 8192 so the replicated LM head does not drown the layers) or --model DIR.
 Timed: one prefill of --prompt-len tokens, then --new-tokens greedy decoding steps from the
 per-rank KV cache, median of --repeats, the slowest rank counted. `--latency-ms` adds a fixed
-latency to every transfer (a sum is not available before it was posted plus the latency) to
-emulate a slower link: δ = 0 waits for it after every module, δ ≥ 1 overlaps it with compute.
+latency to every transfer and `--bandwidth-gbps` a wire time of bytes / bandwidth (a sum is not
+available before it was posted plus both; sleep-based, runtime.ranks.Link) to emulate a slower
+link: δ = 0 waits for it after every module, δ ≥ 1 overlaps it with δ modules of compute.
 "compute" is the same forward with the transfers removed, so 1 - compute/δ0 is the share of the
-TP step spent communicating. Usage: python bench/bench_runtime.py [--latency-ms 0 1 --worlds 2 3]
-On a 2-core machine shared with other jobs the numbers are noise: run it on a quiet machine.
+TP step spent communicating. Usage: python bench/bench_runtime.py [--latency-ms 0 0.1 1 --worlds 2]
+On a machine shared with other jobs the absolute times are noisy; modes are interleaved per repeat.
 """
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ def worker(model: str, args: dict, out: str) -> int:
                 for mode in modes:
                     net.link = NoLink(rank, 300) if mode == "compute" else real_link
                     net.link.latency = latency / 1000
+                    net.link.bandwidth = args["bandwidth_gbps"] * 1e9 / 8
                     net.set_delay(0 if mode == "compute" else mode)
                     t = _timed(net, prompt, args["new_tokens"])
                     if rep:  # the first round is a warm-up
@@ -123,18 +125,19 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="a Hugging Face checkpoint directory instead of the random model")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2])
     ap.add_argument("--delays", type=float, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--latency-ms", type=float, nargs="+", default=[0, 1])
+    ap.add_argument("--latency-ms", type=float, nargs="+", default=[0, 0.1, 1])
+    ap.add_argument("--bandwidth-gbps", type=float, default=0, help="simulated link bandwidth, Gbit/s (0: unlimited)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / L - 2)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (0: cores / L - 2)")
     a = ap.parse_args()
     delays = [0] + [d for d in a.delays if d != 0]  # δ = 0 is the baseline, always measured
     args = {"latency_ms": a.latency_ms, "delays": [int(d) if d == int(d) else d for d in delays],
             "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "repeats": a.repeats,
-            "threads": a.threads}
+            "threads": a.threads, "bandwidth_gbps": a.bandwidth_gbps}
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model or random_checkpoint(Path(tmp) / "model", a.layers, a.vocab)
         rows = []
@@ -148,7 +151,8 @@ def main() -> None:
             print(f"L={world}: {time.perf_counter() - t:.0f} s", file=sys.stderr)
     print(f"model: {a.model or f'random Qwen3-0.6B width, {a.layers} layers, vocab {a.vocab}'}; "
           f"prefill {a.prompt_len} tokens, {a.new_tokens} decoded, median of {a.repeats}; gloo, "
-          f"{os.cpu_count()} cores, {a.threads or 'cores/L - 2'} threads per rank")
+          f"{os.cpu_count()} cores, {a.threads or 'cores/L - 2'} threads per rank; link bandwidth "
+          f"{f'{a.bandwidth_gbps:g} Gbit/s' if a.bandwidth_gbps else 'unlimited'}; load {os.getloadavg()[0]:.2f}")
     print(table(rows))
 
 

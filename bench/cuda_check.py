@@ -6,6 +6,11 @@
 3. Throughput and peak memory, forward+backward, bf16 autocast: DTPModel (L = 4, δ = 1) against
    transformers' dense Qwen3 (same weights and tokens), Qwen3-0.6B widths, 4 layers, full vocab.
 4. A short distillation on CUDA (bf16 autocast), resumable run directory and all.
+5. Compiled DTP (model/compiled.py): compiled == eager in fp32; compiled DTP (L = 4, δ = 1) and
+   compiled dense throughput under bf16 autocast (targets: ≥ 1.0× eager dense, ≥ 0.95× compiled dense).
+6. The teacher cache on CUDA: built, then a short distillation reading it (`--teacher-cache`).
+7. CUDA-graph decoding with NCCL (runtime/graphs.py): equal to eager decoding (1 rank, or 2 with
+   two GPUs), and ms/token eager vs graph replay.
 
     PYTHONPATH=. python bench/cuda_check.py
 """
@@ -118,9 +123,132 @@ def distillation() -> bool:
                      f"{time.perf_counter() - t:.1f} s")
 
 
+def compiled() -> bool:
+    from tiny import tiny_hf_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dtpshard.model.compiled import compile_module
+    from dtpshard.model.dtp import DTPModel
+    from dtpshard.training.recipe import Teacher  # a model's LM-head input as a module's forward
+
+    m = DTPModel.from_hf(tiny_hf_model("qwen3"), devices=4, delay=1).cuda()
+    ids = torch.randint(0, 384, (2, 33), device="cuda")
+    d = (compile_module(Teacher(m))(ids) - Teacher(m)(ids)).abs().max().item()
+    ok = check("compiled DTP == eager (cuda fp32)", d <= 1e-4, f"{d:.2e}")
+    cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf = Qwen3ForCausalLM(cfg).cuda().train()
+    dtp = DTPModel.from_hf(hf, devices=4, delay=1).cuda().train()
+    ids = torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda")
+    arms = {"transformers dense": hf, "DTP L=4 δ=1": dtp, "dense compiled": compile_module(hf),
+            "DTP L=4 δ=1 compiled": compile_module(dtp)}
+    tps = {}
+    for name, model in arms.items():
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(ids)
+                loss = (out.logits if hasattr(out, "logits") else out).float().logsumexp(-1).mean()
+            loss.backward()
+
+        t = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        tps[name] = ids.numel() * 5 / (time.perf_counter() - t)
+        print(f"{name:22} {tps[name]:9.0f} tok/s  (first step {first:.1f} s)", flush=True)
+    r1 = tps["DTP L=4 δ=1 compiled"] / tps["transformers dense"]
+    r2 = tps["DTP L=4 δ=1 compiled"] / tps["dense compiled"]
+    print(f"compiled DTP / eager dense {r1:.2f} (target >= 1.0); compiled DTP / compiled dense {r2:.2f} "
+          f"(target >= 0.95)")
+    return ok
+
+
+def teacher_cache() -> bool:
+    import json
+
+    from tiny import save_tiny
+
+    from dtpshard.training.distill import DistillConfig, distill
+    from dtpshard.training.teacher_cache import build_cache, cache_blocks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        teacher = save_tiny(Path(tmp) / "teacher", "qwen3")
+        recipe = dict(steps=20, seq_len=64, micro_batch=4, grad_accum=2)
+        blocks = cache_blocks(teacher, [0], recipe["steps"], recipe["seq_len"], recipe["micro_batch"],
+                              recipe["grad_accum"], 1, None, None)
+        cache = build_cache(teacher, blocks, Path(tmp) / "cache", 64, device="cuda", progress=False)
+        run = distill(DistillConfig(teacher=teacher, out=Path(tmp) / "run", teacher_cache=cache, lr=3e-3, warmup=3,
+                                    eval_every=10, eval_blocks=4, device="cuda", progress=False, **recipe))
+        evals = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        evals = [r for r in evals if r["kind"] == "eval"]
+        return check("cached-teacher distillation on cuda", evals[-1]["eval_kl"] < evals[0]["eval_kl"],
+                     f"eval KL {evals[0]['eval_kl']:.4f} -> {evals[-1]['eval_kl']:.4f}")
+
+
+def _graph_timing(model_dir: str, out: str) -> int:
+    from dtpshard.runtime.graphs import GraphDecoder
+    from dtpshard.runtime.ranks import RankModel, check_world, process_group
+
+    with process_group(timeout=300, backend="nccl") as (rank, world):
+        ckpt, _ = check_world(model_dir, world)
+        net = RankModel(ckpt, rank, world, delay=1, timeout=300, device="cuda")
+        prompt = torch.randint(0, ckpt.shape.vocab, (1, 128), device="cuda")
+        res = {}
+        for name, dec in (("eager", net), ("graph", GraphDecoder(net, 1, 512)), ("eager ", net),
+                          ("graph ", GraphDecoder(net, 1, 512))):
+            cache = dec.new_cache()
+            nxt = dec(prompt, cache)[:, -1:].argmax(-1)
+            for _ in range(3):
+                nxt = dec(nxt, cache)[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(64):
+                nxt = dec(nxt, cache)[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            res[name.strip()] = (time.perf_counter() - t) / 64 * 1000
+        if rank == 0:
+            Path(out).write_text(f"{res['eager']:.3f} {res['graph']:.3f}")
+    return 0
+
+
+def cuda_graphs() -> bool:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_graphs import _check
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dtpshard.runtime.ranks import launch_local
+
+    world = 2 if torch.cuda.device_count() >= 2 else 1
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            _check(world, "nccl", Path(tmp))
+            ok = check(f"CUDA-graph decode == eager ({world} NCCL rank(s), δ = 0, 1, 2)", True, "max diff <= 1e-4")
+        except AssertionError as e:
+            ok = check(f"CUDA-graph decode == eager ({world} NCCL rank(s))", False, str(e)[:200])
+        cfg = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
+                          num_key_value_heads=8, head_dim=128, vocab_size=8192, tie_word_embeddings=True)
+        torch.manual_seed(0)
+        Qwen3ForCausalLM(cfg).save_pretrained(f"{tmp}/m")
+        exits = launch_local(world, _graph_timing, (f"{tmp}/m", f"{tmp}/t.txt"), grace=60)
+        if any(e.code for e in exits):
+            return check("CUDA-graph decode timing", False, f"ranks exited {[e.code for e in exits]}")
+        eager, graph = map(float, Path(f"{tmp}/t.txt").read_text().split())
+        print(f"decode ms/token, {world} rank(s), δ=1, Qwen3-0.6B widths 4 layers: eager {eager:.2f}, "
+              f"CUDA graph {graph:.2f} ({graph / eager:.2f}x)")
+    return ok
+
+
 if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name(0), flush=True)
     ok = exactness()
     throughput()
     ok &= distillation()
+    ok &= compiled()
+    ok &= teacher_cache()
+    ok &= cuda_graphs()
     sys.exit(0 if ok else 1)

@@ -33,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "affinity": ("dtpshard.affinity.calibrate:affinity_cmd", "one calibration pass: unit-to-unit affinity scores"),
     "eval": ("dtpshard.training.evaluate:eval_cmd", "perplexity and KL to a teacher on held-out blocks"),
     "distill": ("dtpshard.training.distill:distill_cmd", "distil the DTP student from the dense teacher (resumable)"),
+    "teacher-cache": ("dtpshard.training.teacher_cache:teacher_cache_cmd",
+                      "top-k teacher log-probabilities of the training blocks, once, for distill --teacher-cache"),
     "experiment": ("dtpshard.studies.experiment:experiment_cmd", "run a whole study from a config file (resumable)"),
     "report": ("dtpshard.studies.report:report_cmd", "Markdown report with figures for an experiment directory"),
     "demo": ("dtpshard.studies.demo:demo_cmd", "the whole pipeline on SmolLM2-135M, offline, on a CPU"),
@@ -117,12 +119,16 @@ def _flag_of(key: str) -> str:
 
 def _normalise(argv: list[str], parser: Any) -> list[str]:
     """`--seq-len` -> `--seq_len` (the parameter's name), `--no-x` -> `--x=false`, a bare boolean
-    `--x` -> `--x=true` (so the next word is never read as its value), `--text a b` -> a list."""
+    `--x` -> `--x=true` (so the next word is never read as its value), likewise `on`/`off` for an
+    on/off choice, `--text a b` -> a list."""
     import json
 
     hints = {a.dest: getattr(a, "_typehint", a.type) for a in parser._actions}
     bools = {d for d, t in hints.items() if t is bool or set(typing.get_args(t)) == {bool, type(None)}}  # bool | None too
     lists = {d for d, t in hints.items() if list in (typing.get_origin(t), *map(typing.get_origin, typing.get_args(t)))}
+    # an on/off/... choice (distill --compile): bare `--x` is `on`, `--no-x` is `off`
+    switches = {d: set(typing.get_args(t)) for d, t in hints.items()
+                if typing.get_origin(t) is typing.Literal and {"on", "off"} <= set(typing.get_args(t))}
     out, i = [], 0
     while i < len(argv):
         arg, i = argv[i], i + 1
@@ -141,6 +147,10 @@ def _normalise(argv: list[str], parser: Any) -> list[str]:
             out.append(f"--{flag[5:]}=false")
         elif flag[2:] in bools and not eq and not (i < len(argv) and argv[i].lower() in _BOOL_WORDS):
             out.append(f"{flag}=true")
+        elif flag.startswith("--no_") and flag[5:] in switches and not eq:
+            out.append(f"--{flag[5:]}=off")
+        elif flag[2:] in switches and not eq and not (i < len(argv) and argv[i] in switches[flag[2:]]):
+            out.append(f"{flag}=on")
         else:
             out.append(flag + eq + value)
     return out

@@ -15,7 +15,8 @@ BAD = {"Count": "0", "NonNegativeInt": "-1", "Seed": "-1", "PositiveNumber": "na
 # positional arguments and required flags, so that only the flag under test is wrong
 REQUIRED = {"generate": ["m", "--prompt", "x"], "layout": ["a", "--out", "o"], "permute": ["m", "l", "--out", "o"],
             "score": ["a", "l"], "affinity": ["m", "--out", "o"], "eval": ["m"], "distill": ["t", "--out", "o"],
-            "experiment": ["s", "--out", "o"], "report": ["d"], "demo": [], "run": ["m", "--prompt", "x"]}
+            "experiment": ["s", "--out", "o"], "report": ["d"], "demo": [], "run": ["m", "--prompt", "x"],
+            "teacher-cache": ["t", "--out", "o"]}
 
 
 def _base(hint):
@@ -66,6 +67,9 @@ def test_bad_flag_value_is_refused_while_parsing(command, dest, hint, capsys, tm
     (["distill", "t", "--out", "o", "--timeout", "nan"], "--timeout nan: must be a finite number > 0"),
     (["distill", "t", "--out", "o", "--steps", "2.5"], "--steps 2.5: must be an integer >= 1"),
     (["layout", "a", "--out", "o", "--kind", "best"], "--kind best: must be one of optimised, contiguous"),
+    (["distill", "t", "--out", "o", "--compile", "maybe"], "unknown argument maybe"),  # bare --compile is `on`
+    (["distill", "t", "--out", "o", "--compile=maybe"], "--compile maybe: must be one of auto, on, off"),
+    (["teacher-cache", "t", "--out", "o", "--k", "0"], "--k 0: must be an integer >= 1"),
     (["generate", "m"], "missing --prompt"),
     (["generate", "--prompt", "x"], "missing MODEL"),
     (["score", "a", "l", "--colour", "red"], "unknown argument --colour"),
@@ -94,6 +98,10 @@ def test_flag_spellings(tmp_path):
     got = cli.parse("affinity", fn, ["m", "--out", "o", "--seq-len", "8", "--text", "a", "b", "--no-progress",
                                      "--group-unit"])
     assert (got["seq_len"], got["text"], got["progress"], got["group_unit"]) == (8, ["a", "b"], False, True)
+    fn = cli.load_command("distill")
+    compile_as = lambda *flags: cli.parse("distill", fn, ["t", "--out", "o", *flags])["cfg"].compile  # noqa: E731
+    assert (compile_as(), compile_as("--compile"), compile_as("--compile", "off"), compile_as("--no-compile"),
+            compile_as("--compile=on", "--steps", "3")) == ("auto", "on", "off", "off", "on")
 
 
 def test_version_help_and_module_entry_point():

@@ -23,6 +23,7 @@ KV_SEARCHES: tuple[str, ...] = get_args(KvSearch)
 DType = Literal["float32", "bfloat16"]
 LoadDType = Literal["auto", "float32", "bfloat16"]  # auto: the checkpoint's own, as transformers
 AffinityDType = Literal["float32", "float64"]
+CompileMode = Literal["auto", "on", "off"]  # distill --compile: auto compiles where it pays (model/compiled.py)
 PermuteCheck = Literal["construction", "logits", "none"]  # what `permute` reads back
 
 # -- constrained numbers and strings (parse-time checks) ---------------------------------------

@@ -62,6 +62,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def residual_update(x: torch.Tensor, p: torch.Tensor, own: float,
+                    arrivals: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
+    """x_l + own·p_l + Σ_k w_k·(Σ_j p_j^k - p_l^k) for every device l at once, x and p [L, B, T, D].
+
+    One new tensor, updated in place (autograd saves none of these operands), instead of a
+    temporary per term; under torch.compile the whole update fuses with the next pre-norm.
+    """
+    out = torch.add(x, p, alpha=own)
+    for q, w in arrivals:
+        out.add_(q.sum(0, keepdim=True), alpha=w).sub_(q, alpha=w)
+    return out
+
+
 class Proj(nn.Module):
     """A bare weight (and bias) with nn.Linear's names; the DTP code reads per-device views."""
 
@@ -298,10 +311,7 @@ class DTPModel(PretrainedMixin, nn.Module):
             else:
                 p = self.module_partials(m, x, cos, sin, cache, mask)
             recent[m] = p
-            x = x + p if step.own_scale == 1 else x + step.own_scale * p
-            for k, w in step.arrivals:
-                others = recent[k].sum(0, keepdim=True) - recent[k]  # Σ_{j≠l} p_j^k
-                x = x + others if w == 1 else x + w * others
+            x = residual_update(x, p, step.own_scale, [(recent[k], w) for k, w in step.arrivals])
             recent.pop(m - keep, None)
         return x
 

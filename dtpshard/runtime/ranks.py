@@ -104,30 +104,32 @@ def load_shard(ckpt: Checkpoint, rank: int, world: int, layout: Layout | None,
 class Link:
     """This rank's transfers: sums over ranks, posted now and taken later (DTP) or at once (TP).
 
-    `latency` (seconds) emulates a slower link: a sum is not available before it was posted plus
-    `latency`. A blocking transfer therefore waits the whole latency; one taken δ modules later
-    waits only for what the compute in between has not covered.
+    `latency` (seconds) and `bandwidth` (bytes/s, 0: unlimited) emulate a slower link: a sum of
+    n bytes is not available before it was posted plus latency + n / bandwidth. A blocking
+    transfer therefore waits all of it; one taken δ modules later waits only for what the compute
+    in between has not covered.
     """
 
-    def __init__(self, rank: int, timeout: float, latency: float = 0.0):
-        self.rank, self.latency = rank, latency
+    def __init__(self, rank: int, timeout: float, latency: float = 0.0, bandwidth: float = 0.0):
+        self.rank, self.latency, self.bandwidth = rank, latency, bandwidth
         self.timeout = datetime.timedelta(seconds=timeout)
         self.pending: dict[int, list[Any]] = {}  # module -> [work, sum buffer, own partial, posted at, others]
 
-    def _wait(self, work: Any, posted: float, what: str) -> None:
+    def _wait(self, work: Any, posted: float, what: str, nbytes: int = 0) -> None:
         try:
             work.wait(self.timeout)
         except RuntimeError as e:
             raise RankFailure(f"rank {self.rank}: {what} failed ({cause(e)}); another rank died, hung "
                               "or was stopped") from None
-        left = posted + self.latency - time.perf_counter()
+        wire = nbytes / self.bandwidth if self.bandwidth > 0 else 0.0
+        left = posted + self.latency + wire - time.perf_counter()
         if left > 0:
             time.sleep(left)
 
     def reduce(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """Σ over ranks of t, blocking (t is summed in place)."""
         posted = time.perf_counter()
-        self._wait(dist.all_reduce(t, async_op=True), posted, what)
+        self._wait(dist.all_reduce(t, async_op=True), posted, what, t.numel() * t.element_size())
         return t
 
     def post(self, m: int, p: torch.Tensor) -> None:
@@ -138,7 +140,8 @@ class Link:
         """Σ_{j≠l} p_j^m: the other ranks' partials of module m (waits for them if needed)."""
         entry = self.pending[m]
         if entry[4] is None:  # a fractional δ lands the same sum twice: wait once
-            self._wait(entry[0], entry[3], f"the transfer of module {m}'s partials")
+            self._wait(entry[0], entry[3], f"the transfer of module {m}'s partials",
+                       entry[1].numel() * entry[1].element_size())
             entry[4] = entry[1] - entry[2]
         return entry[4]
 
@@ -235,7 +238,8 @@ class RankModel:
 def run_cmd(model: Path, *, prompt: str, delay: Delay | None = None, layout: Path | None = None,
             max_new_tokens: Count = 40, timeout: Seconds = 600, stage3: Stage3 = "sqrt",
             latency_ms: NonNegativeNumber = 0, dtype: DType = "float32", device: Device = "auto", nproc: Count = 1,
-            threads: NonNegativeInt = 0, tokenizer: Path | None = None, json: bool = False) -> int:
+            threads: NonNegativeInt = 0, tokenizer: Path | None = None, json: bool = False,
+            cuda_graphs: bool = False) -> int:
     """Greedy continuation of PROMPT with MODEL run as DTP across processes, one rank per device
     (start it with torchrun --nproc-per-node L, or pass --nproc L). Rank 0 prints the text.
 
@@ -254,6 +258,7 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay | None = None, layout: Pat
         threads: torch threads per rank (0: the cores divided by the local ranks, less two for the transfers)
         tokenizer: tokenizer directory, where MODEL has no tokenizer files
         json: rank 0 prints one JSON object {text, completion, new_token_ids, ...} instead of the text
+        cuda_graphs: decode each token as one CUDA-graph replay (device cuda; runtime/graphs.py)
     """
     from dtpshard.core.devices import DTYPES
 
@@ -262,12 +267,14 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay | None = None, layout: Pat
     if device.startswith("cuda:"):
         raise UserError(f"--device {device}: each rank uses cuda:LOCAL_RANK; give --device cuda")
     device = pick_device(device)
+    if cuda_graphs and device != "cuda":
+        raise UserError("--cuda-graphs: only with --device cuda")
     if device == "cuda" and latency_ms:
         raise UserError("latency_ms emulates a link with host-side waits: only with device=cpu")
     delay = _student_delay(model, delay, nproc if nproc > 1 else int(os.environ.get("WORLD_SIZE", "1")))
     kwargs = dict(model=model, prompt=prompt, delay=delay, layout=layout, max_new_tokens=max_new_tokens,
                   timeout=timeout, stage3=stage3, latency_ms=latency_ms, dtype=dtype, device=device, threads=threads,
-                  tokenizer=tokenizer, json=json)
+                  tokenizer=tokenizer, json=json, cuda_graphs=cuda_graphs)
     if nproc > 1 and "RANK" not in os.environ:  # the launcher: refuse before spawning anything
         check_world(model, nproc, layout, delay)
         exits = launch_local(nproc, _run_rank, (kwargs,), grace=timeout, who="dtpshard run")
@@ -291,6 +298,10 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay | None = None, layout: Pat
     dev = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if device == "cuda" else "cpu"
     with process_group(timeout, "nccl" if device == "cuda" else "gloo") as (rank, world):
         net = RankModel(ckpt, rank, world, lay, delay, stage3, DTYPES[dtype], timeout, latency_ms / 1000, dev)
+        if cuda_graphs:
+            from dtpshard.runtime.graphs import GraphDecoder
+
+            net = GraphDecoder(net, ids.shape[0], ids.shape[1] + max_new_tokens)
         out = generate_ids(net, ids.to(dev), max_new_tokens, eos_id=tok.eos_token_id)
         if rank == 0:
             new = out[0, ids.shape[1]:]

@@ -11,14 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.vocab import (OPTIMISING_KINDS, Count, Delay, Device, KvSearch, LayoutKind, Seed, Stage3,
+from dtpshard.core.vocab import (OPTIMISING_KINDS, Count, Delay, Device, KvSearch, LayoutKind, NonNegativeInt, Seed,
+                                 Stage3,
                                  parse_refusal)
 
 FORMAT = "dtpshard.experiment/1"
 OPTIMISING = OPTIMISING_KINDS
 # DistillConfig fields the experiment sets itself (per arm, or from the other sections)
 NOT_TRAINING = ("teacher", "out", "layout", "devices", "delay", "stage3", "seed", "force", "device",
-                "eval_blocks", "eval_text", "eval_dataset", "eval_micro_batch", "text_field", "tokenizer", "tensorboard")
+                "eval_blocks", "eval_text", "eval_dataset", "eval_micro_batch", "text_field", "tokenizer", "tensorboard",
+                "teacher_cache")
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Experiment:
     stage3: Stage3 = "sqrt"
     text_field: str = "text"  # the column/field of every text source
     tokenizer: str | None = None  # None: the model's
+    teacher_cache_k: NonNegativeInt = 0  # K > 0: every arm trains on one cache of the teacher's top K; 0: off
     calibration: Calibration = field(default_factory=Calibration)
     evaluation: Evaluation = field(default_factory=Evaluation)
     layouts: LayoutSearch = field(default_factory=LayoutSearch)

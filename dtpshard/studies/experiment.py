@@ -8,6 +8,7 @@ value is refused with the key named. Example (the paper's study: dtpshard/config
     devices = 4
     delay = 1
     text_field = "text"            # the column / JSON field of every text source; tokenizer = DIR if the model has none
+    teacher_cache_k = 0            # K > 0: every arm trains on one cache of the teacher's top K (top-K KL + tail)
     [calibration]                  # text = [files] | dataset = "fineweb-edu" | neither: offline corpus
     blocks = 64
     seq_len = 1024
@@ -34,6 +35,9 @@ The experiment directory DIR:
     DIR/affinity.safetensors     one calibration pass (dtpshard affinity)
     DIR/layouts/NAME.json        every layout, scored (J and its per-layer parts)
     DIR/zeroshot.json            per layout: KL and perplexity of the untrained student (step 0)
+    DIR/teacher-cache/           with teacher_cache_k = K > 0: the teacher's top-K log-probabilities of
+                                 every arm's training blocks, computed once and read by every arm
+                                 (dtpshard teacher-cache; the arms train on the top-K KL + tail)
     DIR/runs/NAME-sSEED/         one distillation run directory per arm (dtpshard distill)
     DIR/report.md, DIR/figures/  the report (dtpshard report DIR)
 
@@ -54,6 +58,7 @@ from dtpshard.studies.config import FORMAT, OPTIMISING, check_config, load_confi
 from dtpshard.core.io import atomic_write_text, read_json, read_json_object
 
 AFFINITY, LAYOUT_DIR, ZEROSHOT, RUNS = "affinity.safetensors", "layouts", "zeroshot.json", "runs"
+TEACHER_CACHE = "teacher-cache"
 
 
 # -- the pipeline ------------------------------------------------------------------------------
@@ -67,7 +72,8 @@ def _compared(record: dict[str, Any]) -> dict[str, Any]:
     from dtpshard.training.distill import OPERATIONAL
 
     train = {k: v for k, v in (record.get("training") or {}).items() if k not in OPERATIONAL}
-    defaults = {"text_field": "text", "tokenizer": None}  # keys added later: an older directory lacks them
+    # keys added later: an older directory lacks them
+    defaults = {"text_field": "text", "tokenizer": None, "teacher_cache_k": 0}
     return {**{k: v for k, v in record.items() if k not in defaults or v != defaults[k]}, "training": train}
 
 
@@ -106,7 +112,7 @@ def _prepare_dir(out: Path, cfg: dict[str, Any], force: bool) -> None:
             diff = [k for k in sorted(set(new) | set(old)) if old.get(k) != new.get(k)]
             raise UserError(f"--out {out}: an experiment with other settings ({', '.join(diff)}) is there "
                             "(use --force to start it over)")
-        for name in (AFFINITY, LAYOUT_DIR, ZEROSHOT, RUNS, "report.md", "figures"):
+        for name in (AFFINITY, LAYOUT_DIR, ZEROSHOT, RUNS, TEACHER_CACHE, "report.md", "figures"):
             p = out / name
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
     elif out.exists() and (not out.is_dir() or any(p.name != LOCK for p in out.iterdir())) and not force:
@@ -202,6 +208,27 @@ def _zero_shot(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: 
         _say(f"zero-shot {name}: KL {done[name]['kl']:.4f}, ppl {done[name]['ppl']:.2f}")
 
 
+def _teacher_cache(cfg: dict[str, Any], model: Path, out: Path, runs: list[tuple[str, int]]) -> Path | None:
+    """One cache of every arm's training blocks (each seed's), so the teacher runs once per block."""
+    if not cfg.get("teacher_cache_k") or not runs:
+        return None
+    from dtpshard.core.devices import pick_device
+    from dtpshard.training.recipe import DistillConfig
+    from dtpshard.training.teacher_cache import build_cache, cache_blocks
+
+    t = {**{f: getattr(DistillConfig(teacher=model, out=out), f) for f in
+            ("steps", "seq_len", "micro_batch", "grad_accum", "nproc", "text", "dataset", "autocast", "progress")},
+         **cfg["training"]}
+    seeds = sorted({seed for _, seed in runs})
+    tokenizer = None if cfg.get("tokenizer") is None else Path(cfg["tokenizer"])
+    _say(f"teacher cache: top {cfg['teacher_cache_k']} of the training blocks of seeds {seeds}")
+    blocks = cache_blocks(model, seeds, t["steps"], t["seq_len"], t["micro_batch"], t["grad_accum"], t["nproc"],
+                          t["text"], t["dataset"], cfg["text_field"], tokenizer)
+    return build_cache(model, blocks, out / TEACHER_CACHE, cfg["teacher_cache_k"], micro_batch=t["micro_batch"],
+                       device=pick_device(cfg["device"]), autocast=t["autocast"], progress=t["progress"],
+                       tokenizer=tokenizer)
+
+
 def _arms(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: Path,
           tensorboard: Path | None = None) -> None:
     from dtpshard.training.distill import DistillConfig, distill
@@ -209,6 +236,8 @@ def _arms(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: Path,
 
     ev = cfg["evaluation"]
     runs = [(spec["name"], seed) for arm in cfg["arms"] for spec in arm["layouts"] for seed in arm["seeds"]]
+    todo = [r for r in runs if not is_done(out / RUNS / f"{r[0]}-s{r[1]}")]
+    cache = _teacher_cache(cfg, model, out, runs) if todo else None  # every seed's blocks: one plan
     for k, (name, seed) in enumerate(runs, 1):
         run = out / RUNS / f"{name}-s{seed}"
         if is_done(run):
@@ -220,7 +249,7 @@ def _arms(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: Path,
                               eval_blocks=ev["blocks"], eval_text=ev["text"], eval_dataset=ev["dataset"],
                               eval_micro_batch=ev["micro_batch"], text_field=cfg["text_field"],
                               tokenizer=cfg["tokenizer"], tensorboard=None if tensorboard is None else tensorboard / run.name,
-                              **cfg["training"]))
+                              teacher_cache=cache, **cfg["training"]))
 
 
 def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False, tensorboard: Path | None = None) -> Path:

@@ -42,21 +42,26 @@ def _optimizer(cfg: DistillConfig, student: torch.nn.Module):
     return named, opt, sched
 
 
-def accumulate(net, ddp, teacher, batches: list[torch.Tensor], cfg: DistillConfig, device: str) -> torch.Tensor:
+def accumulate(net, ddp, teacher, batches: list[torch.Tensor], cfg: DistillConfig, device: str,
+               cache: Any = None) -> torch.Tensor:
     """Forward/backward of this rank's micro-batches [micro, seq_len + 1] of one optimizer step
     (net: a distill.Student, teacher: a distill.Teacher; gradients accumulate, DDP reduces after
     the last one). Returns [loss, kl, ce] sums (float64, on the device: no host sync per
-    micro-batch)."""
+    micro-batch). With a teacher cache (anything with `lookup(blocks)`, teacher_cache.TeacherCache)
+    the teacher is not run: the loss is the top-k KL + tail."""
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     for a, b in enumerate(batches):
+        top = None if cache is None else tuple(t.to(device, non_blocking=True) for t in cache.lookup(b))
         b = b.to(device)
         ids, tgt = b[:, :-1], b[:, 1:]
-        with torch.no_grad(), autocast_for(device, cfg.autocast):
-            h_t = teacher(ids)
+        h_t = None
+        if top is None:
+            with torch.no_grad(), autocast_for(device, cfg.autocast):
+                h_t = teacher(ids)
         sync = ddp.no_sync() if ddp is not None and a < len(batches) - 1 else nullcontext()
         with sync:
             with autocast_for(device, cfg.autocast):
-                loss, kl, ce = net(ids, h_t, tgt, cfg.ce_weight)
+                loss, kl, ce = net(ids, h_t, tgt, cfg.ce_weight, top)
             (loss / (cfg.micro_batch * cfg.grad_accum * cfg.seq_len)).backward()
         sums += torch.stack([loss.detach(), kl, ce]).double()
     return sums
@@ -106,7 +111,13 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
     train_data, train_src = train_blocks_for(cfg, d.world, tok)
     ev, eval_src = eval_blocks_for(cfg.teacher, cfg.eval_text, cfg.eval_dataset, cfg.eval_blocks, cfg.seq_len, tok,
                                    cfg.text_field)
-    config = run_config(cfg, student.shape, layout, d.world, d.device, train_data, train_src, ev, eval_src)
+    cache = None
+    if cfg.teacher_cache is not None:
+        from dtpshard.training.teacher_cache import TeacherCache
+
+        cache = TeacherCache(cfg.teacher_cache)
+        cache.check(cfg.teacher, train_data, cfg.tokenizer)  # before anything is written
+    config = run_config(cfg, student.shape, layout, d.world, d.device, train_data, train_src, ev, eval_src, cache)
     # every rank refuses alike; runs from before --fsdp existed were not sharded
     resuming = rundir.check_run(run, config, compared_keys(), cfg.force, added={"fsdp": False})
     d.barrier()
@@ -155,8 +166,10 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         net = ddp = DDP(net0, device_ids=[d.local_rank] if d.device.startswith("cuda") else None)
-    if cfg.compile:
-        net = torch.compile(net)
+    from dtpshard.model.compiled import compile_module, want_compile
+
+    if not sharded and want_compile(cfg.compile, d.device, cfg.steps - start):
+        net = compile_module(net)
     t0 = time.perf_counter()
     wall = lambda: wall0 + time.perf_counter() - t0  # noqa: E731 - training seconds, summed over resumes
     G, T = cfg.micro_batch * cfg.grad_accum * d.world, cfg.seq_len
@@ -176,7 +189,8 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
         lr = sched.get_last_lr()[0]
         opt.zero_grad(set_to_none=True)
         rows = [step * G + (a * d.world + d.rank) * cfg.micro_batch for a in range(cfg.grad_accum)]
-        sums = accumulate(net, ddp, teacher, [train_data[r:r + cfg.micro_batch] for r in rows], cfg, d.device)
+        sums = accumulate(net, ddp, teacher, [train_data[r:r + cfg.micro_batch] for r in rows], cfg, d.device,
+                          cache)
         params = [p for _, p in named]
         grad_norm = fsdp.full_norm(torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf))
         opt.step()

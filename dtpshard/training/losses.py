@@ -85,3 +85,86 @@ def kl_ce_sums(h_s: torch.Tensor, w_s: torch.Tensor, h_t: torch.Tensor | None, w
         w_t = w_t.detach()
     chunk = chunk or chunk_tokens(w_s.shape[0])
     return _FusedKLCE.apply(h_s, w_s, h_t, w_t, targets.reshape(-1), float(ce_weight), int(chunk))
+
+
+# -- the loss against a teacher cache (training/teacher_cache.py) ------------------------------
+def _masked_lse(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log Σ_{v ∉ ids} exp z_v per row (-inf where every entry is in ids)."""
+    return z.scatter(1, ids, float("-inf")).logsumexp(-1)
+
+
+class _FusedTopKKLCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_s, w_s, top_ids, top_logp, tail_logp, targets, ce_weight: float, chunk: int):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        kl_sum = torch.zeros((), dtype=torch.float32, device=h_s.device)
+        ce_sum = torch.zeros((), dtype=torch.float32, device=h_s.device)
+        grad_h = torch.empty(h_s.shape, dtype=torch.float32, device=h_s.device) if need_h else None
+        grad_w = torch.zeros(w_s.shape, dtype=torch.float32, device=w_s.device) if need_w else None
+        for a in range(0, h_s.shape[0], chunk):
+            b = min(a + chunk, h_s.shape[0])
+            z = _logits(h_s[a:b], w_s)
+            lse = z.logsumexp(-1, keepdim=True)
+            ids, lp, lt = top_ids[a:b], top_logp[a:b].float(), tail_logp[a:b].float()
+            p, pt = lp.exp(), lt.exp()
+            lq_top = z.gather(1, ids) - lse  # log q_v, v in the top k
+            lq_tail = _masked_lse(z, ids) - lse[:, 0]  # log q_tail
+            tail_kl = torch.where(pt > 0, pt * (lt - lq_tail), torch.zeros_like(pt))
+            kl_sum += (p * (lp - lq_top)).sum() + tail_kl.sum()
+            y = targets[a:b]
+            ce_sum += -(z.gather(1, y[:, None]) - lse).sum()
+            if need_h or need_w:
+                q = (z - lse).exp_()  # reuses z: [c, V]
+                mass = p.sum(-1, keepdim=True) + pt[:, None]  # Σ_K p + p_tail (1 up to the cache's rounding)
+                tail_coef = torch.where(pt > 0, pt * torch.exp(-lq_tail), torch.zeros_like(pt))[:, None]
+                g = q * (mass + ce_weight) - q * tail_coef  # the tail's share, then put back on the top k
+                g.scatter_add_(1, ids, q.gather(1, ids) * tail_coef - p)
+                g.scatter_add_(1, y[:, None], torch.full((b - a, 1), -ce_weight, device=g.device))
+                if need_h:
+                    grad_h[a:b] = g @ w_s.float()
+                if need_w:
+                    grad_w += g.t() @ h_s[a:b].float()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.h_dtype, ctx.w_dtype = h_s.dtype, w_s.dtype
+        ctx.mark_non_differentiable(kl_sum, ce_sum)
+        return kl_sum + ce_weight * ce_sum, kl_sum, ce_sum
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_kl, _g_ce):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = (grad_h * g_loss).to(ctx.h_dtype) if grad_h is not None else None
+        gw = (grad_w * g_loss).to(ctx.w_dtype) if grad_w is not None else None
+        return gh, gw, None, None, None, None, None, None
+
+
+def topk_kl_ce_sums(h_s: torch.Tensor, w_s: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor,
+                    tail_logp: torch.Tensor, targets: torch.Tensor, ce_weight: float = 0.1,
+                    chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kl_ce_sums with the teacher given by its cached top k (training/teacher_cache.py).
+
+    Per position, with K the teacher's top-k tokens, p_v = exp(top_logp_v) (v ∈ K),
+    p_tail = exp(tail_logp) = Σ_{v∉K} p_v, q = softmax(h_s W_s^T) and q_tail = Σ_{v∉K} q_v:
+
+        KL_K = Σ_{v∈K} p_v·(log p_v - log q_v) + p_tail·(log p_tail - log q_tail)
+
+    the exact KL between the two distributions coarsened to K plus one tail bucket (so
+    0 ≤ KL_K ≤ KL; equal when the teacher's tail is spread like the student's). Its gradient
+    w.r.t. the student logits is S·q - p·1_K - p_tail·q/q_tail·1_{∉K}, S = Σ_K p + p_tail.
+    CE and the other conventions are kl_ce_sums'. top_ids [..., k] (int), top_logp [..., k]
+    (any float dtype), tail_logp [...] and targets [...] over the same positions as h_s.
+    """
+    D = h_s.shape[-1]
+    k = top_ids.shape[-1]
+    chunk = chunk or chunk_tokens(w_s.shape[0])
+    return _FusedTopKKLCE.apply(h_s.reshape(-1, D), w_s, top_ids.reshape(-1, k).long(), top_logp.reshape(-1, k),
+                                tail_logp.reshape(-1), targets.reshape(-1), float(ce_weight), int(chunk))
+
+
+def teacher_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(top_ids, top_logp [..., k], tail_logp [...]) of the teacher's logits [..., V], in fp32."""
+    V = logits.shape[-1]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top_logp, top_ids = logp.topk(min(k, V), dim=-1, sorted=True)
+    flat = logp.reshape(-1, V)
+    tail = _masked_lse(flat, top_ids.reshape(-1, top_ids.shape[-1])).reshape(logp.shape[:-1])
+    return top_ids, top_logp, tail

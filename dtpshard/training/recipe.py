@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.vocab import (Beta, Count, Delay, Device, Fraction, NonNegativeInt, NonNegativeNumber,
+from dtpshard.core.vocab import (Beta, CompileMode, Count, Delay, Device, Fraction, NonNegativeInt, NonNegativeNumber,
                                  PositiveNumber, Seconds, Seed, Stage3)
 
 FORMAT = "dtpshard.distill/1"
@@ -35,8 +35,9 @@ FROZEN = ("model.embed_tokens.weight", "lm_head.weight")
 # Settings that do not change what is computed: a resumed run may change them.
 OPERATIONAL = ("out", "force", "progress", "checkpoint_every", "checkpoint_minutes", "nproc", "timeout",
                "eval_micro_batch", "grad_checkpointing", "compile", "device", "text", "eval_text", "layout",
-               "text_field", "tokenizer", "tensorboard")  # data changes show in the data hashes
-DERIVED_COMPARED = ("model", "layout_sha256", "world_size", "device_type", "train_data_sha256", "eval_data_sha256")
+               "text_field", "tokenizer", "tensorboard", "teacher_cache")  # data changes show in the data hashes
+DERIVED_COMPARED = ("model", "layout_sha256", "world_size", "device_type", "train_data_sha256", "eval_data_sha256",
+                    "teacher_cache_id")  # a cached teacher is recorded by what it holds, not where
 
 
 @dataclass
@@ -75,7 +76,8 @@ class DistillConfig:
         tokenizer: tokenizer directory, where TEACHER has no tokenizer files
         seed: data-order seed
         grad_checkpointing: recompute each module's activations in backward (less memory)
-        compile: torch.compile the student
+        compile: torch.compile the student: on, off, or auto (on CUDA, and on CPU for runs of 200+ steps; never with --fsdp)
+        teacher_cache: a `dtpshard teacher-cache` directory: train on its top-k KL + tail instead of running the teacher
         autocast: bf16 autocast on CUDA with fp32 master weights (ignored on CPU)
         device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         checkpoint_every: write a checkpoint every this many steps
@@ -117,7 +119,8 @@ class DistillConfig:
     tokenizer: Path | None = None  # None: the teacher's
     seed: Seed = 0
     grad_checkpointing: bool = False
-    compile: bool = False
+    compile: CompileMode = "auto"  # model/compiled.py: auto compiles where it pays
+    teacher_cache: Path | None = None  # train on a teacher cache's top k (teacher_cache.py), not the teacher
     autocast: bool = True
     device: Device = "auto"
     checkpoint_every: Count = 100
@@ -150,9 +153,13 @@ def check_config(cfg: DistillConfig) -> None:
         raise UserError(f"--eval-micro-batch {cfg.eval_micro_batch}: must be at least 1")
     if cfg.stage3 not in ("sqrt", "one"):
         raise UserError(f"--stage3 {cfg.stage3!r}: must be sqrt or one")
-    if cfg.fsdp and cfg.compile:
-        raise UserError("--compile with --fsdp: not supported (torch.compile over FSDP2 modules is untested); "
+    if cfg.compile not in ("auto", "on", "off", True, False):  # bools: the Python API's older flag
+        raise UserError(f"--compile {cfg.compile!r}: must be auto, on or off")
+    if cfg.fsdp and cfg.compile in ("on", True):  # auto stays eager under --fsdp
+        raise UserError("--compile on with --fsdp: not supported (torch.compile over FSDP2 modules is untested); "
                         "drop one")
+    if cfg.fsdp and cfg.teacher_cache is not None:
+        raise UserError("--teacher-cache with --fsdp: not supported yet (the cached path is untested sharded); drop one")
 
 
 def lr_factor(i: int, steps: int, warmup: int, min_ratio: float) -> float:
@@ -178,11 +185,15 @@ class Student(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, ids: torch.Tensor, h_t: torch.Tensor | None, targets: torch.Tensor,
-                ce_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # -> (loss, kl, ce) sums
-        from dtpshard.training.losses import kl_ce_sums
+    def forward(self, ids: torch.Tensor, h_t: torch.Tensor | None, targets: torch.Tensor, ce_weight: float,
+                top: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (loss, kl, ce) sums; `top`: a teacher cache's (top_ids, top_logp, tail_logp) of these
+        blocks instead of the teacher's h_t: the top-k KL + tail (losses.topk_kl_ce_sums)."""
+        from dtpshard.training.losses import kl_ce_sums, topk_kl_ce_sums
 
         w = self.model.lm_head_weight
+        if top is not None:
+            return topk_kl_ce_sums(self.model.hidden(ids), w, *top, targets, ce_weight)
         return kl_ce_sums(self.model.hidden(ids), w, h_t, None if h_t is None else w, targets, ce_weight)
 
 
@@ -253,12 +264,14 @@ def resolve(cfg: DistillConfig) -> DistillConfig:
         layout=None if cfg.layout is None else Path(cfg.layout).absolute(), devices=devices, delay=delay,
         tokenizer=None if cfg.tokenizer is None else Path(cfg.tokenizer).absolute(),
         tensorboard=None if cfg.tensorboard is None else Path(cfg.tensorboard).absolute(),
+        teacher_cache=None if cfg.teacher_cache is None else Path(cfg.teacher_cache).absolute(),
         text=None if cfg.text is None else [absolute(p) for p in cfg.text],
         eval_text=None if cfg.eval_text is None else [absolute(p) for p in cfg.eval_text])
 
 
 def run_config(cfg: DistillConfig, shape: Any, layout: Any, world: int, device: str,
-               train: torch.Tensor, train_src: str, ev: torch.Tensor, eval_src: str) -> dict[str, Any]:
+               train: torch.Tensor, train_src: str, ev: torch.Tensor, eval_src: str,
+               cache: Any = None) -> dict[str, Any]:
     """config.json: every DistillConfig field plus what was derived from the inputs."""
     out = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()}
     G = cfg.micro_batch * cfg.grad_accum * world
@@ -270,6 +283,7 @@ def run_config(cfg: DistillConfig, shape: Any, layout: Any, world: int, device: 
         "device_type": torch.device(device).type,
         "train_data": train_src, "train_blocks": int(train.shape[0]), "train_data_sha256": _sha(train.numpy().tobytes()),
         "eval_data": eval_src, "eval_data_sha256": _sha(ev.numpy().tobytes()),
+        "teacher_cache_id": None if cache is None else cache.identity(),
         "torch": torch.__version__,
     })
     return json.loads(json.dumps(out))  # compared with a config.json read back: same types

@@ -1,0 +1,254 @@
+"""A teacher cache: the dense teacher's top-k log-probabilities of the training blocks, computed once.
+
+The teacher's forward is a third of a distillation step and the same for every arm of a study
+that trains on the same blocks. `dtpshard teacher-cache TEACHER --out DIR` (or an experiment)
+runs it once and stores, per block of seq_len + 1 tokens and per position t < seq_len:
+
+    top_ids [k] (int32), top_logp [k] (fp16 or bf16): the teacher's k most likely next tokens
+    tail_logp (fp32): log of the probability mass outside them, log Σ_{v∉K} p_v
+
+`distill --teacher-cache DIR` then trains with the top-k KL plus the tail bucket
+(losses.topk_kl_ce_sums states the formula) instead of running the teacher; evaluation still
+uses the exact KL. DIR:
+
+    DIR/manifest.json          format, k, dtype, seq_len, blocks, the teacher's and tokenizer's hashes,
+                               the shards; written last (a cache without it is unfinished)
+    DIR/plan.json              what is being built (an interrupted build resumes when it matches)
+    DIR/shard-NNNNN.safetensors  blocks [n, seq_len + 1] (int32) and their top_ids/top_logp/tail_logp
+
+Blocks are looked up by content, so one cache serves every run whose blocks it holds (each arm
+seed's shuffled blocks, any micro-batch split), and a run asking for a block it lacks, or a
+different teacher, is refused in one line.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from dtpshard.core.errors import UserError
+from dtpshard.core.io import atomic_path, atomic_write_text
+from dtpshard.core.vocab import Count, Device, Seed
+
+FORMAT = "dtpshard.teacher-cache/1"
+MANIFEST, PLAN = "manifest.json", "plan.json"
+SHARD_BLOCKS = 256
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "special_tokens_map.json")
+
+
+def _sha_files(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        h.update(p.name.encode() + b"\0")
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def teacher_hashes(teacher: Path, tokenizer: Path | None = None) -> dict[str, str]:
+    """Content hashes of the teacher's weights + config and of its tokenizer files (in `tokenizer`,
+    else in the teacher's directory)."""
+    teacher, tok_dir = Path(teacher), Path(tokenizer or teacher)
+    weights = [p for p in teacher.iterdir() if p.suffix in (".safetensors", ".bin") or p.name == "config.json"]
+    tok = [tok_dir / n for n in TOKENIZER_FILES if (tok_dir / n).is_file()]
+    return {"teacher_sha256": _sha_files(weights), "tokenizer_sha256": _sha_files(tok)}
+
+
+def block_key(block: torch.Tensor) -> bytes:
+    return hashlib.sha1(block.to(torch.int64).numpy().tobytes()).digest()
+
+
+def unique_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    seen, keep = set(), []
+    for i, b in enumerate(blocks):
+        key = block_key(b)
+        if key not in seen:
+            seen.add(key)
+            keep.append(i)
+    return blocks[keep]
+
+
+@torch.no_grad()
+def teacher_targets(teacher: Any, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cached quantities for ids [B, T] (the blocks without their last token)."""
+    from dtpshard.training.losses import chunk_tokens, teacher_topk
+
+    h = teacher.hidden(ids)
+    flat, w = h.reshape(-1, h.shape[-1]), teacher.lm_head_weight
+    c = chunk_tokens(w.shape[0])  # never all [B, T, V] logits at once
+    parts = [teacher_topk(torch.nn.functional.linear(flat[a:a + c], w), k) for a in range(0, flat.shape[0], c)]
+    B, T = ids.shape
+    return (torch.cat([x[0] for x in parts]).view(B, T, -1), torch.cat([x[1] for x in parts]).view(B, T, -1),
+            torch.cat([x[2] for x in parts]).view(B, T))
+
+
+def build_cache(teacher_dir: Path, blocks: torch.Tensor, out: Path, k: int = 64, dtype: str = "float16",
+                micro_batch: int = 4, device: str = "cpu", autocast: bool = True, progress: bool = True,
+                force: bool = False, tokenizer: Path | None = None) -> Path:
+    """Write (or finish, or keep) the cache of `blocks` [n, seq_len + 1] under `out`."""
+    from tqdm import tqdm
+
+    from dtpshard.model.dtp import DTPModel
+    from dtpshard.training.evaluate import autocast_for
+
+    if k < 1:
+        raise UserError(f"--k {k}: must be at least 1")
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: must be float16 or bfloat16")
+    out, blocks = Path(out), unique_blocks(blocks.to(torch.int64))
+    plan = {"format": FORMAT, "k": k, "dtype": dtype, "seq_len": int(blocks.shape[1]) - 1,
+            "blocks": int(blocks.shape[0]), **teacher_hashes(teacher_dir, tokenizer),
+            "blocks_sha256": hashlib.sha256(blocks.numpy().tobytes()).hexdigest()[:16]}
+    if (out / MANIFEST).is_file():
+        old = json.loads((out / MANIFEST).read_text())
+        if {key: old.get(key) for key in plan} == plan:
+            return out
+    if out.exists() and any(out.iterdir()):
+        old = json.loads((out / PLAN).read_text()) if (out / PLAN).is_file() else None
+        if old != plan:
+            if not force:
+                raise UserError(f"--out {out}: exists and holds something else (use --force to rebuild it)")
+            for p in out.iterdir():
+                if p.name in (MANIFEST, PLAN) or p.name.startswith("shard-"):
+                    p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / PLAN, json.dumps(plan, indent=1) + "\n")
+    teacher = DTPModel.from_pretrained(teacher_dir, devices=1, delay=0, dtype=torch.float32, device=device).eval()  # as distill
+    k = min(k, teacher.shape.vocab)
+    shards = []
+    bar = tqdm(total=int(blocks.shape[0]), desc="teacher cache", unit="block", disable=not progress)
+    for s, a in enumerate(range(0, blocks.shape[0], SHARD_BLOCKS)):
+        part = blocks[a:a + SHARD_BLOCKS]
+        name = f"shard-{s:05d}.safetensors"
+        shards.append({"file": name, "blocks": int(part.shape[0])})
+        if not (out / name).is_file():  # shards are written whole (rename), so a present one is good
+            _write_shard(out / name, teacher, part, k, DTYPES[dtype], micro_batch, device,
+                         lambda: autocast_for(device, autocast))
+        bar.update(int(part.shape[0]))
+    bar.close()
+    atomic_write_text(out / MANIFEST, json.dumps({**plan, "k": k, "shards": shards}, indent=1) + "\n")
+    return out
+
+
+def _write_shard(path: Path, teacher: Any, part: torch.Tensor, k: int, dtype: torch.dtype, micro_batch: int,
+                 device: str, autocast_for: Any) -> None:
+    from safetensors.torch import save_file
+
+    ids, logp, tail = [], [], []
+    for a in range(0, part.shape[0], micro_batch):
+        with autocast_for():
+            i, lp, t = teacher_targets(teacher, part[a:a + micro_batch, :-1].to(device), k)
+        ids.append(i.to(torch.int32).cpu())
+        logp.append(lp.to(dtype).cpu())
+        tail.append(t.float().cpu())
+    tensors = {"blocks": part.to(torch.int32).contiguous(), "top_ids": torch.cat(ids), "top_logp": torch.cat(logp),
+               "tail_logp": torch.cat(tail)}
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp))
+
+
+class TeacherCache:
+    """A finished cache, opened for reading: look blocks up by content."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        if not (self.path / MANIFEST).is_file():
+            why = "unfinished (rerun the teacher-cache command)" if (self.path / PLAN).is_file() else "no cache there"
+            raise UserError(f"--teacher-cache {self.path}: {why}")
+        self.manifest = m = json.loads((self.path / MANIFEST).read_text())
+        if m.get("format") != FORMAT:
+            raise UserError(f"--teacher-cache {self.path}: format {m.get('format')!r}, expected {FORMAT}")
+        self.k, self.seq_len = m["k"], m["seq_len"]
+        self._files = [safe_open(str(self.path / s["file"]), framework="pt") for s in m["shards"]]
+        self.index: dict[bytes, tuple[int, int]] = {}
+        for f, st in enumerate(self._files):
+            for r, b in enumerate(st.get_tensor("blocks")):
+                self.index[block_key(b)] = (f, r)
+
+    def identity(self) -> dict[str, Any]:
+        """What a run directory records (and a resumed run must match)."""
+        return {key: self.manifest[key] for key in ("k", "dtype", "teacher_sha256", "tokenizer_sha256")}
+
+    def check(self, teacher: Path, blocks: torch.Tensor, tokenizer: Path | None = None) -> None:
+        """Refuse a cache of another teacher or tokenizer, seq_len, or one that lacks a block of the run."""
+        where = f"--teacher-cache {self.path}"
+        if blocks.shape[1] - 1 != self.seq_len:
+            raise UserError(f"{where}: built for seq_len {self.seq_len}, the run uses {blocks.shape[1] - 1}")
+        now = teacher_hashes(teacher, tokenizer)
+        for key, what in (("teacher_sha256", "weights"), ("tokenizer_sha256", "tokenizer")):
+            if now[key] != self.manifest[key]:
+                raise UserError(f"{where}: built for another teacher ({what} hash {self.manifest[key]}, "
+                                f"{teacher} has {now[key]})")
+        for i, b in enumerate(blocks):
+            if block_key(b) not in self.index:
+                raise UserError(f"{where}: built for other training blocks (block {i} of this run is not in it; "
+                                "build it with this run's data, seq-len, steps, batch and seed)")
+
+    def lookup(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(top_ids [b, T, k] int64, top_logp [b, T, k], tail_logp [b, T]) of blocks [b, T + 1]."""
+        rows = [self.index[block_key(b)] for b in blocks]
+        get = lambda name: torch.cat([self._files[f].get_slice(name)[r:r + 1] for f, r in rows])  # noqa: E731
+        return get("top_ids").long(), get("top_logp"), get("tail_logp")
+
+
+# -- `dtpshard teacher-cache` ------------------------------------------------------------------------
+def teacher_cache_cmd(teacher: Path, *, out: Path, k: Count = 64, dtype: Literal["float16", "bfloat16"] = "float16",
+                      seeds: list[Seed] | None = None, steps: Count = 1000, seq_len: Count = 1024,
+                      micro_batch: Count = 4, grad_accum: Count = 4, nproc: Count = 1, text: list[str] | None = None,
+                      dataset: str | None = None, text_field: str = "text", tokenizer: Path | None = None,
+                      device: Device = "auto", progress: bool = True, force: bool = False) -> int:
+    """Cache TEACHER's top-k next-token log-probabilities of the training blocks of `distill` runs
+    with these settings (one per seed), for `distill --teacher-cache DIR`. Rerun to resume.
+
+    Args:
+        teacher: the dense Hugging Face checkpoint directory (the distillation teacher)
+        out: the cache directory (created; an unfinished one with the same settings is resumed)
+        k: teacher tokens kept per position (the rest is one tail bucket)
+        dtype: storage precision of the top-k log-probabilities
+        seeds: the runs' data-order seeds (default: 0); the cache holds every seed's blocks
+        steps: the runs' optimizer steps
+        seq_len: the runs' tokens per sequence
+        micro_batch: the runs' sequences per forward pass (also this command's batch)
+        grad_accum: the runs' micro-batches per step
+        nproc: the runs' data-parallel processes (the global batch is micro × accum × nproc)
+        text: the runs' local training files
+        dataset: the runs' training dataset (as distill --dataset)
+        text_field: the runs' text column or JSON field
+        tokenizer: the runs' tokenizer directory, where TEACHER has no tokenizer files
+        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
+        progress: show a progress bar
+        force: rebuild a cache directory that holds something else
+    """
+    from dtpshard.core.devices import pick_device
+
+    blocks = cache_blocks(teacher, seeds or [0], steps, seq_len, micro_batch, grad_accum, nproc, text, dataset,
+                          text_field, tokenizer)
+    path = build_cache(Path(teacher), blocks, Path(out), k, dtype, micro_batch, pick_device(device), True, progress,
+                       force, tokenizer)
+    print(f"teacher cache: {path} ({len(unique_blocks(blocks))} blocks, k={k})")
+    return 0
+
+
+def cache_blocks(teacher: Path, seeds: list[int], steps: int, seq_len: int, micro_batch: int, grad_accum: int,
+                 nproc: int, text: list[str] | None, dataset: str | None, text_field: str = "text",
+                 tokenizer: Path | None = None) -> torch.Tensor:
+    """Every training block of the distill runs with these settings, one run per seed."""
+    from dtpshard.model.checkpoint import load_tokenizer
+    from dtpshard.training.recipe import DistillConfig, train_blocks_for
+
+    tok = load_tokenizer(tokenizer or teacher)
+    parts = []
+    for seed in seeds:
+        cfg = DistillConfig(teacher=Path(teacher), out=Path("."), steps=steps, seq_len=seq_len,
+                            micro_batch=micro_batch, grad_accum=grad_accum, text=text, dataset=dataset, seed=seed,
+                            text_field=text_field, tokenizer=None if tokenizer is None else Path(tokenizer))
+        parts.append(train_blocks_for(cfg, nproc, tok)[0])
+    return torch.cat(parts)
