@@ -53,7 +53,7 @@ def main() -> None:
         model = save_tiny(Path(tmp.name) / "tiny", "llama")
     teacher = DTPModel.from_pretrained(model, devices=1, delay=0).eval().requires_grad_(False)
     student = DTPModel.from_pretrained(model, devices=a.devices, delay=a.delay)
-    blocks, src = source_blocks(load_tokenizer(model), None, None, "train", "offline", a.seq_len, a.blocks, seed=0)
+    blocks, src = source_blocks(load_tokenizer(model), None, None, "train", a.seq_len, a.blocks, seed=0)
     ids, tgt = blocks[:, :-1], blocks[:, 1:]
     if a.train_steps:
         opt = torch.optim.AdamW([p for n, p in student.named_parameters() if "embed" not in n and "lm_head" not in n],
