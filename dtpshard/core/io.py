@@ -111,6 +111,25 @@ def check_writable_dir(path: Path, create: bool = True) -> None:
                         f"({(e.strerror or str(e)).lower()})") from None
 
 
+def check_output_file(path: Path, flag: str = "--out") -> None:
+    """`path` can be written as a file: not an existing directory, its directory writable."""
+    if Path(path).is_dir():
+        raise UserError(f"{flag} {path} is a directory; give the path of the file to write")
+    check_writable_dir(Path(path), create=False)
+
+
+def refuse_overwriting(out: Path, flag: str = "--out", **inputs: "Path | list[Path] | None") -> None:
+    """An output must never replace what the command reads: refuse when `out` is one of the
+    inputs (a file, or a model/teacher directory), naming which. `inputs` maps a description
+    (underscores for spaces) to a path or a list of paths."""
+    target = Path(out).resolve()
+    for what, paths in inputs.items():
+        for p in paths if isinstance(paths, list) else [paths]:
+            if p is not None and Path(p).resolve() == target:
+                raise UserError(f"{flag} {out} is {what.replace('_', ' ')} {p}, an input of this command "
+                                "(write elsewhere)")
+
+
 def _disk_full(exc: BaseException, where: Path) -> bool:
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True

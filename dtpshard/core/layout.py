@@ -159,11 +159,11 @@ class Layout:
             raise UserError(f"layout {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
         return cls.from_json(obj, where=f"layout {path}")
 
-    def check_model(self, model: dict[str, int], where: str = "layout") -> None:
+    def check_model(self, model: dict[str, int], where: str = "layout", other: str = "the model") -> None:
         """Refuse a layout made for another model shape."""
         for key in SHAPE_KEYS:
             if self.model.get(key) != model.get(key):
-                raise UserError(f"{where}: {key}={self.model.get(key)} but the model has {key}={model.get(key)}")
+                raise UserError(f"{where}: {key}={self.model.get(key)} but {other} has {key}={model.get(key)}")
 
 
 def as_layout(layout: "Layout | str | Path | None") -> "Layout | None":

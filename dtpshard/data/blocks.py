@@ -241,6 +241,9 @@ def _hf_texts(name: str, role: str, field: str) -> Texts:
         raise UserError(f"--dataset {name} needs the `datasets` package (pip install datasets); offline, "
                         "pass --text FILE or omit both for the built-in corpus") from None
     path, config, splits, by_article = KNOWN_DATASETS.get(name, (name.split(":")[0], None, {}, False))
+    if name not in KNOWN_DATASETS and "/" not in path:  # a mistyped local path, not a hub id: no retries
+        raise UserError(f"--dataset {name}: no such directory or parquet file, and not a hub dataset "
+                        f"(one of {', '.join(KNOWN_DATASETS)}, or owner/name[:config])")
     if name not in KNOWN_DATASETS and ":" in name:
         config = name.split(":", 1)[1]
     split = splits.get(role, "train")

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import check_writable_dir
+from dtpshard.core.io import check_output_file, refuse_overwriting
 from dtpshard.core.layout import Layout
 from dtpshard.core.shape import check_delay, check_devices
 from dtpshard.core.vocab import (FIXED_KINDS, LAYOUT_KINDS, OPTIMISING_KINDS, Count, Delay, KvSearch, LayoutKind,
@@ -104,7 +104,8 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = 4, delay: Delay = 1.
                             f"from δ = 1, and {source} scores edges up to δ = {affinity.delay}")
     check_devices(model, devices, where=str(source))
     check_delay(model, delay)
-    check_writable_dir(Path(out), create=False)  # before the (possibly long) optimisation, not after
+    refuse_overwriting(out, the_source=source)
+    check_output_file(Path(out))  # before the (possibly long) optimisation, not after
     layout = make_layout(model, devices, delay, kind, affinity=affinity, layers=layers, restarts=restarts,
                          seed=seed, kv_search=kv_search, max_sweeps=max_sweeps)
     if affinity is not None:

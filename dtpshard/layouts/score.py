@@ -133,9 +133,10 @@ def score_devices(edges: Edges, devs: list[np.ndarray], devices: int, layers: in
     }
 
 
-def colocated_score(affinity: Affinity, layout: Layout) -> dict:
+def colocated_score(affinity: Affinity, layout: Layout, where: str = "layout",
+                    other: str = "the affinity file") -> dict:
     """J of `layout` under `affinity` at the layout's delay (refuses a mismatched model shape)."""
-    layout.check_model(affinity.model, where="layout")
+    layout.check_model(affinity.model, where=where, other=other)
     edges = normalised_edges(affinity, layout.delay)
     out = score_devices(edges, layout_devices(layout), layout.devices, layout.layers)
     out["delay"] = layout.delay
@@ -166,6 +167,7 @@ def score_cmd(affinity: Path, layout: Path, json: bool = False) -> int:
         json: print the score and its parts (per edge, per layer up/down) as JSON
     """
     chosen = Layout.load(layout)
-    score = colocated_score(Affinity.load(affinity, delay=chosen.delay), chosen)
-    print(_json.dumps(score, indent=1) if json else format_score(score))
+    score = colocated_score(Affinity.load(affinity, delay=chosen.delay), chosen, where=f"layout {layout}",
+                            other=f"the affinity file {affinity}")
+    print(_json.dumps(score) if json else format_score(score))
     return 0

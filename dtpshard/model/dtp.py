@@ -356,11 +356,12 @@ class DTPModel(PretrainedMixin, nn.Module):
             sd.pop("lm_head.weight", None)
         stored = next((v.dtype for v in sd.values() if v.is_floating_point()), None)
         dtype = resolve_dtype(dtype, hf_config, stored)
+        where = f"layout {layout}" if isinstance(layout, (str, Path)) else "layout"  # name the file when there is one
         layout = as_layout(layout)
         if layout is not None:
-            layout.check_model(model.shape.summary())
+            layout.check_model(model.shape.summary(), where=where)
             if layout.devices != devices:
-                raise UserError(f"layout was made for devices={layout.devices}, the model runs devices={devices}")
+                raise UserError(f"{where} was made for devices={layout.devices}, the model runs devices={devices}")
             sd = apply_layout(sd, model.shape, layout)
             model.layout_sha256 = layout.content_sha256()
         sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}

@@ -264,6 +264,9 @@ def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False, tensorbo
 
     check_devices(shape, cfg["devices"])
     check_delay(shape, cfg["delay"])
+    from dtpshard.core.io import refuse_overwriting
+
+    refuse_overwriting(out, the_model_directory=model, the_study_model=Path(cfg["model"]))
     _check_inputs(cfg, model)
     with locked(out):
         _prepare_dir(out, cfg, force)

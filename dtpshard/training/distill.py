@@ -36,6 +36,11 @@ def distill(cfg: DistillConfig) -> Path:
     from dtpshard.training.rundir import LOCKED_ENV, locked
 
     check_config(cfg)
+    from dtpshard.core.io import refuse_overwriting
+
+    # --force starts a run over by removing its files, config.json among them: never the teacher's
+    refuse_overwriting(cfg.out, the_teacher_directory=cfg.teacher, the_tokenizer_directory=cfg.tokenizer,
+                       the_teacher_cache=cfg.teacher_cache)
     # One process owns RUN: this one, or the launcher of a data-parallel group (for its ranks).
     owner = int(os.environ.get("RANK", "0")) == 0
     with locked(cfg.out) if owner else nullcontext():

@@ -154,7 +154,7 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
     if json:
         print(_json.dumps(result))
     else:
-        kl = "n/a (no --teacher)" if result["kl"] is None else f"{result['kl']:.5f} nats/token"
+        kl = "n/a (no --teacher)" if result["kl"] is None else f"{result['kl']:.5f} nats/token".replace("-0.00000", "0.00000")
         print(f"{model}: L = {result['devices']}, delay {result['delay']}: ppl {result['ppl']:.4f}, KL {kl}, "
               f"{result['tokens']} tokens ({source})")
     return 0

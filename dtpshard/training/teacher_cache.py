@@ -228,7 +228,9 @@ def teacher_cache_cmd(teacher: Path, *, out: Path, k: Count = 64, dtype: Literal
         force: rebuild a cache directory that holds something else
     """
     from dtpshard.core.devices import pick_device
+    from dtpshard.core.io import refuse_overwriting
 
+    refuse_overwriting(out, the_teacher_directory=Path(teacher))
     blocks = cache_blocks(teacher, seeds or [0], steps, seq_len, micro_batch, grad_accum, nproc, text, dataset,
                           text_field, tokenizer)
     path = build_cache(Path(teacher), blocks, Path(out), k, dtype, micro_batch, pick_device(device), True, progress,

@@ -1,0 +1,63 @@
+"""No command writes over what it reads: an --out that is an input (the model, its weights, the
+teacher, the affinity file) is refused in one line before any work, and the input is untouched."""
+import shutil
+
+import pytest
+from test_experiment import config_text, corpus
+
+from dtpshard.cli import main
+
+
+def snapshot(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def model(tmp_path, tiny_dirs):
+    dst = tmp_path / "model"
+    shutil.copytree(tiny_dirs["llama"], dst)
+    return dst
+
+
+def refused(capsys, args, needle):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_affinity_never_writes_over_the_model(model, capsys):
+    before = snapshot(model)
+    for out in (model / "model.safetensors", model / "config.json", model):
+        refused(capsys, ["affinity", str(model), "--out", str(out), "--blocks", "1", "--seq-len", "8",
+                         "--no-progress"], "an input of this command")
+    assert snapshot(model) == before
+
+
+def test_affinity_out_directory_refused_before_the_pass(model, tmp_path, capsys):
+    refused(capsys, ["affinity", str(model), "--out", str(tmp_path), "--blocks", "1", "--seq-len", "8",
+                     "--no-progress"], "is a directory; give the path of the file to write")
+
+
+def test_layout_never_writes_over_its_source(model, tmp_path, capsys):
+    aff = tmp_path / "a.safetensors"
+    assert main(["affinity", str(model), "--out", str(aff), "--blocks", "1", "--seq-len", "8", "--no-progress"]) == 0
+    capsys.readouterr()
+    before = aff.read_bytes()
+    refused(capsys, ["layout", str(aff), "--devices", "2", "--out", str(aff)], "is the source")
+    assert aff.read_bytes() == before
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_distill_never_uses_the_teacher_as_its_run(model, capsys, force):
+    before = snapshot(model)
+    refused(capsys, ["distill", str(model), "--out", str(model), "--steps", "1", "--devices", "2", *force],
+            "is the teacher directory")
+    assert snapshot(model) == before
+
+
+def test_experiment_never_uses_the_model_as_its_directory(model, tmp_path, capsys):
+    study = tmp_path / "study.toml"
+    study.write_text(config_text(model, corpus(tmp_path / "c.txt")))
+    before = snapshot(model)
+    refused(capsys, ["experiment", str(study), "--out", str(model), "--force"], "is the model directory")
+    assert snapshot(model) == before
