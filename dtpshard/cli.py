@@ -215,6 +215,30 @@ def version() -> str:
         return "unknown"
 
 
+def _check_config_files(argv: list[str]) -> None:
+    """Each --config FILE is readable UTF-8 YAML/JSON holding a mapping; else one line naming it
+    (jsonargparse's own messages do not say which file)."""
+    import yaml
+
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag != "--config" or (not eq and i + 1 >= len(argv)):
+            continue
+        path = Path(value if eq else argv[i + 1])
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise Refused(f"--config {path}: no such file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else (e.strerror or str(e)).lower()
+            raise Refused(f"--config {path}: cannot read it ({why})") from None
+        except yaml.YAMLError as e:
+            raise Refused(f"--config {path}: not YAML or JSON ({str(e).splitlines()[0]})") from None
+        if data is not None and not isinstance(data, dict):  # an empty file sets nothing
+            raise Refused(f"--config {path}: must hold a mapping of option names to values, not "
+                          f"{type(data).__name__}")
+
+
 def _usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: dtpshard COMMAND [ARGS...]   (dtpshard COMMAND --help for its flags)",
@@ -237,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     fn = load_command(name)
     try:
+        _check_config_files(rest)
         kwargs = parse(name, fn, rest)
     except Refused as e:
         print(f"dtpshard {name}: error: {e}", file=sys.stderr)

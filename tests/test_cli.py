@@ -141,3 +141,18 @@ def test_root_cause_of_a_failed_launch(capsys):
     assert root_cause([RankExit(0, 1, traceback="Traceback...\nValueError: x\n"), RankExit(1, -9)]) == \
         "rank 0 of 2 failed: ValueError: x (its traceback is above)"
     assert "ValueError: x" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, needle", [(b"devices: caf\xe9\n", "cannot read it (not UTF-8 text)"),
+                                             (b"just text\n", "must hold a mapping"),
+                                             (b"devices: [1\n", "not YAML or JSON"),
+                                             (None, "no such file")])
+def test_bad_config_file_is_one_line_naming_it(tmp_path, capsys, content, needle):
+    cfg = tmp_path / "opts.yaml"
+    if content is not None:
+        cfg.write_bytes(content)
+    assert cli.main(["layout", str(tmp_path / "a.safetensors"), "--config", str(cfg), "--out",
+                     str(tmp_path / "l.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"--config {cfg}: {needle}" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["opts.yaml"] if content is not None else [])
