@@ -7,7 +7,6 @@ import typing
 import pytest
 
 from dtpshard import cli
-from dtpshard.core import vocab
 
 # a value each constrained type refuses
 BAD = {"Count": "0", "NonNegativeInt": "-1", "Seed": "-1", "PositiveNumber": "nan", "NonNegativeNumber": "-1",

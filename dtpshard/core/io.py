@@ -59,8 +59,6 @@ def remove_stale_temporaries(path: Path) -> None:
 def exit_on_sigterm() -> Iterator[None]:
     """Inside this block SIGTERM raises SystemExit(143), so `finally` clauses (removing a
     temporary) run; Python's default for SIGTERM is to die on the spot."""
-    import threading
-
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:  # only the main thread may set handlers
         yield

@@ -16,7 +16,7 @@ import torch
 
 from dtpshard.core.shape import ModelShape, shape_from_hf_config
 from dtpshard.core.errors import UserError, naming
-from dtpshard.core.io import read_json_object, share
+from dtpshard.core.io import share
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-import torch
 
 from dtpshard.core.devices import pick_device
 from dtpshard.core.errors import UserError

@@ -28,45 +28,64 @@ def _logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(h, w).float()
 
 
+def _chunked(ctx, h_s: torch.Tensor, w_s: torch.Tensor, ce_weight: float, chunk: int, body):
+    """The driver both fused losses share: `body(a, b, want_grad)` scores rows a:b and returns
+    (kl, ce, g), g [c, V] the loss's gradient w.r.t. those rows' logits (None unless want_grad).
+    The sums are accumulated here and the gradients w.r.t. h_s and w_s formed chunk by chunk,
+    so no [N, V] tensor ever exists; backward only scales them."""
+    need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    kl_sum = torch.zeros((), dtype=torch.float32, device=h_s.device)
+    ce_sum = torch.zeros((), dtype=torch.float32, device=h_s.device)
+    grad_h = torch.empty(h_s.shape, dtype=torch.float32, device=h_s.device) if need_h else None
+    grad_w = torch.zeros(w_s.shape, dtype=torch.float32, device=w_s.device) if need_w else None
+    for a in range(0, h_s.shape[0], chunk):
+        b = min(a + chunk, h_s.shape[0])
+        kl, ce, g = body(a, b, need_h or need_w)
+        kl_sum += kl
+        ce_sum += ce
+        if need_h:
+            grad_h[a:b] = g @ w_s.float()  # [c, D]
+        if need_w:
+            grad_w += g.t() @ h_s[a:b].float()
+    ctx.save_for_backward(grad_h, grad_w)
+    ctx.h_dtype, ctx.w_dtype = h_s.dtype, w_s.dtype
+    ctx.mark_non_differentiable(kl_sum, ce_sum)
+    return kl_sum + ce_weight * ce_sum, kl_sum, ce_sum
+
+
+def _scaled_grads(ctx, g_loss: torch.Tensor, inputs: int) -> tuple:
+    grad_h, grad_w = ctx.saved_tensors
+    gh = (grad_h * g_loss).to(ctx.h_dtype) if grad_h is not None else None
+    gw = (grad_w * g_loss).to(ctx.w_dtype) if grad_w is not None else None
+    return (gh, gw) + (None,) * (inputs - 2)
+
+
 class _FusedKLCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_s, w_s, h_t, w_t, targets, ce_weight: float, chunk: int):
         """h_s, h_t [N, D]; w_s, w_t [V, D]; targets [N] -> (loss_sum, kl_sum, ce_sum), fp32 scalars."""
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        kl_sum = torch.zeros((), dtype=torch.float32, device=h_s.device)
-        ce_sum = torch.zeros((), dtype=torch.float32, device=h_s.device)
-        grad_h = torch.empty(h_s.shape, dtype=torch.float32, device=h_s.device) if need_h else None
-        grad_w = torch.zeros(w_s.shape, dtype=torch.float32, device=w_s.device) if need_w else None
-        for a in range(0, h_s.shape[0], chunk):
-            b = min(a + chunk, h_s.shape[0])
+        def body(a: int, b: int, want_grad: bool):
             logp_s = torch.log_softmax(_logits(h_s[a:b], w_s), dim=-1)  # [c, V]
             y = targets[a:b]
-            ce_sum += -logp_s.gather(1, y[:, None]).sum()
+            ce = -logp_s.gather(1, y[:, None]).sum()
+            kl = 0.0
             if h_t is not None:
                 logp_t = torch.log_softmax(_logits(h_t[a:b], w_t), dim=-1)
                 p_t = logp_t.exp()
-                kl_sum += (p_t * (logp_t - logp_s)).sum()
-            if need_h or need_w:
-                g = logp_s.exp_().mul_(1.0 + ce_weight if h_t is not None else ce_weight)  # reuses the buffer
-                if h_t is not None:
-                    g.sub_(p_t)
-                g.scatter_add_(1, y[:, None], torch.full((b - a, 1), -ce_weight, device=g.device))
-                if need_h:
-                    grad_h[a:b] = g @ w_s.float()  # [c, D]
-                if need_w:
-                    grad_w += g.t() @ h_s[a:b].float()
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.h_dtype, ctx.w_dtype = h_s.dtype, w_s.dtype
-        loss = kl_sum + ce_weight * ce_sum
-        ctx.mark_non_differentiable(kl_sum, ce_sum)
-        return loss, kl_sum, ce_sum
+                kl = (p_t * (logp_t - logp_s)).sum()
+            if not want_grad:
+                return kl, ce, None
+            g = logp_s.exp_().mul_(1.0 + ce_weight if h_t is not None else ce_weight)  # reuses the buffer
+            if h_t is not None:
+                g.sub_(p_t)
+            g.scatter_add_(1, y[:, None], torch.full((b - a, 1), -ce_weight, device=g.device))
+            return kl, ce, g
+
+        return _chunked(ctx, h_s, w_s, ce_weight, chunk, body)
 
     @staticmethod
     def backward(ctx, g_loss, _g_kl, _g_ce):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = (grad_h * g_loss).to(ctx.h_dtype) if grad_h is not None else None
-        gw = (grad_w * g_loss).to(ctx.w_dtype) if grad_w is not None else None
-        return gh, gw, None, None, None, None, None
+        return _scaled_grads(ctx, g_loss, 7)
 
 
 def kl_ce_sums(h_s: torch.Tensor, w_s: torch.Tensor, h_t: torch.Tensor | None, w_t: torch.Tensor | None,
@@ -96,13 +115,7 @@ def _masked_lse(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 class _FusedTopKKLCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_s, w_s, top_ids, top_logp, tail_logp, targets, ce_weight: float, chunk: int):
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        kl_sum = torch.zeros((), dtype=torch.float32, device=h_s.device)
-        ce_sum = torch.zeros((), dtype=torch.float32, device=h_s.device)
-        grad_h = torch.empty(h_s.shape, dtype=torch.float32, device=h_s.device) if need_h else None
-        grad_w = torch.zeros(w_s.shape, dtype=torch.float32, device=w_s.device) if need_w else None
-        for a in range(0, h_s.shape[0], chunk):
-            b = min(a + chunk, h_s.shape[0])
+        def body(a: int, b: int, want_grad: bool):
             z = _logits(h_s[a:b], w_s)
             lse = z.logsumexp(-1, keepdim=True)
             ids, lp, lt = top_ids[a:b], top_logp[a:b].float(), tail_logp[a:b].float()
@@ -110,31 +123,24 @@ class _FusedTopKKLCE(torch.autograd.Function):
             lq_top = z.gather(1, ids) - lse  # log q_v, v in the top k
             lq_tail = _masked_lse(z, ids) - lse[:, 0]  # log q_tail
             tail_kl = torch.where(pt > 0, pt * (lt - lq_tail), torch.zeros_like(pt))
-            kl_sum += (p * (lp - lq_top)).sum() + tail_kl.sum()
+            kl = (p * (lp - lq_top)).sum() + tail_kl.sum()
             y = targets[a:b]
-            ce_sum += -(z.gather(1, y[:, None]) - lse).sum()
-            if need_h or need_w:
-                q = (z - lse).exp_()  # reuses z: [c, V]
-                mass = p.sum(-1, keepdim=True) + pt[:, None]  # Σ_K p + p_tail (1 up to the cache's rounding)
-                tail_coef = torch.where(pt > 0, pt * torch.exp(-lq_tail), torch.zeros_like(pt))[:, None]
-                g = q * (mass + ce_weight) - q * tail_coef  # the tail's share, then put back on the top k
-                g.scatter_add_(1, ids, q.gather(1, ids) * tail_coef - p)
-                g.scatter_add_(1, y[:, None], torch.full((b - a, 1), -ce_weight, device=g.device))
-                if need_h:
-                    grad_h[a:b] = g @ w_s.float()
-                if need_w:
-                    grad_w += g.t() @ h_s[a:b].float()
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.h_dtype, ctx.w_dtype = h_s.dtype, w_s.dtype
-        ctx.mark_non_differentiable(kl_sum, ce_sum)
-        return kl_sum + ce_weight * ce_sum, kl_sum, ce_sum
+            ce = -(z.gather(1, y[:, None]) - lse).sum()
+            if not want_grad:
+                return kl, ce, None
+            q = (z - lse).exp_()  # reuses z: [c, V]
+            mass = p.sum(-1, keepdim=True) + pt[:, None]  # Σ_K p + p_tail (1 up to the cache's rounding)
+            tail_coef = torch.where(pt > 0, pt * torch.exp(-lq_tail), torch.zeros_like(pt))[:, None]
+            g = q * (mass + ce_weight) - q * tail_coef  # the tail's share, then put back on the top k
+            g.scatter_add_(1, ids, q.gather(1, ids) * tail_coef - p)
+            g.scatter_add_(1, y[:, None], torch.full((b - a, 1), -ce_weight, device=g.device))
+            return kl, ce, g
+
+        return _chunked(ctx, h_s, w_s, ce_weight, chunk, body)
 
     @staticmethod
     def backward(ctx, g_loss, _g_kl, _g_ce):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = (grad_h * g_loss).to(ctx.h_dtype) if grad_h is not None else None
-        gw = (grad_w * g_loss).to(ctx.w_dtype) if grad_w is not None else None
-        return gh, gw, None, None, None, None, None, None
+        return _scaled_grads(ctx, g_loss, 8)
 
 
 def topk_kl_ce_sums(h_s: torch.Tensor, w_s: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor,
