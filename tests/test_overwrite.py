@@ -61,3 +61,18 @@ def test_experiment_never_uses_the_model_as_its_directory(model, tmp_path, capsy
     before = snapshot(model)
     refused(capsys, ["experiment", str(study), "--out", str(model), "--force"], "is the model directory")
     assert snapshot(model) == before
+
+
+@pytest.mark.parametrize("command", ["distill", "experiment"])
+def test_force_never_starts_over_a_directory_that_is_not_a_run(model, tmp_path, capsys, command):
+    other = tmp_path / "other_model"
+    shutil.copytree(model, other)  # not the teacher, but a model directory all the same
+    before = snapshot(other)
+    if command == "distill":
+        args = ["distill", str(model), "--out", str(other), "--steps", "1", "--devices", "2", "--force"]
+    else:
+        study = tmp_path / "study.toml"
+        study.write_text(config_text(model, corpus(tmp_path / "c.txt")))
+        args = ["experiment", str(study), "--out", str(other), "--force"]
+    refused(capsys, args, "is not a dtpshard run's")
+    assert snapshot(other) == before

@@ -95,10 +95,11 @@ def _check_inputs(cfg: dict[str, Any], model: Path) -> None:
 
 
 def _prepare_dir(out: Path, cfg: dict[str, Any], force: bool) -> None:
-    from dtpshard.training.rundir import LOCK
+    from dtpshard.training.rundir import LOCK, refuse_foreign
 
     saved = out / "config.json"
     record = {"format": FORMAT, **cfg}
+    refuse_foreign(out)
     if saved.is_file():
         try:
             old = read_json(saved)

@@ -108,6 +108,19 @@ def config_differences(old: dict[str, Any], new: dict[str, Any], keys: list[str]
     return out
 
 
+def refuse_foreign(out: Path, config: str = CONFIG) -> None:
+    """--force removes a run's config.json among its files: never one that is not ours (a model
+    directory's, say). A config.json that parses to an object without a dtpshard "format" key is
+    someone else's; a damaged one may be ours and is left to --force."""
+    try:
+        old = json.loads((out / config).read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(old, dict) and not str(old.get("format", "")).startswith("dtpshard."):
+        raise UserError(f"--out {out}: its {config} is not a dtpshard run's (a model directory?); "
+                        "choose another --out")
+
+
 def check_run(run: Path, config: dict[str, Any], compared: list[str], force: bool,
               added: dict[str, Any] | None = None) -> bool:
     """Whether RUN already holds this run (resume); refuse a RUN of other settings unless force.
@@ -117,6 +130,7 @@ def check_run(run: Path, config: dict[str, Any], compared: list[str], force: boo
     force it always starts over (a damaged checkpoint or config too)."""
     if run.exists() and not run.is_dir():
         raise UserError(f"--out {run}: exists and is not a directory")
+    refuse_foreign(run)
     if force:
         return False
     if not (run / CONFIG).is_file():
