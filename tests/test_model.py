@@ -132,6 +132,30 @@ def test_rms_norm_backward_matches_autograd():
         assert torch.allclose(a, b, atol=1e-12)
 
 
+def test_residual_update_backward_matches_autograd():
+    from dtpshard.model.dtp import _ResidualUpdate, residual_update
+
+    def literal(x, p, own, arrivals):  # x_l + own·p_l + Σ_k w_k·(Σ_j q_j^k - q_l^k)
+        out = x + own * p
+        for q, w in arrivals:
+            out = out + w * (q.sum(0, keepdim=True) - q)
+        return out
+
+    x, p, q1, q2 = (torch.randn(3, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(4))
+    assert torch.autograd.gradcheck(lambda *t: _ResidualUpdate.apply(t[0], t[1], 0.5, [1.0, 0.25], t[2], t[3]),
+                                    (x, p, q1, q2))
+    dy = torch.randn(3, 2, 4, 8, dtype=torch.float64)
+    for own, arrivals in ((1.0, []), (1.0, [(q1, 1.0)]), (3 ** -0.5, [(q1, 0.5), (q2, 0.5)])):
+        ins = (x, p, *[q for q, _ in arrivals])
+        got = residual_update(x, p, own, arrivals)
+        want = literal(x, p, own, arrivals)
+        assert torch.allclose(got, want, atol=1e-12)
+        for a, b in zip(torch.autograd.grad((got * dy).sum(), ins), torch.autograd.grad((want * dy).sum(), ins)):
+            assert torch.allclose(a, b, atol=1e-12)
+    with torch.no_grad():  # the inference path: no autograd Function, same values
+        assert torch.allclose(residual_update(x, p, 0.5, [(q1, 1.0)]), literal(x, p, 0.5, [(q1, 1.0)]), atol=1e-12)
+
+
 def test_rows_matmul_backward_matches_autograd():
     from dtpshard.model.dtp import _RowsMatmul
 

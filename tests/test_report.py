@@ -69,13 +69,14 @@ def test_report_tables_and_figures(tmp_path):
     assert rnd[1:3] == ["2", "2"]  # two random layouts pooled, one run each
     assert rnd[5] == f"{np.mean([0.38, 0.39]):.3f} ± {np.std([0.38, 0.39], ddof=1):.3f}"
     ppl = [np.exp(3 + k) for k in opt_end]
-    assert row[6] == f"{np.mean(ppl):.2f} ± {np.std(ppl, ddof=1):.2f}"
+    assert row[6] == f"{min(opt_end):.3f}–{max(opt_end):.3f}"  # the spread of single runs
+    assert row[7] == f"{np.mean(ppl):.2f} ± {np.std(ppl, ddof=1):.2f}"
 
     # step matching: contiguous mean at 100 is 0.41; optimised mean curve crosses it between 50 and 100
     opt_mean = np.mean([c for c in PLAN["optimised"][2].values()], axis=0)
     target = 0.41
     reached = 50 + 50 * (opt_mean[1] - target) / (opt_mean[1] - opt_mean[2])
-    assert row[7] == f"{reached:.0f} ({100 / reached:.1f}×)"
+    assert row[8] == f"{reached:.0f} ({100 / reached:.1f}×)"
 
     # Pearson at the end over the trained layouts (the anti layout has no step-100 KL)
     names = ["optimised", "contiguous", "random-0", "random-1"]

@@ -165,3 +165,28 @@ def test_rank_that_never_starts_times_out(ckpt_dirs, capfd, monkeypatch):
     assert time.monotonic() - t < 30
     err = capfd.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "the 2 ranks did not all join" in err, err
+
+
+def test_emulated_link_latency_is_in_series_with_the_transfer():
+    """The added latency starts when the transfer itself completes, so a slow transfer cannot hide it."""
+    from dtpshard.runtime.ranks import Link
+
+    fut = torch.futures.Future()
+
+    class Work:  # a transfer that completes when the test says so
+        def get_future(self):
+            return fut
+
+        def wait(self, timeout):
+            return True
+
+    link = Link(0, 10, latency=0.05)
+    done = link._completion(Work())
+    time.sleep(0.03)  # the transfer itself takes 30 ms
+    fut.set_result(None)
+    completed = time.perf_counter()
+    assert done[0] == pytest.approx(completed, abs=0.01)
+    link._wait(Work(), done, "a transfer")
+    assert time.perf_counter() - completed >= 0.05  # latency after completion, not max(30, 50) ms after posting
+    plain = Link(0, 10)  # no emulated link: no callback, no wait
+    assert plain._completion(Work()) == [0.0]

@@ -78,3 +78,52 @@ def test_correlation_degenerate_inputs():
     assert correlate([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]).slope is None  # constant x
     fit = correlate([1.0, 2.0, None, 3.0, 4.0], [2.0, 4.0, 5.0, math.nan, 8.0])
     assert fit.n == 3 and fit.r == pytest.approx(1.0)
+
+
+def test_bootstrap_pearson_is_the_percentile_bootstrap():
+    from scipy.stats import bootstrap
+
+    from dtpshard.studies.stats import bootstrap_pearson
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=14)
+    y = -0.8 * x + rng.normal(scale=0.6, size=14)
+    ci = bootstrap_pearson(x, y, resamples=4000, seed=3)
+    # a literal loop over the same resamples (same generator, same draws)
+    idx = np.random.default_rng(3).integers(0, 14, size=(4000, 14))
+    rs = np.array([np.corrcoef(x[i], y[i])[0, 1] if np.ptp(x[i]) > 0 and np.ptp(y[i]) > 0 else np.nan for i in idx])
+    rs = rs[np.isfinite(rs)]
+    assert (ci.low, ci.high) == pytest.approx(tuple(np.quantile(rs, [0.025, 0.975])), abs=1e-12)
+    assert ci.resamples == rs.size
+    # and scipy's percentile bootstrap of the same statistic agrees up to resampling noise
+    ref = bootstrap((x, y), lambda a, b: pearsonr(a, b).statistic, paired=True, vectorized=False,
+                    n_resamples=4000, method="percentile", rng=np.random.default_rng(0)).confidence_interval
+    assert ci.low == pytest.approx(ref.low, abs=0.05) and ci.high == pytest.approx(ref.high, abs=0.05)
+    assert ci.low < pearsonr(x, y).statistic < ci.high
+
+
+def test_bootstrap_pearson_degenerate_inputs():
+    from dtpshard.studies.stats import bootstrap_pearson
+
+    assert bootstrap_pearson([1, 2], [3, 4]) is None  # fewer than 3 pairs
+    assert bootstrap_pearson([1, 1, 1], [1, 2, 3]) is None  # r undefined in every resample
+    ci = bootstrap_pearson([1, 2, 3, None, 4], [2, 4, 6, 1, 8])  # missing pairs dropped; a perfect line
+    assert ci.low == pytest.approx(1.0) and ci.high == pytest.approx(1.0)
+
+
+def test_step_matching_over_seed_pairs():
+    from dtpshard.studies.stats import pair_matching
+
+    steps = [0, 10, 20]
+    opt = [make_curve(steps, [3.0, 1.0, 0.5]), make_curve(steps, [3.0, 1.2, 0.6])]
+    cont = [make_curve(steps, [3.0, 1.5, 1.0]), make_curve(steps, [3.0, 1.4, 0.4])]
+    pm = pair_matching(opt, cont, 20)
+    assert len(pm.matches) == 4
+    # by hand: the first step each optimised curve reaches each contiguous curve's KL at step 20
+    expected = [20 / (0 + 10 * (3.0 - 1.0) / (3.0 - 1.0)), None,  # opt0 vs cont0 reaches 1.0 at 10; 0.4 never
+                20 / (10 + 10 * (1.2 - 1.0) / (1.2 - 0.6)), None]
+    got = [m.multiplier for m in pm.matches]
+    assert got[0] == pytest.approx(expected[0]) and got[2] == pytest.approx(expected[2])
+    assert got[1] is None and got[3] is None and pm.unreached == 2
+    assert pm.format() == f"{min(expected[0], expected[2]):.1f}–{max(expected[0], expected[2]):.1f}× over 2 seed pairs " \
+                          "(2 of 4 pairs never reached it)"

@@ -16,6 +16,10 @@ LayoutKind = Literal["optimised", "contiguous", "random", "anti", "heads-only", 
 LAYOUT_KINDS: tuple[str, ...] = get_args(LayoutKind)
 OPTIMISING_KINDS = ("optimised", "anti", "heads-only", "neurons-only")  # kinds that maximise/minimise J
 FIXED_KINDS = ("contiguous", "random")  # kinds made without an affinity file
+# the affinity score an experiment computes J under (docs/design.md §2): the paper's first-order
+# fo/add score, a KV group scored as one unit, the exact RMSNorm Jacobian, leave-one-out ablation
+Proxy = Literal["first-order", "group-unit", "exact-jacobian", "ablation"]
+PROXIES: tuple[str, ...] = get_args(Proxy)
 Stage3 = Literal["sqrt", "one"]  # own-partial scale of the last δ modules (docs/design.md §1)
 STAGE3: tuple[str, ...] = get_args(Stage3)
 KvSearch = Literal["assignment", "exhaustive"]  # the optimiser's KV-group block update (docs/design.md §3)

@@ -1,6 +1,6 @@
 """The attention core shared by the single-process model (dtp.py) and the runtime's ranks
 (dtpshard.runtime.ranks): append the new keys and values to a KV cache, expand the KV groups to
-their query heads, and scaled dot-product attention, causal over cache + new positions."""
+their query heads (on the CPU, sdpa's enable_gqa does it without copies), and scaled dot-product attention, causal over cache + new positions."""
 from __future__ import annotations
 
 import torch
@@ -19,15 +19,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_per_group: i
     if past is not None:
         cached = past[0].shape[2]
         k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-    r = heads_per_group
-    k_rep = k.repeat_interleave(r, dim=1) if r > 1 else k
-    v_rep = v.repeat_interleave(r, dim=1) if r > 1 else v
+    # On the CPU, sdpa attends grouped queries without copying k and v per query head; on CUDA
+    # enable_gqa is not supported by every kernel (a math fallback would cost more than the copy).
     T = q.shape[2]
+    r = heads_per_group
+    gqa = r > 1 and q.device.type == "cpu"
+    kv = (k, v)
+    if r > 1 and not gqa:
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
     if mask is not None:
-        o = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     elif cached == 0 or T == 1:
-        o = F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=cached == 0 and T > 1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=cached == 0 and T > 1, enable_gqa=gqa)
     else:  # a chunk appended to a cache: query t sees keys up to cached + t
         mask = torch.ones(T, cached + T, dtype=torch.bool, device=q.device).tril(cached)
-        o = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask)
-    return o, (k, v)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return o, kv

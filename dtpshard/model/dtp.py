@@ -37,23 +37,31 @@ class _RMSNormFn(torch.autograd.Function):
     """rms_norm with a hand-written backward that saves only x and 1/rms.
 
     Autograd would also keep the normalised x and the output, each [L, B, T, D]: with L
-    residual streams that is what pushes DTP's activation memory over the dense model's.
+    residual streams that is what pushes DTP's activation memory over the dense model's. Every
+    pass over [L, B, T, D] counts here (the norms are most of DTP's extra elementwise work), so
+    the backward reuses two buffers in place, and 1/rms comes from vector_norm, which squares
+    without a temporary (equal to rms_norm's to float rounding).
     """
 
     @staticmethod
     def forward(ctx, x, weight, eps):
         x32 = _up(x)
-        r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
+        r = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()  # [..., 1]
         ctx.save_for_backward(x, weight, r)
-        return weight * (x32 * r).to(x.dtype)
+        y = x32 * r
+        return y.mul_(weight) if y.dtype == x.dtype == weight.dtype else weight * y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
+        # n = x·r, y = w·n: dw = Σ dy·n, dx = r·(dn - n·mean(dn·n)) with dn = dy·w
         x, weight, r = ctx.saved_tensors
-        n = _up(x) * r
-        dn = _up(dy) * _up(weight)
-        dx = r * (dn - n * (dn * n).mean(-1, keepdim=True))
-        dw = (_up(dy) * _up(n.to(x.dtype))).reshape(-1, n.shape[-1]).sum(0)
+        x32 = _up(x)
+        g = _up(dy) * r  # dy·r (a new buffer even for fp32 dy: it is updated in place below)
+        t = g * x32  # dy·n
+        dw = t.reshape(-1, t.shape[-1]).sum(0)
+        g.mul_(_up(weight))  # dn·r
+        s = torch.mul(g, x32, out=t).mean(-1, keepdim=True).mul_(r).mul_(r)  # r²·mean(dn·n)
+        dx = g.addcmul_(x32, s, value=-1)  # r·dn - x·r²·mean(dn·n)
         return dx.to(x.dtype), dw.to(weight.dtype), None
 
 
@@ -66,13 +74,39 @@ def residual_update(x: torch.Tensor, p: torch.Tensor, own: float,
                     arrivals: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
     """x_l + own·p_l + Σ_k w_k·(Σ_j p_j^k - p_l^k) for every device l at once, x and p [L, B, T, D].
 
-    One new tensor, updated in place (autograd saves none of these operands), instead of a
-    temporary per term; under torch.compile the whole update fuses with the next pre-norm.
+    One new tensor, updated in place, instead of a temporary per term; with gradients, a
+    hand-written backward (_ResidualUpdate) that saves nothing and makes one buffer per arrival.
     """
+    if torch.is_grad_enabled() and (x.requires_grad or p.requires_grad or any(q.requires_grad for q, _ in arrivals)):
+        return _ResidualUpdate.apply(x, p, own, [w for _, w in arrivals], *[q for q, _ in arrivals])
     out = torch.add(x, p, alpha=own)
     for q, w in arrivals:
         out.add_(q.sum(0, keepdim=True), alpha=w).sub_(q, alpha=w)
     return out
+
+
+class _ResidualUpdate(torch.autograd.Function):
+    """residual_update's gradients: dx = dout, dp = own·dout, dq_k = w_k·(Σ_l dout_l - dout):
+    what autograd would get through sum/add_/sub_ with an expand, a negation and an add less."""
+
+    @staticmethod
+    def forward(ctx, x, p, own, weights, *qs):
+        ctx.own, ctx.weights = own, weights
+        out = torch.add(x, p, alpha=own)
+        for q, w in zip(qs, weights):
+            out.add_(q.sum(0, keepdim=True), alpha=w).sub_(q, alpha=w)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        dp = dout if ctx.own == 1 else dout * ctx.own
+        dqs = []
+        if ctx.weights:
+            total = dout.sum(0, keepdim=True)  # [1, B, T, D]
+            for w in ctx.weights:
+                dq = torch.sub(total, dout)
+                dqs.append(dq if w == 1 else dq.mul_(w))
+        return (dout, dp, None, None, *dqs)
 
 
 class Proj(nn.Module):

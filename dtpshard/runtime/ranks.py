@@ -105,36 +105,49 @@ class Link:
     """This rank's transfers: sums over ranks, posted now and taken later (DTP) or at once (TP).
 
     `latency` (seconds) and `bandwidth` (bytes/s, 0: unlimited) emulate a slower link: a sum of
-    n bytes is not available before it was posted plus latency + n / bandwidth. A blocking
-    transfer therefore waits all of it; one taken δ modules later waits only for what the compute
-    in between has not covered.
+    n bytes is available latency + n / bandwidth after the local transfer itself completed. The
+    emulated wire time is in series with the transfer's own cost (gloo's copies and sums on the
+    host), as a real link's is with the collective's software; taking the later of the two instead
+    would let a slow loopback transfer hide the added latency from δ = 0. A blocking transfer
+    therefore waits all of it; one taken δ modules later waits only for what the compute in
+    between has not covered.
     """
 
     def __init__(self, rank: int, timeout: float, latency: float = 0.0, bandwidth: float = 0.0):
         self.rank, self.latency, self.bandwidth = rank, latency, bandwidth
         self.timeout = datetime.timedelta(seconds=timeout)
-        self.pending: dict[int, list[Any]] = {}  # module -> [work, sum buffer, own partial, posted at, others]
+        self.pending: dict[int, list[Any]] = {}  # module -> [work, sum buffer, own partial, completed at, others]
 
-    def _wait(self, work: Any, posted: float, what: str, nbytes: int = 0) -> None:
+    def _completion(self, work: Any) -> list[float]:
+        """[t]: set to the time the transfer completes (by the backend's thread), when a link is emulated."""
+        done = [0.0]
+        if self.latency > 0 or self.bandwidth > 0:
+            work.get_future().add_done_callback(lambda _: done.__setitem__(0, time.perf_counter()))
+        return done
+
+    def _wait(self, work: Any, done: list[float], what: str, nbytes: int = 0) -> None:
         try:
             work.wait(self.timeout)
         except RuntimeError as e:
             raise RankFailure(f"rank {self.rank}: {what} failed ({cause(e)}); another rank died, hung "
                               "or was stopped") from None
+        if self.latency <= 0 and self.bandwidth <= 0:
+            return
         wire = nbytes / self.bandwidth if self.bandwidth > 0 else 0.0
-        left = posted + self.latency + wire - time.perf_counter()
+        left = (done[0] or time.perf_counter()) + self.latency + wire - time.perf_counter()
         if left > 0:
             time.sleep(left)
 
     def reduce(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """Σ over ranks of t, blocking (t is summed in place)."""
-        posted = time.perf_counter()
-        self._wait(dist.all_reduce(t, async_op=True), posted, what, t.numel() * t.element_size())
+        work = dist.all_reduce(t, async_op=True)
+        self._wait(work, self._completion(work), what, t.numel() * t.element_size())
         return t
 
     def post(self, m: int, p: torch.Tensor) -> None:
         buf = p.clone()  # summed in place by the backend while this rank computes on
-        self.pending[m] = [dist.all_reduce(buf, async_op=True), buf, p, time.perf_counter(), None]
+        work = dist.all_reduce(buf, async_op=True)
+        self.pending[m] = [work, buf, p, self._completion(work), None]
 
     def others(self, m: int) -> torch.Tensor:
         """Σ_{j≠l} p_j^m: the other ranks' partials of module m (waits for them if needed)."""

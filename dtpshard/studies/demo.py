@@ -85,3 +85,28 @@ def demo_cmd(*, out: Path = Path("dtpshard-demo"), steps: Count = 20, seq_len: C
           file=sys.stderr)
     print(report)
     return 0
+
+
+STUDY = Path(__file__).resolve().parent.parent / "configs" / "smollm2_study.toml"
+
+
+def study_cmd(*, out: Path = Path("smollm2-study"), study: Path = STUDY, force: bool = False) -> int:
+    """The SmolLM2 study (dtpshard/configs/smollm2_study.toml): 18 layouts of SmolLM2-135M-Instruct
+    (L = 3, δ = 1) distilled on the offline corpus, J under four affinity proxies, and the report
+    (does J predict the KL after training? how many steps does an optimised layout save?).
+    About 80 minutes on a 2-core CPU; nothing is downloaded. Rerun to resume.
+
+    Args:
+        out: the experiment directory (report.md, figures/, metrics; see dtpshard experiment)
+        study: the study file (default: the packaged smollm2_study.toml)
+        force: start over a directory made with other settings
+    """
+    from dtpshard.studies.experiment import load_config, run_experiment
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    t0 = time.perf_counter()
+    report = run_experiment(load_config(study), Path(out), force=force)
+    print(f"study finished in {(time.perf_counter() - t0) / 60:.1f} min; report: {report}", file=sys.stderr)
+    print(report)
+    return 0

@@ -48,6 +48,7 @@ run resumes from its last checkpoint).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -58,7 +59,35 @@ from dtpshard.studies.config import FORMAT, OPTIMISING, check_config, load_confi
 from dtpshard.core.io import atomic_write_text, read_json, read_json_object
 
 AFFINITY, LAYOUT_DIR, ZEROSHOT, RUNS = "affinity.safetensors", "layouts", "zeroshot.json", "runs"
-TEACHER_CACHE = "teacher-cache"
+TEACHER_CACHE, SCORES, TIMINGS, PROVENANCE = "teacher-cache", "scores.json", "timings.json", "provenance.json"
+PROXY_OPTIONS = {"first-order": {}, "group-unit": {"group_unit": True}, "exact-jacobian": {"exact_jacobian": True},
+                 "ablation": {"ablation": True}}
+
+
+def affinity_name(cfg: dict[str, Any], proxy: str) -> str:
+    """The first proxy's pass is affinity.safetensors (what the optimised arms read); the others
+    are affinity-PROXY.safetensors."""
+    return AFFINITY if proxy == cfg["proxies"][0] else f"affinity-{proxy}.safetensors"
+
+
+class _timed:
+    """Adds the wall time of a phase to DIR/timings.json when it ends (a resumed phase adds up)."""
+
+    def __init__(self, out: Path, phase: str):
+        self.out, self.phase = out, phase
+
+    def __enter__(self) -> None:
+        import time
+
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        import time
+
+        path = self.out / TIMINGS
+        seconds = read_json_object(path, "timings") if path.is_file() else {}
+        seconds[self.phase] = round(float(seconds.get(self.phase, 0.0)) + time.perf_counter() - self.t0, 3)
+        atomic_write_text(path, json.dumps(seconds, indent=1) + "\n")
 
 
 # -- the pipeline ------------------------------------------------------------------------------
@@ -73,7 +102,7 @@ def _compared(record: dict[str, Any]) -> dict[str, Any]:
 
     train = {k: v for k, v in (record.get("training") or {}).items() if k not in OPERATIONAL}
     # keys added later: an older directory lacks them
-    defaults = {"text_field": "text", "tokenizer": None, "teacher_cache_k": 0}
+    defaults = {"text_field": "text", "tokenizer": None, "teacher_cache_k": 0, "proxies": ["first-order"]}
     return {**{k: v for k, v in record.items() if k not in defaults or v != defaults[k]}, "training": train}
 
 
@@ -113,8 +142,8 @@ def _prepare_dir(out: Path, cfg: dict[str, Any], force: bool) -> None:
             diff = [k for k in sorted(set(new) | set(old)) if old.get(k) != new.get(k)]
             raise UserError(f"--out {out}: an experiment with other settings ({', '.join(diff)}) is there "
                             "(use --force to start it over)")
-        for name in (AFFINITY, LAYOUT_DIR, ZEROSHOT, RUNS, TEACHER_CACHE, "report.md", "figures"):
-            p = out / name
+        for p in [out / name for name in (LAYOUT_DIR, ZEROSHOT, RUNS, TEACHER_CACHE, SCORES, TIMINGS, PROVENANCE,
+                                          "report.md", "figures")] + list(out.glob("affinity*.safetensors")):
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
     elif out.exists() and (not out.is_dir() or any(p.name != LOCK for p in out.iterdir())) and not force:
         raise UserError(f"--out {out}: exists and is not an experiment directory (use --force to use it anyway)")
@@ -122,43 +151,75 @@ def _prepare_dir(out: Path, cfg: dict[str, Any], force: bool) -> None:
     atomic_write_text(saved, json.dumps(record, indent=1) + "\n")
 
 
-def _affinity(cfg: dict[str, Any], model: Path, out: Path) -> Path:
-    path = out / AFFINITY
-    if path.is_file():
-        _say(f"affinity: {path} (done before)")
-        return path
-    from dtpshard.affinity.calibrate import affinity_cmd
+def _affinity(cfg: dict[str, Any], model: Path, out: Path) -> dict[str, Path]:
+    """One calibration pass per proxy, on the same tokens (same source, blocks and seed)."""
+    paths = {}
+    for proxy in cfg["proxies"]:
+        path = paths[proxy] = out / affinity_name(cfg, proxy)
+        if path.is_file():
+            _say(f"affinity ({proxy}): {path} (done before)")
+            continue
+        from dtpshard.affinity.calibrate import affinity_cmd
 
-    cal = cfg["calibration"]
-    _say(f"affinity: {cal['blocks']} blocks x {cal['seq_len']} tokens")
-    affinity_cmd(model, out=path, text=cal["text"], dataset=cal["dataset"], text_field=cfg["text_field"],
-                 tokenizer=cfg["tokenizer"], blocks=cal["blocks"], seq_len=cal["seq_len"],
-                 delay=cfg["delay"], seed=cal["seed"], micro_batch=cal["micro_batch"], device=cfg["device"],
-                 progress=cfg["training"].get("progress", True))
-    return path
+        cal = cfg["calibration"]
+        _say(f"affinity ({proxy}): {cal['blocks']} blocks x {cal['seq_len']} tokens")
+        with _timed(out, f"affinity {proxy}"):
+            affinity_cmd(model, out=path, text=cal["text"], dataset=cal["dataset"], text_field=cfg["text_field"],
+                         tokenizer=cfg["tokenizer"], blocks=cal["blocks"], seq_len=cal["seq_len"],
+                         delay=cfg["delay"], seed=cal["seed"], micro_batch=cal["micro_batch"], device=cfg["device"],
+                         progress=cfg["training"].get("progress", True), **PROXY_OPTIONS[proxy])
+    return paths
 
 
-def _layouts(cfg: dict[str, Any], affinity_path: Path, out: Path) -> dict[str, Path]:
+def _layouts(cfg: dict[str, Any], affinities: dict[str, Path], out: Path) -> dict[str, Path]:
     from dtpshard.affinity.file import Affinity
     from dtpshard.layouts.make import make_layout
 
-    affinity, paths = None, {}
+    loaded: dict[str, Any] = {}
+    paths = {}
     (out / LAYOUT_DIR).mkdir(exist_ok=True)
     for spec in (s for arm in cfg["arms"] for s in arm["layouts"]):
         path = paths[spec["name"]] = out / LAYOUT_DIR / f"{spec['name']}.json"
         if path.is_file():
             continue
-        affinity = affinity or Affinity.load(affinity_path)
+        proxy = spec.get("proxy") or cfg["proxies"][0]
+        affinity = loaded.setdefault(proxy, None) or Affinity.load(affinities[proxy])
+        loaded[proxy] = affinity
         lay = cfg["layouts"]
         optimising = spec["kind"] in OPTIMISING
-        layout = make_layout(affinity.model, cfg["devices"], cfg["delay"], spec["kind"], affinity=affinity,
-                             layers=spec["layers"], restarts=lay["restarts"] if optimising else 1, seed=spec["seed"],
-                             kv_search=lay["kv_search"], max_sweeps=lay["max_sweeps"])
+        with _timed(out, "layouts"):
+            layout = make_layout(affinity.model, cfg["devices"], cfg["delay"], spec["kind"], affinity=affinity,
+                                 layers=spec["layers"], restarts=lay["restarts"] if optimising else 1,
+                                 seed=spec["seed"], kv_search=lay["kv_search"], max_sweeps=lay["max_sweeps"])
+        if optimising and proxy != cfg["proxies"][0]:  # its own group in the report
+            layout.kind = f"{layout.kind}-{proxy}"
         layout.score["name"] = spec["name"]
+        layout.score["proxy"] = proxy if optimising else None
         layout.save(path)
         s = layout.score
         _say(f"layout {spec['name']}: J = {s['J']:.4f} ({s['ratio_to_random']:.3f}x random), {s['seconds']:.1f} s")
     return paths
+
+
+def _proxy_scores(cfg: dict[str, Any], affinities: dict[str, Path], layouts: dict[str, Path], out: Path) -> None:
+    """DIR/scores.json: J of every layout under every proxy, {layout: {proxy: J}}."""
+    path = out / SCORES
+    done = read_json_object(path, "proxy scores") if path.is_file() else {}
+    todo = [(n, p) for n in layouts for p in cfg["proxies"] if p not in (done.get(n) or {})]
+    if not todo:
+        return
+    from dtpshard.affinity.file import Affinity
+    from dtpshard.core.layout import Layout
+    from dtpshard.layouts.score import colocated_score
+
+    with _timed(out, "proxy scores"):
+        for proxy in cfg["proxies"]:
+            names = [n for n, p in todo if p == proxy]
+            if names:
+                affinity = Affinity.load(affinities[proxy])
+                for name in names:
+                    done.setdefault(name, {})[proxy] = colocated_score(affinity, Layout.load(layouts[name]))["J"]
+        atomic_write_text(path, json.dumps(done, indent=1, sort_keys=True) + "\n")
 
 
 class _CachedTeacher:
@@ -201,11 +262,12 @@ def _zero_shot(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: 
     micro = ev["micro_batch"] or cfg["training"].get("micro_batch", 4)
     autocast = cfg["training"].get("autocast", True)
     for name in todo:
-        student = DTPModel.from_state_dict(ckpt.hf_config, sd, cfg["devices"], cfg["delay"], cfg["stage3"],
-                                           Layout.load(layouts[name])).to(dev)
-        done[name] = evaluate(student, teacher, blocks, micro, autocast)
-        del student
-        atomic_write_text(path, json.dumps(done, indent=1) + "\n")
+        with _timed(out, "zero-shot"):
+            student = DTPModel.from_state_dict(ckpt.hf_config, sd, cfg["devices"], cfg["delay"], cfg["stage3"],
+                                               Layout.load(layouts[name])).to(dev)
+            done[name] = evaluate(student, teacher, blocks, micro, autocast)
+            del student
+            atomic_write_text(path, json.dumps(done, indent=1) + "\n")
         _say(f"zero-shot {name}: KL {done[name]['kl']:.4f}, ppl {done[name]['ppl']:.2f}")
 
 
@@ -225,9 +287,10 @@ def _teacher_cache(cfg: dict[str, Any], model: Path, out: Path, runs: list[tuple
     _say(f"teacher cache: top {cfg['teacher_cache_k']} of the training blocks of seeds {seeds}")
     blocks = cache_blocks(model, seeds, t["steps"], t["seq_len"], t["micro_batch"], t["grad_accum"], t["nproc"],
                           t["text"], t["dataset"], cfg["text_field"], tokenizer)
-    return build_cache(model, blocks, out / TEACHER_CACHE, cfg["teacher_cache_k"], micro_batch=t["micro_batch"],
-                       device=pick_device(cfg["device"]), autocast=t["autocast"], progress=t["progress"],
-                       tokenizer=tokenizer)
+    with _timed(out, "teacher cache"):
+        return build_cache(model, blocks, out / TEACHER_CACHE, cfg["teacher_cache_k"], micro_batch=t["micro_batch"],
+                           device=pick_device(cfg["device"]), autocast=t["autocast"], progress=t["progress"],
+                           tokenizer=tokenizer)
 
 
 def _arms(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: Path,
@@ -245,16 +308,74 @@ def _arms(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: Path,
             _say(f"arm {k}/{len(runs)} {run.name}: done before")
             continue
         _say(f"arm {k}/{len(runs)} {run.name}: distilling")
-        distill(DistillConfig(teacher=model, out=run, layout=layouts[name], devices=cfg["devices"],
-                              delay=cfg["delay"], stage3=cfg["stage3"], seed=seed, device=cfg["device"],
-                              eval_blocks=ev["blocks"], eval_text=ev["text"], eval_dataset=ev["dataset"],
-                              eval_micro_batch=ev["micro_batch"], text_field=cfg["text_field"],
-                              tokenizer=cfg["tokenizer"], tensorboard=None if tensorboard is None else tensorboard / run.name,
-                              teacher_cache=cache, **cfg["training"]))
+        with _timed(out, f"run {run.name}"):
+            distill(DistillConfig(
+                teacher=model, out=run, layout=layouts[name], devices=cfg["devices"], delay=cfg["delay"],
+                stage3=cfg["stage3"], seed=seed, device=cfg["device"], eval_blocks=ev["blocks"],
+                eval_text=ev["text"], eval_dataset=ev["dataset"], eval_micro_batch=ev["micro_batch"],
+                text_field=cfg["text_field"], tokenizer=cfg["tokenizer"],
+                tensorboard=None if tensorboard is None else tensorboard / run.name,
+                teacher_cache=cache, **cfg["training"]))
 
 
-def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False, tensorboard: Path | None = None) -> Path:
-    """Every stage of a checked config (`check_config`) into `out`; returns the report path."""
+def _commit() -> str | None:
+    """The git commit of the dtpshard source running (+ "-dirty" with uncommitted changes), if a checkout."""
+    import subprocess
+
+    src = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no", "--", "dtpshard"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def _provenance(cfg: dict[str, Any], model: Path, out: Path, source: dict[str, Any] | None) -> None:
+    """DIR/provenance.json, written once: versions, the model files' sha256, the data and token counts."""
+    path = out / PROVENANCE
+    if path.is_file():
+        return
+    import hashlib
+    import platform
+    from importlib.metadata import version
+
+    from dtpshard.model.checkpoint import open_checkpoint
+
+    def sha256(p: Path) -> str:
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        return h.hexdigest()
+
+    files = open_checkpoint(model).files.files
+    cal, ev, train = cfg["calibration"], cfg["evaluation"], cfg["training"]
+    from dtpshard.training.recipe import DistillConfig
+
+    d = DistillConfig(teacher=model, out=out)
+    t = {k: train.get(k, getattr(d, k)) for k in ("steps", "seq_len", "micro_batch", "grad_accum")}
+    record = {
+        "versions": {p: version(p) for p in ("dtpshard", "torch", "transformers", "numpy", "scipy")},
+        "dtpshard_commit": _commit(),
+        "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "model": str(model), "model_files": {f.name: sha256(f) for f in files}, "model_source": source,
+        "data": {"calibration": cal["text"] or cal["dataset"] or "offline",
+                 "evaluation": ev["text"] or ev["dataset"] or "offline",
+                 "training": train.get("text") or train.get("dataset") or "offline"},
+        "tokens": {"calibration": cal["blocks"] * cal["seq_len"], "evaluation": ev["blocks"] * (t["seq_len"] + 1),
+                   "training_per_run": t["steps"] * t["micro_batch"] * t["grad_accum"] * t["seq_len"]},
+    }
+    atomic_write_text(path, json.dumps(record, indent=1) + "\n")
+
+
+def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False, tensorboard: Path | None = None,
+                   source: dict[str, Any] | None = None) -> Path:
+    """Every stage of a checked config (`check_config`) into `out`; returns the report path.
+    `source`: where the model directory came from (recorded in provenance.json)."""
     from dtpshard.model.checkpoint import read_shape
     from dtpshard.core.shape import check_delay, check_devices
 
@@ -269,10 +390,16 @@ def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False, tensorbo
 
     refuse_overwriting(out, the_model_directory=model, the_study_model=Path(cfg["model"]))
     _check_inputs(cfg, model)
+    from dtpshard.studies.smollm2 import MODEL_KEY, model_source
+
+    if source is None and cfg["model"] == MODEL_KEY:
+        source = model_source()
     with locked(out):
         _prepare_dir(out, cfg, force)
-        affinity = _affinity(cfg, model, out)
-        layouts = _layouts(cfg, affinity, out)
+        _provenance(cfg, model, out, source)
+        affinities = _affinity(cfg, model, out)
+        layouts = _layouts(cfg, affinities, out)
+        _proxy_scores(cfg, affinities, layouts, out)
         _zero_shot(cfg, model, layouts, out)
         _arms(cfg, model, layouts, out, tensorboard)
         from dtpshard.studies.report import write_report

@@ -4,6 +4,7 @@
   faint; random layouts grey.
 - j_vs_kl.png: KL against the co-located score J untrained (step 0), mid-training and at the end,
   one point per layout, with the least-squares line and Pearson r.
+- proxies.png: the trained layouts' KL at the end against J under each affinity proxy.
 - up_edge.png: per layer, the co-located fraction of the up edge for each layout.
 """
 from __future__ import annotations
@@ -100,7 +101,8 @@ def draw_j_vs_kl(study: "Study", path: Path) -> Path | None:
         if any(layout_kl(i, step) is not None for i in infos):  # an unfinished study: no empty panels
             panels.append((f"step {step}", step))
     extra: dict[str, str] = {}
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.3 * len(panels), 4), squeeze=False, sharex=True)
+    # one y range for every panel, so training's shrinking of the KL is seen across them
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.3 * len(panels), 4), squeeze=False, sharex=True, sharey=True)
     for ax, (title, step) in zip(axes[0], panels):
         pts = [(i, layout_kl(i, step)) for i in infos]
         pts = [(i, y) for i, y in pts if y is not None]
@@ -124,13 +126,64 @@ def draw_j_vs_kl(study: "Study", path: Path) -> Path | None:
         ax.set_xlabel("co-located score J")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("KL(dense ‖ student), nats / token")
+    _legend(fig, axes[0], several_seeds=any(len(i.runs) > 1 for i in infos))
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
+def _legend(fig, axes, several_seeds: bool) -> None:
+    """One legend for every panel (the untrained panel has layouts the others lack), with the
+    markers explained: a filled dot per layout, faint dots for single seeds, rings for seed means."""
+    from matplotlib.lines import Line2D
+
     handles: dict[str, object] = {}
-    for ax in axes[0]:  # one legend for every panel: the untrained panel has layouts the others lack
+    for ax in axes:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
-    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 8), fontsize=8,
+    handles["filled dot: one layout (seed mean where trained)"] = Line2D([], [], ls="", marker="o", color="#555555")
+    if several_seeds:
+        handles["faint dot: one training seed"] = Line2D([], [], ls="", marker="o", color="#555555", alpha=0.35, ms=4)
+        handles["ring: the mean of several seeds"] = Line2D([], [], ls="", marker="o", mfc="none", mec="black", ms=10)
+    handles["dashed: least-squares line"] = Line2D([], [], ls="--", color="black", lw=1)
+    rows = (len(handles) + 5) // 6
+    fig.tight_layout(rect=(0, 0.06 + 0.05 * rows, 1, 1))
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 6), fontsize=8,
                frameon=False)
+
+
+def draw_proxies(study: "Study", path: Path) -> Path | None:
+    """The trained layouts' seed-mean KL at the end against J under each proxy, one panel each."""
+    import matplotlib.pyplot as plt
+
+    from dtpshard.studies.study import layout_kl
+
+    end = study.steps
+    pts = [(i, layout_kl(i, end)) for i in _sorted(study) if i.runs]
+    pts = [(i, y) for i, y in pts if y is not None]
+    proxies = [p for p in study.proxies if any(i.proxy_J.get(p) is not None for i, _ in pts)]
+    if len(proxies) < 2 or len(pts) < 3:
+        return None
+    extra: dict[str, str] = {}
+    fig, axes = plt.subplots(1, len(proxies), figsize=(4 * len(proxies), 4), squeeze=False, sharey=True)
+    for ax, proxy in zip(axes[0], proxies):
+        seen: set[str] = set()
+        xy = [(i, i.proxy_J[proxy], y) for i, y in pts if i.proxy_J.get(proxy) is not None]
+        for i, x, y in xy:
+            lab = "random" if i.kind == "random" else i.name
+            ax.scatter(x, y, color=colour(i, extra), s=36 if i.kind == "random" else 55, zorder=3,
+                       label=None if lab in seen else lab, edgecolor="white", linewidth=0.6)
+            seen.add(lab)
+        fit = correlate([x for _, x, _ in xy], [y for _, _, y in xy])
+        if fit.slope is not None and fit.n >= 3:
+            xs = [min(x for _, x, _ in xy), max(x for _, x, _ in xy)]
+            ax.plot(xs, [fit.slope * x + fit.intercept for x in xs], color="black", lw=1, ls="--", zorder=2)
+        ax.set_title(f"{proxy}\nPearson r = {fit.r:+.2f} ({fit.n} layouts)" if fit.r is not None else proxy,
+                     fontsize=10)
+        ax.set_xlabel(f"J under {proxy}")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"KL at step {end} (seed mean), nats / token")
+    _legend(fig, axes[0], several_seeds=False)
     out = _save(fig, path)
     plt.close(fig)
     return out
@@ -176,7 +229,8 @@ def draw_all(study: "Study", figures: Path) -> dict[str, Path]:
     matplotlib.use("Agg")
     figures.mkdir(parents=True, exist_ok=True)
     out = {}
-    for key, fn in (("curves", draw_curves), ("j_vs_kl", draw_j_vs_kl), ("up_edge", draw_up_edge)):
+    for key, fn in (("curves", draw_curves), ("j_vs_kl", draw_j_vs_kl), ("proxies", draw_proxies),
+                    ("up_edge", draw_up_edge)):
         p = fn(study, figures / f"{key}.png")
         if p is not None:
             out[key] = p

@@ -17,8 +17,9 @@ import shutil
 from pathlib import Path
 
 from dtpshard.core.io import atomic_write_text
-from dtpshard.studies.stats import correlate, mean_curve, mean_sd, step_matching
-from dtpshard.studies.study import Study, groups, layout_kl, load_study, mid_step
+from dtpshard.studies.stats import (bootstrap_pearson, correlate, mean_curve, mean_sd, pair_matching,
+                                    step_matching)
+from dtpshard.studies.study import LayoutInfo, Study, groups, layout_kl, load_study, mid_step
 
 
 # -- tables ------------------------------------------------------------------------------------
@@ -34,33 +35,140 @@ def results_table(study: Study) -> str:
         opt = mean_curve([r.kl for i in g["optimised"] for r in i.runs])
         cont = mean_curve([r.kl for i in g["contiguous"] for r in i.runs])
         match = step_matching(opt, cont, end)
-    lines = [f"| layout | layouts | runs | KL@0 | KL@{mid} | KL@{end} | ppl@{end} | step matching contiguous@{end} |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| layout | layouts | runs | KL@0 | KL@{mid} | KL@{end} | KL@{end} min–max | ppl@{end} | "
+             f"step matching contiguous@{end} |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, infos in g.items():
         runs = [r for i in infos for r in i.runs]
         if not runs:
             continue
         at = lambda c, s: [r.__dict__[c].at(s) for r in runs]  # noqa: E731
         sm = {"optimised": match.format() if match else "–", "contiguous": f"{end}"}.get(name, "")
+        ends = [v for v in at("kl", end) if v is not None]
+        spread = f"{min(ends):.3f}–{max(ends):.3f}" if len(ends) > 1 else "–"
         lines.append(f"| {name} | {len(infos)} | {len(runs)} | {mean_sd(at('kl', 0)).format()} | "
-                     f"{mean_sd(at('kl', mid)).format()} | {mean_sd(at('kl', end)).format()} | "
+                     f"{mean_sd(at('kl', mid)).format()} | {mean_sd(at('kl', end)).format()} | {spread} | "
                      f"{mean_sd(at('ppl', end)).format(2)} | {sm} |")
     return "\n".join(lines)
 
 
 def layout_table(study: Study) -> str:
     mid, end = mid_step(study), study.steps
-    lines = [f"| layout | kind | J | J / random | zero-shot KL | zero-shot ppl | runs | KL@{mid} | KL@{end} | ppl@{end} |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    others = study.proxies[1:]  # J under the other proxies, where scored
+    lines = [f"| layout | kind | J | J / random | {''.join(f'J {p} | ' for p in others)}zero-shot KL | zero-shot ppl | "
+             f"runs | KL@{mid} | KL@{end} | ppl@{end} |", "|" + "---|" * (10 + len(others))]
     for info in sorted(study.layouts.values(), key=lambda i: -(i.J or 0)):
         ppl = [r.ppl.at(end) for r in info.runs]
         ppl = [v for v in ppl if v is not None]
         unfinished = sum(not r.done for r in info.runs)
         runs = f"{len(info.runs)}" + (f" ({unfinished} running)" if unfinished else "")
-        lines.append(f"| {info.name} | {info.kind} | {_fmt(info.J, 4)} | {_fmt(info.ratio)} | {_fmt(info.zero_kl, 4)} | "
-                     f"{_fmt(info.zero_ppl, 2)} | {runs} | {_fmt(layout_kl(info, mid), 4)} | "
+        extra = "".join(f"{_fmt(info.proxy_J.get(p), 4)} | " for p in others)
+        lines.append(f"| {info.name} | {info.kind} | {_fmt(info.J, 4)} | {_fmt(info.ratio)} | {extra}"
+                     f"{_fmt(info.zero_kl, 4)} | {_fmt(info.zero_ppl, 2)} | {runs} | {_fmt(layout_kl(info, mid), 4)} | "
                      f"{_fmt(layout_kl(info, end), 4)} | {_fmt(sum(ppl) / len(ppl) if ppl else None, 2)} |")
     return "\n".join(lines)
+
+
+def step_matching_lines(study: Study) -> list[str]:
+    """The multiplier of the mean curves at the middle and the end, with its range over seed pairs."""
+    g = groups(study)
+    if not (g.get("optimised") and g.get("contiguous")):
+        return []
+    opt = [r.kl for i in g["optimised"] for r in i.runs]
+    cont = [r.kl for i in g["contiguous"] for r in i.runs]
+    out = []
+    for step in (mid_step(study), study.steps):
+        m = step_matching(mean_curve(opt), mean_curve(cont), step)
+        if m is None:
+            continue
+        pairs = pair_matching(opt, cont, step)
+        out.append(f"- contiguous's mean KL at step {step} ({m.target:.3f}): optimised's mean curve reaches it at "
+                   f"step {m.format()}; single seeds: {pairs.format()}")
+    return out
+
+
+def _trained(study: Study, step: int) -> list[tuple[LayoutInfo, float]]:
+    pts = [(i, layout_kl(i, step)) for i in study.layouts.values() if i.runs]
+    return [(i, y) for i, y in pts if y is not None]
+
+
+def proxy_rows(study: Study) -> list[dict]:
+    """Per proxy: Pearson r (p, bootstrap 95% interval over layouts) of J against the trained
+    layouts' seed-mean KL at the end, and r against the zero-shot KL of every layout."""
+    rows = []
+    end = _trained(study, study.steps)
+    for proxy in study.proxies:
+        xs = [i.proxy_J.get(proxy) for i, _ in end]
+        fit = correlate(xs, [y for _, y in end])
+        ci = bootstrap_pearson(xs, [y for _, y in end])
+        infos = list(study.layouts.values())
+        zero = correlate([i.proxy_J.get(proxy) for i in infos], [i.zero_kl for i in infos])
+        rows.append({"proxy": proxy, "fit": fit, "ci": ci, "zero": zero})
+    return rows
+
+
+def proxy_table(study: Study) -> list[str]:
+    rows = [r for r in proxy_rows(study) if r["fit"].n or r["zero"].n]
+    if not rows:
+        return []
+    r_ = lambda f: "–" if f.r is None else f"{f.r:+.3f}"  # noqa: E731
+    p_ = lambda f: "–" if f.p is None else f"{f.p:.2g}"  # noqa: E731
+    lines = [f"| proxy | r (J, KL@{study.steps}) | p | bootstrap 95% CI | trained layouts | r (J, zero-shot KL) | p | "
+             "layouts |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        f, z = row["fit"], row["zero"]
+        lines.append(f"| {row['proxy']} | {r_(f)} | {p_(f)} | {row['ci'].format() if row['ci'] else '–'} | {f.n} | "
+                     f"{r_(z)} | {p_(z)} | {z.n} |")
+    out = ["## Which proxy predicts the trained KL", "",
+           "J of every layout under each proxy's affinity (one calibration pass each, on the same tokens). "
+           f"Pearson r of J against the seed-mean KL at step {study.steps} over the trained layouts (more negative: "
+           "higher J, lower KL), its two-sided p (scipy), and a percentile bootstrap 95% interval (10000 "
+           "resamples of the layouts, seed 0); and r against the untrained (zero-shot) KL of every layout.", "",
+           *lines, ""]
+    known = [r for r in rows if r["fit"].r is not None]
+    if len(known) > 1:
+        best = min(known, key=lambda r: r["fit"].r)
+        first = next((r for r in known if r["proxy"] == study.proxies[0]), None)
+        line = f"Most negative r at step {study.steps}: **{best['proxy']}** ({best['fit'].r:+.3f})"
+        if first is not None and best is not first:
+            overlap = best["ci"] and first["ci"] and best["ci"].high >= first["ci"].low
+            line += (f", against {first['fit'].r:+.3f} for {first['proxy']}"
+                     + ("; the bootstrap intervals overlap, so the difference is not resolved by these layouts."
+                        if overlap else "."))
+        else:
+            line += "."
+        out += [line, ""]
+    return out
+
+
+def provenance_lines(study: Study) -> list[str]:
+    p, t = study.provenance, study.timings
+    out = []
+    if p:
+        v = p.get("versions", {})
+        commit = f" (commit {p['dtpshard_commit']})" if p.get("dtpshard_commit") else ""
+        out.append("- versions: " + ", ".join(f"{k} {x}" for k, x in v.items()) + f"{commit}; Python "
+                   f"{p.get('python', '?')} on {p.get('machine', '?')}")
+        for name, digest in (p.get("model_files") or {}).items():
+            out.append(f"- model file {name}: sha256 {digest}")
+        src = p.get("model_source")
+        if src:
+            out.append(f"- made from {src.get('package', '?')}: {src.get('file', '?')}, sha256 {src.get('sha256', '?')}; "
+                       f"{src.get('dequantised_by', '')}")
+        d, tok = p.get("data", {}), p.get("tokens", {})
+        runs = len(study.runs)
+        out.append(f"- data: calibration {d.get('calibration')} ({tok.get('calibration', '?')} tokens), training "
+                   f"{d.get('training')} ({tok.get('training_per_run', '?')} tokens per run, {runs} runs), evaluation "
+                   f"{d.get('evaluation')} ({tok.get('evaluation', '?')} held-out tokens)")
+    if t:
+        runs = {k: x for k, x in t.items() if k.startswith("run ")}
+        other = {k: x for k, x in t.items() if not k.startswith("run ")}
+        parts = [f"{k} {x / 60:.1f} min" if x >= 60 else f"{k} {x:.0f} s" for k, x in other.items()]
+        if runs:
+            parts.append(f"{len(runs)} runs {sum(runs.values()) / 60:.1f} min "
+                         f"({min(runs.values()) / 60:.1f}–{max(runs.values()) / 60:.1f} min each)")
+        out.append(f"- wall time per phase: {'; '.join(parts)}; total {sum(t.values()) / 60:.1f} min")
+    return ["## Provenance", "", *out, ""] if out else []
 
 
 def correlation_lines(study: Study) -> list[str]:
@@ -68,8 +176,10 @@ def correlation_lines(study: Study) -> list[str]:
     for label, step in (("untrained (step 0)", 0), (f"step {mid_step(study)}", mid_step(study)),
                         (f"step {study.steps}", study.steps)):
         infos = list(study.layouts.values())
-        fit = correlate([i.J for i in infos], [layout_kl(i, step) for i in infos])
-        r = "n/a (fewer than 3 layouts)" if fit.r is None else f"{fit.r:+.3f} (p = {fit.p:.2g})"
+        xs, ys = [i.J for i in infos], [layout_kl(i, step) for i in infos]
+        fit, ci = correlate(xs, ys), bootstrap_pearson(xs, ys)
+        r = "n/a (fewer than 3 layouts)" if fit.r is None else f"{fit.r:+.3f} (p = {fit.p:.2g}" + \
+            (f", bootstrap 95% CI {ci.format()})" if ci else ")")
         out.append(f"- KL {label} against J over {fit.n} layouts: Pearson r = {r}")
     return out
 
@@ -87,18 +197,26 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
             "held-out evaluation blocks; J is the co-located score (docs/design.md §3).", ""]
     if done < len(study.runs):
         head += ["**Partial results**: some runs are unfinished; their curves stop at their last evaluation.", ""]
+    head += provenance_lines(study)
     body = ["## Results (docs/design.md §5)", "",
-            "Mean ± sample sd over the runs of each group (training seeds; for random, the random layouts).", "",
+            "Mean ± sample sd over the runs of each group (training seeds; for random, the random layouts), "
+            "and the lowest and highest single run.", "",
             results_table(study), "",
             "Step matching: the first step at which the optimised arm's mean KL curve (linear between "
-            "evaluations) reaches the contiguous arm's mean KL at the last step; the multiplier is that step "
-            "over it.", ""]
+            "evaluations) reaches the contiguous arm's mean KL at a step s; the multiplier is s over it. The "
+            "range is the same computed on single curves, for every (optimised seed, contiguous seed) pair.", "",
+            *step_matching_lines(study), ""]
     if "curves" in figures:
         body += ["## Training curves", "", f"![KL and perplexity against step]({figures['curves']})", "",
                  "Bold: mean over training seeds; faint: single seeds; grey: random layouts.", ""]
-    body += ["## Co-located score J against KL", ""] + correlation_lines(study) + [""]
+    first = study.proxies[0] if study.proxies else "first-order"
+    body += ["## Co-located score J against KL", "", f"J under the {first} affinity (the one the optimised layouts "
+             "maximise); bootstrap intervals as below.", ""] + correlation_lines(study) + [""]
     if "j_vs_kl" in figures:
         body += [f"![KL against J]({figures['j_vs_kl']})", ""]
+    body += proxy_table(study)
+    if "proxies" in figures:
+        body += [f"![trained KL against J under each proxy]({figures['proxies']})", ""]
     body += ["## Every layout", "", layout_table(study), ""]
     if "up_edge" in figures:
         body += ["## Where the up edge is co-located, layer by layer", "",

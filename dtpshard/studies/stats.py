@@ -139,3 +139,74 @@ def correlate(x: Sequence[float], y: Sequence[float]) -> Fit:
         res = pearsonr(xs, ys)
         r, p = float(res.statistic), float(res.pvalue)
     return Fit(r, p, float(slope), float(intercept), n)
+
+
+def pearson_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Pearson r of each row pair of x, y [B, n] (nan where a row is constant)."""
+    xc = x - x.mean(axis=1, keepdims=True)
+    yc = y - y.mean(axis=1, keepdims=True)
+    den = np.sqrt((xc * xc).sum(axis=1) * (yc * yc).sum(axis=1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, (xc * yc).sum(axis=1) / np.where(den > 0, den, 1.0), np.nan)
+
+
+@dataclass(frozen=True)
+class Interval:
+    low: float
+    high: float
+    resamples: int  # resamples with a defined r (a resample of one repeated layout has none)
+
+    def format(self, digits: int = 2) -> str:
+        return f"[{self.low:+.{digits}f}, {self.high:+.{digits}f}]"
+
+
+def bootstrap_pearson(x: Sequence[float], y: Sequence[float], resamples: int = 10000, level: float = 0.95,
+                      seed: int = 0) -> Interval | None:
+    """Percentile bootstrap interval of Pearson r over the pairs (layouts resampled with
+    replacement); resamples where r is undefined (constant x or y) are dropped. None with < 3 pairs."""
+    pairs = [(a, b) for a, b in zip(x, y) if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
+    if len(pairs) < 3:
+        return None
+    xs, ys = (np.asarray(v, dtype=np.float64) for v in zip(*pairs))
+    idx = np.random.default_rng(seed).integers(0, len(xs), size=(resamples, len(xs)))
+    r = pearson_rows(xs[idx], ys[idx])
+    r = r[np.isfinite(r)]
+    if r.size == 0:
+        return None
+    alpha = (1 - level) / 2
+    low, high = np.quantile(r, [alpha, 1 - alpha])
+    return Interval(float(low), float(high), int(r.size))
+
+
+@dataclass(frozen=True)
+class PairMatches:
+    """Step matching of every (optimised seed, contiguous seed) pair of single-seed curves."""
+
+    matches: list[StepMatch]
+
+    @property
+    def multipliers(self) -> list[float]:
+        return [m.multiplier for m in self.matches if m.multiplier is not None and math.isfinite(m.multiplier)]
+
+    @property
+    def unreached(self) -> int:
+        return sum(m.reached is None for m in self.matches)
+
+    def format(self) -> str:
+        ms = self.multipliers
+        if not self.matches:
+            return "–"
+        text = f"{min(ms):.1f}–{max(ms):.1f}× over {len(ms)} seed pairs" if ms else "no pair reached it"
+        if self.unreached:
+            text += f" ({self.unreached} of {len(self.matches)} pairs never reached it)"
+        return text
+
+
+def pair_matching(optimised: Sequence[Curve], contiguous: Sequence[Curve], step: float) -> PairMatches:
+    out = []
+    for o in optimised:
+        for c in contiguous:
+            m = step_matching(o, c, step)
+            if m is not None:
+                out.append(m)
+    return PairMatches(out)

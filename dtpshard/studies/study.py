@@ -35,6 +35,7 @@ class LayoutInfo:
     zero_kl: float | None
     zero_ppl: float | None
     runs: list[Run] = field(default_factory=list)
+    proxy_J: dict[str, float] = field(default_factory=dict)  # J under each proxy (scores.json)
 
 
 @dataclass
@@ -44,6 +45,9 @@ class Study:
     layouts: dict[str, LayoutInfo]
     runs: list[Run]
     steps: int  # planned training steps (the end of the curves)
+    proxies: list[str] = field(default_factory=list)  # scored proxies, the optimised one first
+    timings: dict[str, float] = field(default_factory=dict)  # phase -> wall seconds (timings.json)
+    provenance: dict[str, Any] = field(default_factory=dict)  # provenance.json
 
 
 # Every file is written by dtpshard; one edited by hand (or damaged) is refused by name here, before
@@ -133,10 +137,26 @@ def load_study(directory: Path) -> Study:
         layouts[layout].runs.append(run)
     if not layouts and not runs:
         raise UserError(f"{d}: no layouts/ and no runs/ (not an experiment directory)")
+    scores_path = d / "scores.json"
+    scores = _read_json(scores_path, "proxy scores") or {}
+    for name, info in layouts.items():
+        table = _table(scores, name, scores_path)
+        info.proxy_J = {p: _num(table, p, scores_path) for p in table}
+    proxies = config.get("proxies") or ["first-order"]
+    for info in layouts.values():  # a layout optimised under another proxy: J is still the first's
+        J = info.proxy_J.get(proxies[0])
+        if J is not None and info.J is not None and info.J != J:
+            info.ratio = None if not info.ratio or not info.J else J * info.ratio / info.J
+            info.J = J
+    timings_path = d / "timings.json"
+    timings = _read_json(timings_path, "timings") or {}
+    for k in timings:
+        _num(timings, k, timings_path)
     steps = (config.get("training") or {}).get("steps")
     if not isinstance(steps, int):
         steps = int(max((r.kl.steps[-1] for r in runs if len(r.kl.steps)), default=0))
-    return Study(d, config, layouts, runs, steps)
+    provenance = _read_json(d / "provenance.json", "provenance") or {}
+    return Study(d, config, layouts, runs, steps, list(proxies), timings, provenance)
 
 
 GROUP_ORDER = LAYOUT_KINDS  # the paper's order
