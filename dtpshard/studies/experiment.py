@@ -9,6 +9,7 @@ value is refused with the key named. Example (the paper's study: dtpshard/config
     delay = 1
     text_field = "text"            # the column / JSON field of every text source; tokenizer = DIR if the model has none
     teacher_cache_k = 0            # K > 0: every arm trains on one cache of the teacher's top K (top-K KL + tail)
+    proxies = ["first-order"]      # + "group-unit", "exact-jacobian", "ablation": one affinity pass each, same tokens
     [calibration]                  # text = [files] | dataset = "fineweb-edu" | neither: offline corpus
     blocks = 64
     seq_len = 1024
@@ -25,6 +26,9 @@ value is refused with the key named. Example (the paper's study: dtpshard/config
     [[arms]]
     kind = "optimised"
     layers = 4                     # only 4 evenly spaced layers optimised
+    [[arms]]
+    kind = "optimised"
+    proxy = "ablation"             # optimised under another listed proxy (named optimised-ablation)
 
 Relative paths (model, text files) are read from the working directory, as on the command line.
 [training] defaults to the calibration data when it names neither text nor dataset.
@@ -32,8 +36,12 @@ Relative paths (model, text files) are read from the working directory, as on th
 The experiment directory DIR:
 
     DIR/config.json              the resolved config (a rerun must match it, unless --force)
-    DIR/affinity.safetensors     one calibration pass (dtpshard affinity)
-    DIR/layouts/NAME.json        every layout, scored (J and its per-layer parts)
+    DIR/provenance.json          versions (and the git commit), the model files' sha256, data and token counts
+    DIR/affinity.safetensors     the calibration pass of the first proxy (dtpshard affinity)
+    DIR/affinity-PROXY.safetensors  the other proxies' passes, on the same tokens
+    DIR/layouts/NAME.json        every layout, scored (J and its per-layer parts, under its own proxy)
+    DIR/scores.json              J of every layout under every proxy
+    DIR/timings.json             wall seconds per phase (affinity per proxy, layouts, zero-shot, cache, each run)
     DIR/zeroshot.json            per layout: KL and perplexity of the untrained student (step 0)
     DIR/teacher-cache/           with teacher_cache_k = K > 0: the teacher's top-K log-probabilities of
                                  every arm's training blocks, computed once and read by every arm
@@ -48,7 +56,6 @@ run resumes from its last checkpoint).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -57,9 +64,10 @@ from typing import Any
 from dtpshard.core.errors import UserError
 from dtpshard.studies.config import FORMAT, OPTIMISING, check_config, load_config, resolve_model  # noqa: F401
 from dtpshard.core.io import atomic_write_text, read_json, read_json_object
+from dtpshard.studies.provenance import PROVENANCE, TIMINGS, timed as _timed, write_provenance
 
 AFFINITY, LAYOUT_DIR, ZEROSHOT, RUNS = "affinity.safetensors", "layouts", "zeroshot.json", "runs"
-TEACHER_CACHE, SCORES, TIMINGS, PROVENANCE = "teacher-cache", "scores.json", "timings.json", "provenance.json"
+TEACHER_CACHE, SCORES = "teacher-cache", "scores.json"
 PROXY_OPTIONS = {"first-order": {}, "group-unit": {"group_unit": True}, "exact-jacobian": {"exact_jacobian": True},
                  "ablation": {"ablation": True}}
 
@@ -68,26 +76,6 @@ def affinity_name(cfg: dict[str, Any], proxy: str) -> str:
     """The first proxy's pass is affinity.safetensors (what the optimised arms read); the others
     are affinity-PROXY.safetensors."""
     return AFFINITY if proxy == cfg["proxies"][0] else f"affinity-{proxy}.safetensors"
-
-
-class _timed:
-    """Adds the wall time of a phase to DIR/timings.json when it ends (a resumed phase adds up)."""
-
-    def __init__(self, out: Path, phase: str):
-        self.out, self.phase = out, phase
-
-    def __enter__(self) -> None:
-        import time
-
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc: Any) -> None:
-        import time
-
-        path = self.out / TIMINGS
-        seconds = read_json_object(path, "timings") if path.is_file() else {}
-        seconds[self.phase] = round(float(seconds.get(self.phase, 0.0)) + time.perf_counter() - self.t0, 3)
-        atomic_write_text(path, json.dumps(seconds, indent=1) + "\n")
 
 
 # -- the pipeline ------------------------------------------------------------------------------
@@ -318,60 +306,6 @@ def _arms(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: Path,
                 teacher_cache=cache, **cfg["training"]))
 
 
-def _commit() -> str | None:
-    """The git commit of the dtpshard source running (+ "-dirty" with uncommitted changes), if a checkout."""
-    import subprocess
-
-    src = Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        if head.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no", "--", "dtpshard"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head.stdout.strip() + ("-dirty" if dirty else "")
-
-
-def _provenance(cfg: dict[str, Any], model: Path, out: Path, source: dict[str, Any] | None) -> None:
-    """DIR/provenance.json, written once: versions, the model files' sha256, the data and token counts."""
-    path = out / PROVENANCE
-    if path.is_file():
-        return
-    import hashlib
-    import platform
-    from importlib.metadata import version
-
-    from dtpshard.model.checkpoint import open_checkpoint
-
-    def sha256(p: Path) -> str:
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-        return h.hexdigest()
-
-    files = open_checkpoint(model).files.files
-    cal, ev, train = cfg["calibration"], cfg["evaluation"], cfg["training"]
-    from dtpshard.training.recipe import DistillConfig
-
-    d = DistillConfig(teacher=model, out=out)
-    t = {k: train.get(k, getattr(d, k)) for k in ("steps", "seq_len", "micro_batch", "grad_accum")}
-    record = {
-        "versions": {p: version(p) for p in ("dtpshard", "torch", "transformers", "numpy", "scipy")},
-        "dtpshard_commit": _commit(),
-        "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "model": str(model), "model_files": {f.name: sha256(f) for f in files}, "model_source": source,
-        "data": {"calibration": cal["text"] or cal["dataset"] or "offline",
-                 "evaluation": ev["text"] or ev["dataset"] or "offline",
-                 "training": train.get("text") or train.get("dataset") or "offline"},
-        "tokens": {"calibration": cal["blocks"] * cal["seq_len"], "evaluation": ev["blocks"] * (t["seq_len"] + 1),
-                   "training_per_run": t["steps"] * t["micro_batch"] * t["grad_accum"] * t["seq_len"]},
-    }
-    atomic_write_text(path, json.dumps(record, indent=1) + "\n")
-
-
 def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False, tensorboard: Path | None = None,
                    source: dict[str, Any] | None = None) -> Path:
     """Every stage of a checked config (`check_config`) into `out`; returns the report path.
@@ -396,7 +330,7 @@ def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False, tensorbo
         source = model_source()
     with locked(out):
         _prepare_dir(out, cfg, force)
-        _provenance(cfg, model, out, source)
+        write_provenance(cfg, model, out, source)
         affinities = _affinity(cfg, model, out)
         layouts = _layouts(cfg, affinities, out)
         _proxy_scores(cfg, affinities, layouts, out)
