@@ -109,6 +109,9 @@ REPORT_CASES = {
     "layout not an object": (_write("layouts/anti.json", "[1, 2]"), ["layouts/anti.json", "JSON object"]),
     "zeroshot list": (_write("zeroshot.json", "[]"), ["zeroshot.json", "JSON object"]),
     "zeroshot kl edited": (_write("zeroshot.json", '{"anti": {"kl": "low"}}'), ["zeroshot.json", "'kl'"]),
+    "scores.json edited": (_write("scores.json", '{"anti": {"ablation": "big"}}'), ["scores.json", "'ablation'"]),
+    "timings.json edited": (_write("timings.json", '{"zero-shot": [1]}'), ["timings.json", "'zero-shot'"]),
+    "provenance.json edited": (_write("provenance.json", '{"versions": ["torch"]}'), ["provenance.json", "'versions'"]),
     "metrics line edited": (lambda d: (d / "runs/optimised-s0/metrics.jsonl").write_text(
         '{"kind": "eval", "step": 0, "eval_kl": 1}\nnot json\n{"kind": "eval", "step": 1}\n'),
         ["runs/optimised-s0/metrics.jsonl:2"]),

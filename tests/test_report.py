@@ -128,3 +128,17 @@ def test_j_figure_has_a_panel_only_where_there_is_data(tmp_path):
     w3 = _png_width(draw_j_vs_kl(full, tmp_path / "a.png"))
     w1 = _png_width(draw_j_vs_kl(untrained, tmp_path / "b.png"))
     assert 2.5 < w3 / w1 < 3.5  # three panels (untrained, middle, end) against the untrained one alone
+
+
+def test_identical_layouts_count_once(tmp_path):
+    d = make_experiment(tmp_path / "exp")
+    opt = json.loads((d / "layouts" / "optimised.json").read_text())
+    opt["layers"] = [{"kv": [1, 0], "ffn": [0, 1]}]
+    (d / "layouts" / "optimised.json").write_text(json.dumps(opt))
+    (d / "layouts" / "neurons-only.json").write_text(json.dumps({**opt, "kind": "neurons-only"}))
+    zero = json.loads((d / "zeroshot.json").read_text())
+    (d / "zeroshot.json").write_text(json.dumps({**zero, "neurons-only": zero["optimised"]}))
+    md = write_report(d).read_text()
+    assert _row(md, "neurons-only")[1] == "neurons-only (= optimised)"
+    assert "count once in every correlation: neurons-only = optimised" in md
+    assert "untrained (step 0) against J over 5 layouts" in md  # 6 layout files, 5 distinct

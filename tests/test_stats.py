@@ -127,3 +127,18 @@ def test_step_matching_over_seed_pairs():
     assert got[1] is None and got[3] is None and pm.unreached == 2
     assert pm.format() == f"{min(expected[0], expected[2]):.1f}–{max(expected[0], expected[2]):.1f}× over 2 seed pairs " \
                           "(2 of 4 pairs never reached it)"
+
+
+def test_paired_bootstrap_of_a_difference_of_correlations():
+    from dtpshard.studies.stats import bootstrap_pearson_difference
+
+    rng = np.random.default_rng(2)
+    y = rng.normal(size=16)
+    xa = -y + rng.normal(scale=0.3, size=16)  # a good predictor of y
+    xb = xa + rng.normal(scale=0.5, size=16)  # the same plus noise: worse
+    ci = bootstrap_pearson_difference(xa, xb, y, resamples=3000, seed=5)
+    idx = np.random.default_rng(5).integers(0, 16, size=(3000, 16))
+    d = np.array([np.corrcoef(xa[i], y[i])[0, 1] - np.corrcoef(xb[i], y[i])[0, 1] for i in idx])
+    assert (ci.low, ci.high) == pytest.approx(tuple(np.quantile(d, [0.025, 0.975])), abs=1e-12)
+    assert ci.high < 0  # xa's r is more negative, resolved by the paired resamples
+    assert bootstrap_pearson_difference(xa[:2], xb[:2], y[:2]) is None

@@ -33,10 +33,12 @@ def colour(info: "LayoutInfo", extra: dict[str, str]) -> str:
     return extra.setdefault(info.kind, EXTRA[len(extra) % len(EXTRA)])
 
 
-def _sorted(study: "Study") -> list["LayoutInfo"]:
-    """Random layouts first (drawn underneath), then the families in a fixed order."""
+def _sorted(study: "Study", distinct: bool = False) -> list["LayoutInfo"]:
+    """Random layouts first (drawn underneath), then the families in a fixed order; `distinct`:
+    without layouts identical to another (one point per function in a correlation)."""
     rank = {k: i for i, k in enumerate(ORDER)}
-    return sorted(study.layouts.values(), key=lambda i: (i.kind != "random", rank.get(i.kind, len(ORDER)), i.name))
+    infos = [i for i in study.layouts.values() if not (distinct and i.same_as)]
+    return sorted(infos, key=lambda i: (i.kind != "random", rank.get(i.kind, len(ORDER)), i.name))
 
 
 def _save(fig, path: Path) -> Path:
@@ -93,7 +95,7 @@ def draw_j_vs_kl(study: "Study", path: Path) -> Path | None:
 
     from dtpshard.studies.study import layout_kl, mid_step
 
-    infos = [i for i in _sorted(study) if i.J is not None]
+    infos = [i for i in _sorted(study, distinct=True) if i.J is not None]
     if not infos:
         return None
     panels = [("untrained (step 0)", 0)]
@@ -146,10 +148,10 @@ def _legend(fig, axes, several_seeds: bool) -> None:
         handles["faint dot: one training seed"] = Line2D([], [], ls="", marker="o", color="#555555", alpha=0.35, ms=4)
         handles["ring: the mean of several seeds"] = Line2D([], [], ls="", marker="o", mfc="none", mec="black", ms=10)
     handles["dashed: least-squares line"] = Line2D([], [], ls="--", color="black", lw=1)
-    rows = (len(handles) + 5) // 6
-    fig.tight_layout(rect=(0, 0.06 + 0.05 * rows, 1, 1))
-    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 6), fontsize=8,
-               frameon=False)
+    fig.tight_layout()
+    # below the panels (the saved image grows to hold it), as wide as they are
+    fig.legend(list(handles.values()), list(handles), loc="upper center", bbox_to_anchor=(0.5, 0.0),
+               ncol=max(1, min(len(handles), 2 * len(axes) - 1)), fontsize=8, frameon=False)
 
 
 def draw_proxies(study: "Study", path: Path) -> Path | None:
@@ -159,7 +161,7 @@ def draw_proxies(study: "Study", path: Path) -> Path | None:
     from dtpshard.studies.study import layout_kl
 
     end = study.steps
-    pts = [(i, layout_kl(i, end)) for i in _sorted(study) if i.runs]
+    pts = [(i, layout_kl(i, end)) for i in _sorted(study, distinct=True) if i.runs]
     pts = [(i, y) for i, y in pts if y is not None]
     proxies = [p for p in study.proxies if any(i.proxy_J.get(p) is not None for i, _ in pts)]
     if len(proxies) < 2 or len(pts) < 3:

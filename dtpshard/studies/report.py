@@ -17,9 +17,9 @@ import shutil
 from pathlib import Path
 
 from dtpshard.core.io import atomic_write_text
-from dtpshard.studies.stats import (bootstrap_pearson, correlate, mean_curve, mean_sd, pair_matching,
-                                    step_matching)
-from dtpshard.studies.study import LayoutInfo, Study, groups, layout_kl, load_study, mid_step
+from dtpshard.studies.stats import (bootstrap_pearson, bootstrap_pearson_difference, correlate, mean_curve, mean_sd,
+                                    pair_matching, step_matching)
+from dtpshard.studies.study import LayoutInfo, Study, distinct, groups, layout_kl, load_study, mid_step
 
 
 # -- tables ------------------------------------------------------------------------------------
@@ -63,7 +63,8 @@ def layout_table(study: Study) -> str:
         unfinished = sum(not r.done for r in info.runs)
         runs = f"{len(info.runs)}" + (f" ({unfinished} running)" if unfinished else "")
         extra = "".join(f"{_fmt(info.proxy_J.get(p), 4)} | " for p in others)
-        lines.append(f"| {info.name} | {info.kind} | {_fmt(info.J, 4)} | {_fmt(info.ratio)} | {extra}"
+        kind = info.kind + (f" (= {info.same_as})" if info.same_as else "")
+        lines.append(f"| {info.name} | {kind} | {_fmt(info.J, 4)} | {_fmt(info.ratio)} | {extra}"
                      f"{_fmt(info.zero_kl, 4)} | {_fmt(info.zero_ppl, 2)} | {runs} | {_fmt(layout_kl(info, mid), 4)} | "
                      f"{_fmt(layout_kl(info, end), 4)} | {_fmt(sum(ppl) / len(ppl) if ppl else None, 2)} |")
     return "\n".join(lines)
@@ -88,7 +89,7 @@ def step_matching_lines(study: Study) -> list[str]:
 
 
 def _trained(study: Study, step: int) -> list[tuple[LayoutInfo, float]]:
-    pts = [(i, layout_kl(i, step)) for i in study.layouts.values() if i.runs]
+    pts = [(i, layout_kl(i, step)) for i in distinct(study) if i.runs]
     return [(i, y) for i, y in pts if y is not None]
 
 
@@ -101,9 +102,13 @@ def proxy_rows(study: Study) -> list[dict]:
         xs = [i.proxy_J.get(proxy) for i, _ in end]
         fit = correlate(xs, [y for _, y in end])
         ci = bootstrap_pearson(xs, [y for _, y in end])
-        infos = list(study.layouts.values())
+        infos = distinct(study)
         zero = correlate([i.proxy_J.get(proxy) for i in infos], [i.zero_kl for i in infos])
-        rows.append({"proxy": proxy, "fit": fit, "ci": ci, "zero": zero})
+        first = [i.proxy_J.get(study.proxies[0]) for i, _ in end]
+        diff = bootstrap_pearson_difference(xs, first, [y for _, y in end]) if proxy != study.proxies[0] else None
+        rows.append({"proxy": proxy, "fit": fit, "ci": ci, "zero": zero, "diff": diff})
+    for row in rows:  # the first proxy's r, which the others are compared with
+        row["first"] = rows[0]["fit"].r
     return rows
 
 
@@ -113,17 +118,21 @@ def proxy_table(study: Study) -> list[str]:
         return []
     r_ = lambda f: "–" if f.r is None else f"{f.r:+.3f}"  # noqa: E731
     p_ = lambda f: "–" if f.p is None else f"{f.p:.2g}"  # noqa: E731
-    lines = [f"| proxy | r (J, KL@{study.steps}) | p | bootstrap 95% CI | trained layouts | r (J, zero-shot KL) | p | "
-             "layouts |", "|---|---|---|---|---|---|---|---|"]
+    first = study.proxies[0]
+    lines = [f"| proxy | r (J, KL@{study.steps}) | p | bootstrap 95% CI | r − r({first}), paired 95% CI | "
+             "trained layouts | r (J, zero-shot KL) | p | layouts |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        f, z = row["fit"], row["zero"]
-        lines.append(f"| {row['proxy']} | {r_(f)} | {p_(f)} | {row['ci'].format() if row['ci'] else '–'} | {f.n} | "
-                     f"{r_(z)} | {p_(z)} | {z.n} |")
+        f, z, d = row["fit"], row["zero"], row["diff"]
+        diff = "–" if d is None or f.r is None or row["first"] is None else \
+            f"{f.r - row['first']:+.3f} {d.format(3)}"
+        lines.append(f"| {row['proxy']} | {r_(f)} | {p_(f)} | {row['ci'].format() if row['ci'] else '–'} | {diff} | "
+                     f"{f.n} | {r_(z)} | {p_(z)} | {z.n} |")
     out = ["## Which proxy predicts the trained KL", "",
            "J of every layout under each proxy's affinity (one calibration pass each, on the same tokens). "
            f"Pearson r of J against the seed-mean KL at step {study.steps} over the trained layouts (more negative: "
            "higher J, lower KL), its two-sided p (scipy), and a percentile bootstrap 95% interval (10000 "
-           "resamples of the layouts, seed 0); and r against the untrained (zero-shot) KL of every layout.", "",
+           "resamples of the layouts, seed 0); the difference from the first proxy's r with a paired bootstrap "
+           "interval (both r on the same resamples); and r against the untrained (zero-shot) KL of every layout.", "",
            *lines, ""]
     known = [r for r in rows if r["fit"].r is not None]
     if len(known) > 1:
@@ -131,10 +140,11 @@ def proxy_table(study: Study) -> list[str]:
         first = next((r for r in known if r["proxy"] == study.proxies[0]), None)
         line = f"Most negative r at step {study.steps}: **{best['proxy']}** ({best['fit'].r:+.3f})"
         if first is not None and best is not first:
-            overlap = best["ci"] and first["ci"] and best["ci"].high >= first["ci"].low
-            line += (f", against {first['fit'].r:+.3f} for {first['proxy']}"
-                     + ("; the bootstrap intervals overlap, so the difference is not resolved by these layouts."
-                        if overlap else "."))
+            d = best["diff"]
+            resolved = d is not None and d.high < 0
+            line += (f", against {first['fit'].r:+.3f} for {first['proxy']}; the paired interval of the difference "
+                     f"{'excludes' if resolved else 'includes'} 0"
+                     + (", so these layouts resolve it." if resolved else ", so these layouts do not resolve it."))
         else:
             line += "."
         out += [line, ""]
@@ -175,7 +185,7 @@ def correlation_lines(study: Study) -> list[str]:
     out = []
     for label, step in (("untrained (step 0)", 0), (f"step {mid_step(study)}", mid_step(study)),
                         (f"step {study.steps}", study.steps)):
-        infos = list(study.layouts.values())
+        infos = distinct(study)
         xs, ys = [i.J for i in infos], [layout_kl(i, step) for i in infos]
         fit, ci = correlate(xs, ys), bootstrap_pearson(xs, ys)
         r = "n/a (fewer than 3 layouts)" if fit.r is None else f"{fit.r:+.3f} (p = {fit.p:.2g}" + \
@@ -210,8 +220,11 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
         body += ["## Training curves", "", f"![KL and perplexity against step]({figures['curves']})", "",
                  "Bold: mean over training seeds; faint: single seeds; grey: random layouts.", ""]
     first = study.proxies[0] if study.proxies else "first-order"
+    same = [f"{i.name} = {i.same_as}" for i in study.layouts.values() if i.same_as]
     body += ["## Co-located score J against KL", "", f"J under the {first} affinity (the one the optimised layouts "
-             "maximise); bootstrap intervals as below.", ""] + correlation_lines(study) + [""]
+             "maximise); bootstrap intervals as below."
+             + (f" Identical layouts (the same permutations) count once in every correlation: {', '.join(same)}."
+                if same else ""), ""] + correlation_lines(study) + [""]
     if "j_vs_kl" in figures:
         body += [f"![KL against J]({figures['j_vs_kl']})", ""]
     body += proxy_table(study)

@@ -178,6 +178,26 @@ def bootstrap_pearson(x: Sequence[float], y: Sequence[float], resamples: int = 1
     return Interval(float(low), float(high), int(r.size))
 
 
+def bootstrap_pearson_difference(xa: Sequence[float], xb: Sequence[float], y: Sequence[float],
+                                 resamples: int = 10000, level: float = 0.95, seed: int = 0) -> Interval | None:
+    """Percentile bootstrap interval of r(xa, y) - r(xb, y), both on the same resampled layouts
+    (paired: two scores of the same layouts are strongly correlated, so their difference is
+    resolved far better than two separate intervals suggest)."""
+    rows = [(a, b, c) for a, b, c in zip(xa, xb, y)
+            if all(v is not None and math.isfinite(v) for v in (a, b, c))]
+    if len(rows) < 3:
+        return None
+    a, b, c = (np.asarray(v, dtype=np.float64) for v in zip(*rows))
+    idx = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
+    d = pearson_rows(a[idx], c[idx]) - pearson_rows(b[idx], c[idx])
+    d = d[np.isfinite(d)]
+    if d.size == 0:
+        return None
+    alpha = (1 - level) / 2
+    low, high = np.quantile(d, [alpha, 1 - alpha])
+    return Interval(float(low), float(high), int(d.size))
+
+
 @dataclass(frozen=True)
 class PairMatches:
     """Step matching of every (optimised seed, contiguous seed) pair of single-seed curves."""

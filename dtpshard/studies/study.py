@@ -36,6 +36,7 @@ class LayoutInfo:
     zero_ppl: float | None
     runs: list[Run] = field(default_factory=list)
     proxy_J: dict[str, float] = field(default_factory=dict)  # J under each proxy (scores.json)
+    same_as: str | None = None  # the name of an identical layout listed before it (same permutations)
 
 
 @dataclass
@@ -87,6 +88,11 @@ def _config(d: Path) -> dict[str, Any]:
     return config
 
 
+def _identity(obj: dict[str, Any]) -> str | None:
+    """What makes two layouts the same function: their per-layer permutations."""
+    return json.dumps(obj["layers"], sort_keys=True) if "layers" in obj else None
+
+
 def _layout_info(p: Path, zero: dict[str, Any], zero_path: Path) -> LayoutInfo:
     obj = _read_json(p, "layout") or {}
     s = _table(obj, "score", p)
@@ -120,8 +126,16 @@ def load_study(directory: Path) -> Study:
     config = _config(d)
     zero = _read_json(d / "zeroshot.json", "zero-shot results") or {}
     layouts: dict[str, LayoutInfo] = {}
+    seen: dict[str, str] = {}
+    rank = {k: i for i, k in enumerate(LAYOUT_KINDS)}  # the paper's families name a duplicate first
     for p in sorted((d / "layouts").glob("*.json")):
         layouts[p.stem] = _layout_info(p, zero, d / "zeroshot.json")
+    for name in sorted(layouts, key=lambda n: (rank.get(layouts[n].kind, len(rank)), n)):
+        key = _identity(_read_json(d / "layouts" / f"{name}.json", "layout") or {})
+        if key in seen:
+            layouts[name].same_as = seen[key]
+        elif key is not None:
+            seen[key] = name
     runs: list[Run] = []
     for r in sorted(p for p in (d / "runs").glob("*-s*") if p.is_dir()):
         layout, _, seed = r.name.rpartition("-s")
@@ -155,7 +169,12 @@ def load_study(directory: Path) -> Study:
     steps = (config.get("training") or {}).get("steps")
     if not isinstance(steps, int):
         steps = int(max((r.kl.steps[-1] for r in runs if len(r.kl.steps)), default=0))
-    provenance = _read_json(d / "provenance.json", "provenance") or {}
+    prov_path = d / "provenance.json"
+    provenance = _read_json(prov_path, "provenance") or {}
+    for key in ("versions", "model_files", "data", "tokens"):
+        _table(provenance, key, prov_path)
+    if provenance.get("model_source") is not None:
+        _table(provenance, "model_source", prov_path)
     return Study(d, config, layouts, runs, steps, list(proxies), timings, provenance)
 
 
@@ -169,6 +188,12 @@ def groups(study: Study) -> dict[str, list[LayoutInfo]]:
         out.setdefault(info.kind, []).append(info)
     rank = {g: i for i, g in enumerate(GROUP_ORDER)}
     return dict(sorted(out.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0])))
+
+
+def distinct(study: Study) -> list[LayoutInfo]:
+    """The layouts without those identical to one listed before (a correlation over layouts
+    counts each function once: e.g. neurons-only equals optimised when every device holds one KV group)."""
+    return [i for i in study.layouts.values() if i.same_as is None]
 
 
 def mid_step(study: Study) -> int:
