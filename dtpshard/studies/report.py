@@ -167,9 +167,12 @@ def provenance_lines(study: Study) -> list[str]:
                        f"{src.get('dequantised_by', '')}")
         d, tok = p.get("data", {}), p.get("tokens", {})
         runs = len(study.runs)
+        d = {k: ", ".join(v) if isinstance(v, list) else v for k, v in d.items()}
+        train = study.sources.get("train_data", d.get("training"))
+        ev = study.sources.get("eval_data", d.get("evaluation"))
         out.append(f"- data: calibration {d.get('calibration')} ({tok.get('calibration', '?')} tokens), training "
-                   f"{d.get('training')} ({tok.get('training_per_run', '?')} tokens per run, {runs} runs), evaluation "
-                   f"{d.get('evaluation')} ({tok.get('evaluation', '?')} held-out tokens)")
+                   f"{train} ({tok.get('training_per_run', '?')} tokens per run, {runs} runs), evaluation "
+                   f"{ev} ({tok.get('evaluation', '?')} held-out tokens)")
     if t:
         runs = {k: x for k, x in t.items() if k.startswith("run ")}
         other = {k: x for k, x in t.items() if not k.startswith("run ")}

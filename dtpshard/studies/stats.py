@@ -212,14 +212,20 @@ class PairMatches:
     def unreached(self) -> int:
         return sum(m.reached is None for m in self.matches)
 
+    @property
+    def at_start(self) -> int:  # reached at step 0: the optimised seed started below the target
+        return sum(m.multiplier is not None and math.isinf(m.multiplier) for m in self.matches)
+
     def format(self) -> str:
         ms = self.multipliers
         if not self.matches:
             return "–"
-        text = f"{min(ms):.1f}–{max(ms):.1f}× over {len(ms)} seed pairs" if ms else "no pair reached it"
+        parts = [f"{min(ms):.1f}–{max(ms):.1f}× over {len(ms)} seed pairs" if ms else ""]
+        if self.at_start:
+            parts.append(f"{self.at_start} of {len(self.matches)} pairs at the start")
         if self.unreached:
-            text += f" ({self.unreached} of {len(self.matches)} pairs never reached it)"
-        return text
+            parts.append(f"{self.unreached} of {len(self.matches)} pairs never reached it")
+        return "; ".join(p for p in parts if p)
 
 
 def pair_matching(optimised: Sequence[Curve], contiguous: Sequence[Curve], step: float) -> PairMatches:

@@ -49,6 +49,7 @@ class Study:
     proxies: list[str] = field(default_factory=list)  # scored proxies, the optimised one first
     timings: dict[str, float] = field(default_factory=dict)  # phase -> wall seconds (timings.json)
     provenance: dict[str, Any] = field(default_factory=dict)  # provenance.json
+    sources: dict[str, str] = field(default_factory=dict)  # train_data / eval_data of a run's config.json
 
 
 # Every file is written by dtpshard; one edited by hand (or damaged) is refused by name here, before
@@ -175,7 +176,12 @@ def load_study(directory: Path) -> Study:
         _table(provenance, key, prov_path)
     if provenance.get("model_source") is not None:
         _table(provenance, "model_source", prov_path)
-    return Study(d, config, layouts, runs, steps, list(proxies), timings, provenance)
+    sources: dict[str, str] = {}
+    for run in runs[:1]:  # every run reads the same corpus split; its config.json names it
+        path = d / "runs" / run.name / "config.json"
+        cfg = _read_json(path, "run config") or {}
+        sources = {k: str(cfg[k]) for k in ("train_data", "eval_data") if cfg.get(k) is not None}
+    return Study(d, config, layouts, runs, steps, list(proxies), timings, provenance, sources)
 
 
 GROUP_ORDER = LAYOUT_KINDS  # the paper's order
