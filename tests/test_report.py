@@ -133,9 +133,11 @@ def test_j_figure_has_a_panel_only_where_there_is_data(tmp_path):
 def test_identical_layouts_count_once(tmp_path):
     d = make_experiment(tmp_path / "exp")
     opt = json.loads((d / "layouts" / "optimised.json").read_text())
-    opt["layers"] = [{"kv": [1, 0], "ffn": [0, 1]}]
+    opt.update(devices=2, layers=[{"kv_perm": [1, 0, 2, 3], "ffn_perm": [0, 1, 2, 3, 4, 5]}])
     (d / "layouts" / "optimised.json").write_text(json.dumps(opt))
-    (d / "layouts" / "neurons-only.json").write_text(json.dumps({**opt, "kind": "neurons-only"}))
+    # the same function: the two devices swapped, units reordered within a device
+    same = {**opt, "kind": "neurons-only", "layers": [{"kv_perm": [3, 2, 0, 1], "ffn_perm": [5, 3, 4, 2, 0, 1]}]}
+    (d / "layouts" / "neurons-only.json").write_text(json.dumps(same))
     zero = json.loads((d / "zeroshot.json").read_text())
     (d / "zeroshot.json").write_text(json.dumps({**zero, "neurons-only": zero["optimised"]}))
     md = write_report(d).read_text()

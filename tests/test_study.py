@@ -9,6 +9,7 @@ from scipy.stats import pearsonr
 
 from dtpshard.cli import main
 from dtpshard.studies.demo import STUDY
+from dtpshard.studies.study import _identity
 from test_experiment import corpus
 
 
@@ -68,7 +69,7 @@ def test_tiny_study_end_to_end(tmp_path, tiny_dirs, capsys):
         kl.setdefault(run.name.rsplit("-s", 1)[0], []).append(rows[-1]["eval_kl"])
     names, seen = [], set()  # identical layouts (same permutations) count once
     for n in sorted(kl, key=lambda n: (n != "optimised", n)):
-        key = json.dumps(layouts[n]["layers"], sort_keys=True)
+        key = _identity(layouts[n])
         if key not in seen:
             seen.add(key)
             names.append(n)

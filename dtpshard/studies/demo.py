@@ -91,8 +91,8 @@ STUDY = Path(__file__).resolve().parent.parent / "configs" / "smollm2_study.toml
 
 
 def study_cmd(*, out: Path = Path("smollm2-study"), study: Path = STUDY, force: bool = False) -> int:
-    """The SmolLM2 study (dtpshard/configs/smollm2_study.toml): 18 layouts of SmolLM2-135M-Instruct
-    (L = 3, δ = 1) distilled on the offline corpus, J under four affinity proxies, and the report
+    """The SmolLM2 study (dtpshard/configs/smollm2_study.toml): 14 layouts of SmolLM2-135M-Instruct
+    (L = 3, δ = 1), 18 distillation runs on the offline corpus, J under four affinity proxies, and the report
     (does J predict the KL after training? how many steps does an optimised layout save?).
     About 80 minutes on a 2-core CPU; nothing is downloaded. Rerun to resume.
 

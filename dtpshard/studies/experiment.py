@@ -324,10 +324,6 @@ def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False, tensorbo
 
     refuse_overwriting(out, the_model_directory=model, the_study_model=Path(cfg["model"]))
     _check_inputs(cfg, model)
-    from dtpshard.studies.smollm2 import MODEL_KEY, model_source
-
-    if source is None and cfg["model"] == MODEL_KEY:
-        source = model_source()
     with locked(out):
         _prepare_dir(out, cfg, force)
         write_provenance(cfg, model, out, source)

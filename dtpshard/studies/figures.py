@@ -128,13 +128,17 @@ def draw_j_vs_kl(study: "Study", path: Path) -> Path | None:
         ax.set_xlabel("co-located score J")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("KL(dense ‖ student), nats / token")
-    _legend(fig, axes[0], several_seeds=any(len(i.runs) > 1 for i in infos))
+    ys = [y for ax in axes[0] for c in ax.collections for y in c.get_offsets()[:, 1]]
+    if ys and min(ys) > 0 and max(ys) / min(ys) > 4:  # untrained KL is far above trained: log keeps both readable
+        axes[0][0].set_yscale("log")
+    _legend(fig, axes[0], several_seeds=any(len(i.runs) > 1 for i in infos),
+            line=any(ax.get_lines() for ax in axes[0]))
     out = _save(fig, path)
     plt.close(fig)
     return out
 
 
-def _legend(fig, axes, several_seeds: bool) -> None:
+def _legend(fig, axes, several_seeds: bool, line: bool = True) -> None:
     """One legend for every panel (the untrained panel has layouts the others lack), with the
     markers explained: a filled dot per layout, faint dots for single seeds, rings for seed means."""
     from matplotlib.lines import Line2D
@@ -147,7 +151,8 @@ def _legend(fig, axes, several_seeds: bool) -> None:
     if several_seeds:
         handles["faint dot: one training seed"] = Line2D([], [], ls="", marker="o", color="#555555", alpha=0.35, ms=4)
         handles["ring: the mean of several seeds"] = Line2D([], [], ls="", marker="o", mfc="none", mec="black", ms=10)
-    handles["dashed: least-squares line"] = Line2D([], [], ls="--", color="black", lw=1)
+    if line:
+        handles["dashed: least-squares line"] = Line2D([], [], ls="--", color="black", lw=1)
     fig.tight_layout()
     # below the panels (the saved image grows to hold it), as wide as they are
     fig.legend(list(handles.values()), list(handles), loc="upper center", bbox_to_anchor=(0.5, 0.0),
@@ -185,7 +190,7 @@ def draw_proxies(study: "Study", path: Path) -> Path | None:
         ax.set_xlabel(f"J under {proxy}")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(f"KL at step {end} (seed mean), nats / token")
-    _legend(fig, axes[0], several_seeds=False)
+    _legend(fig, axes[0], several_seeds=False, line=any(ax.get_lines() for ax in axes[0]))
     out = _save(fig, path)
     plt.close(fig)
     return out

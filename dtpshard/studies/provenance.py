@@ -36,6 +36,10 @@ def _commit() -> str | None:
 
     src = Path(__file__).resolve().parents[2]
     try:
+        top = subprocess.run(["git", "-C", str(src), "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                             timeout=10)
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != src:  # an install inside another repo
+            return None
         head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if head.returncode != 0:
             return None
@@ -46,14 +50,28 @@ def _commit() -> str | None:
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:  # e.g. dtpshard run from a checkout that was never installed
+        return None
+
+
 def write_provenance(cfg: dict[str, Any], model: Path, out: Path, source: dict[str, Any] | None) -> None:
-    """DIR/provenance.json, written once: versions, the model files' sha256, the data and token counts."""
+    """DIR/provenance.json, written once: versions, the model files' sha256, the data and token counts.
+    `source`: what the model directory was made from (None: asked of studies.smollm2 for its key)."""
     path = out / PROVENANCE
     if path.is_file():
         return
     import hashlib
     import platform
-    from importlib.metadata import version
+
+    from dtpshard.studies.smollm2 import MODEL_KEY, model_source
+
+    if source is None and cfg["model"] == MODEL_KEY:
+        source = model_source()
 
     from dtpshard.model.checkpoint import open_checkpoint
 
@@ -69,9 +87,9 @@ def write_provenance(cfg: dict[str, Any], model: Path, out: Path, source: dict[s
     from dtpshard.training.recipe import DistillConfig
 
     d = DistillConfig(teacher=model, out=out)
-    t = {k: train.get(k, getattr(d, k)) for k in ("steps", "seq_len", "micro_batch", "grad_accum")}
+    t = {k: train.get(k, getattr(d, k)) for k in ("steps", "seq_len", "micro_batch", "grad_accum", "nproc")}
     record = {
-        "versions": {p: version(p) for p in ("dtpshard", "torch", "transformers", "numpy", "scipy")},
+        "versions": {p: _version(p) for p in ("dtpshard", "torch", "transformers", "numpy", "scipy")},
         "dtpshard_commit": _commit(),
         "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "model": str(model), "model_files": {f.name: sha256(f) for f in files}, "model_source": source,
@@ -79,6 +97,6 @@ def write_provenance(cfg: dict[str, Any], model: Path, out: Path, source: dict[s
                  "evaluation": ev["text"] or ev["dataset"] or "offline",
                  "training": train.get("text") or train.get("dataset") or "offline"},
         "tokens": {"calibration": cal["blocks"] * cal["seq_len"], "evaluation": ev["blocks"] * (t["seq_len"] + 1),
-                   "training_per_run": t["steps"] * t["micro_batch"] * t["grad_accum"] * t["seq_len"]},
+                   "training_per_run": t["steps"] * t["micro_batch"] * t["grad_accum"] * t["nproc"] * t["seq_len"]},
     }
     atomic_write_text(path, json.dumps(record, indent=1) + "\n")

@@ -83,8 +83,10 @@ def step_matching_lines(study: Study) -> list[str]:
         if m is None:
             continue
         pairs = pair_matching(opt, cont, step)
-        out.append(f"- contiguous's mean KL at step {step} ({m.target:.3f}): optimised's mean curve reaches it at "
-                   f"step {m.format()}; single seeds: {pairs.format()}")
+        reach = (f"reaches it at step {m.format()}" if m.reached is not None else
+                 f"never reaches it (its curve ends at step {int(mean_curve(opt).steps[-1])})")
+        out.append(f"- contiguous's mean KL at step {step} ({m.target:.3f}): optimised's mean curve {reach}; "
+                   f"single seeds: {pairs.format()}")
     return out
 
 
@@ -98,17 +100,24 @@ def proxy_rows(study: Study) -> list[dict]:
     layouts' seed-mean KL at the end, and r against the zero-shot KL of every layout."""
     rows = []
     end = _trained(study, study.steps)
+    y = [v for _, v in end]
     for proxy in study.proxies:
         xs = [i.proxy_J.get(proxy) for i, _ in end]
-        fit = correlate(xs, [y for _, y in end])
-        ci = bootstrap_pearson(xs, [y for _, y in end])
+        fit = correlate(xs, y)
+        ci = bootstrap_pearson(xs, y)
         infos = distinct(study)
         zero = correlate([i.proxy_J.get(proxy) for i in infos], [i.zero_kl for i in infos])
-        first = [i.proxy_J.get(study.proxies[0]) for i, _ in end]
-        diff = bootstrap_pearson_difference(xs, first, [y for _, y in end]) if proxy != study.proxies[0] else None
-        rows.append({"proxy": proxy, "fit": fit, "ci": ci, "zero": zero, "diff": diff})
-    for row in rows:  # the first proxy's r, which the others are compared with
-        row["first"] = rows[0]["fit"].r
+        row = {"proxy": proxy, "fit": fit, "ci": ci, "zero": zero, "diff": None, "delta": None}
+        if proxy != study.proxies[0]:  # against the first proxy, on the layouts scored under both
+            first = [i.proxy_J.get(study.proxies[0]) for i, _ in end]
+            both = [(a, b, c) for a, b, c in zip(xs, first, y) if a is not None and b is not None]
+            if len(both) >= 3:
+                a, b, c = zip(*both)
+                mine, theirs = correlate(a, c), correlate(b, c)
+                if mine.r is not None and theirs.r is not None:
+                    row["delta"] = mine.r - theirs.r
+                    row["diff"] = bootstrap_pearson_difference(a, b, c)
+        rows.append(row)
     return rows
 
 
@@ -123,15 +132,15 @@ def proxy_table(study: Study) -> list[str]:
              "trained layouts | r (J, zero-shot KL) | p | layouts |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         f, z, d = row["fit"], row["zero"], row["diff"]
-        diff = "–" if d is None or f.r is None or row["first"] is None else \
-            f"{f.r - row['first']:+.3f} {d.format(3)}"
+        diff = "–" if row["delta"] is None else f"{row['delta']:+.3f} " + (d.format(3) if d else "(no interval)")
         lines.append(f"| {row['proxy']} | {r_(f)} | {p_(f)} | {row['ci'].format() if row['ci'] else '–'} | {diff} | "
                      f"{f.n} | {r_(z)} | {p_(z)} | {z.n} |")
     out = ["## Which proxy predicts the trained KL", "",
            "J of every layout under each proxy's affinity (one calibration pass each, on the same tokens). "
            f"Pearson r of J against the seed-mean KL at step {study.steps} over the trained layouts (more negative: "
            "higher J, lower KL), its two-sided p (scipy), and a percentile bootstrap 95% interval (10000 "
-           "resamples of the layouts, seed 0); the difference from the first proxy's r with a paired bootstrap "
+           "resamples of the layouts, seed 0; with this few layouts a percentile interval is approximate and tends "
+           "to be narrow); the difference from the first proxy's r with a paired bootstrap "
            "interval (both r on the same resamples); and r against the untrained (zero-shot) KL of every layout.", "",
            *lines, ""]
     known = [r for r in rows if r["fit"].r is not None]
@@ -141,10 +150,13 @@ def proxy_table(study: Study) -> list[str]:
         line = f"Most negative r at step {study.steps}: **{best['proxy']}** ({best['fit'].r:+.3f})"
         if first is not None and best is not first:
             d = best["diff"]
-            resolved = d is not None and d.high < 0
-            line += (f", against {first['fit'].r:+.3f} for {first['proxy']}; the paired interval of the difference "
-                     f"{'excludes' if resolved else 'includes'} 0"
-                     + (", so these layouts resolve it." if resolved else ", so these layouts do not resolve it."))
+            line += f", against {first['fit'].r:+.3f} for {first['proxy']}; "
+            if d is None:
+                line += "no paired interval of the difference (too few layouts scored under both)."
+            elif d.high < 0:
+                line += "the paired interval of the difference excludes 0, so these layouts resolve it."
+            else:
+                line += "the paired interval of the difference includes 0, so these layouts do not resolve it."
         else:
             line += "."
         out += [line, ""]

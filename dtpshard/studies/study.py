@@ -90,8 +90,24 @@ def _config(d: Path) -> dict[str, Any]:
 
 
 def _identity(obj: dict[str, Any]) -> str | None:
-    """What makes two layouts the same function: their per-layer permutations."""
-    return json.dumps(obj["layers"], sort_keys=True) if "layers" in obj else None
+    """What makes two layouts the same function: which units share a device, layer by layer. The
+    devices are interchangeable (relabelling them, or reordering units within one, changes
+    nothing), so the key is the sorted list of each device's units over all layers."""
+    layers, L = obj.get("layers"), obj.get("devices")
+    if not isinstance(layers, list) or not isinstance(L, int) or L < 1:
+        return None
+    try:
+        devices = []
+        for d in range(L):
+            units = []
+            for layer in layers:
+                kv, ffn = layer["kv_perm"], layer["ffn_perm"]
+                g, n = len(kv) // L, len(ffn) // L
+                units.append((sorted(kv[d * g:(d + 1) * g]), sorted(ffn[d * n:(d + 1) * n])))
+            devices.append(units)
+    except (KeyError, TypeError):  # not a layout this version reads: never merged with another
+        return None
+    return json.dumps(sorted(devices))
 
 
 def _layout_info(p: Path, zero: dict[str, Any], zero_path: Path) -> LayoutInfo:
@@ -158,7 +174,11 @@ def load_study(directory: Path) -> Study:
         table = _table(scores, name, scores_path)
         info.proxy_J = {p: _num(table, p, scores_path) for p in table}
     proxies = config.get("proxies") or ["first-order"]
-    for info in layouts.values():  # a layout optimised under another proxy: J is still the first's
+    if not isinstance(proxies, list) or not all(isinstance(p, str) for p in proxies):
+        raise UserError(f"{d / 'config.json'}: 'proxies' must be a list of names, found {json.dumps(proxies)[:40]}")
+    # a layout optimised under another proxy: J is still the first's. J/random keeps its meaning:
+    # every edge is normalised to sum 1 whatever the proxy, so the random expectation is n_edges / L for all
+    for info in layouts.values():
         J = info.proxy_J.get(proxies[0])
         if J is not None and info.J is not None and info.J != J:
             info.ratio = None if not info.ratio or not info.J else J * info.ratio / info.J
@@ -166,7 +186,8 @@ def load_study(directory: Path) -> Study:
     timings_path = d / "timings.json"
     timings = _read_json(timings_path, "timings") or {}
     for k in timings:
-        _num(timings, k, timings_path)
+        if _num(timings, k, timings_path) is None:
+            raise UserError(f"{timings_path}: {k!r} must be a number, found null")
     steps = (config.get("training") or {}).get("steps")
     if not isinstance(steps, int):
         steps = int(max((r.kl.steps[-1] for r in runs if len(r.kl.steps)), default=0))
