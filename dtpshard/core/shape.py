@@ -108,3 +108,12 @@ def check_delay(shape: "ModelShape | dict[str, int] | None", delay: float) -> No
     modules = None if shape is None else 2 * shape["layers"] if isinstance(shape, dict) else shape.modules
     if modules is not None and delay > modules:
         raise UserError(f"delay={delay} exceeds the number of modules M={modules}")
+
+
+def check_context(hf_config: Any, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a generation that would run past the model's context (max_position_embeddings):
+    positions beyond what the model was trained on give text that only looks like an answer."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if isinstance(limit, int) and prompt_tokens + max_new_tokens > limit:
+        raise UserError(f"--max-new-tokens {max_new_tokens}: the prompt's {prompt_tokens} tokens + {max_new_tokens} "
+                        f"new ones exceed the model's context of {limit} positions (max_position_embeddings)")

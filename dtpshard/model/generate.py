@@ -5,6 +5,7 @@ from pathlib import Path
 
 from dtpshard.core.devices import pick_device
 from dtpshard.core.errors import UserError
+from dtpshard.core.shape import check_context
 from dtpshard.core.vocab import Count, Delay, Device, LoadDType, NonNegativeInt, NonNegativeNumber, Seed, Stage3, TopP
 
 
@@ -54,6 +55,7 @@ def generate_cmd(model: Path, *, prompt: str, devices: Count | None = None, dela
     if ids.shape[1] == 0:
         raise UserError("the prompt encodes to no tokens")
     check_token_ids(ids, net.shape.vocab, tokenizer or model)
+    check_context(net.config, ids.shape[1], max_new_tokens)
     eos = net.config.eos_token_id if net.config.eos_token_id is not None else tok.eos_token_id
     out = net.generate(ids, max_new_tokens, do_sample=temperature > 0, temperature=temperature, top_k=top_k,
                        top_p=top_p, seed=seed, eos_token_id=eos)

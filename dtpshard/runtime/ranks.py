@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dtpshard.model.checkpoint import Checkpoint, open_checkpoint
-from dtpshard.core.shape import check_delay, check_devices
+from dtpshard.core.shape import check_context, check_delay, check_devices
 from dtpshard.model.delay import schedule
 from dtpshard.core.errors import UserError
 from dtpshard.core.devices import pick_device
@@ -289,7 +289,10 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay | None = None, layout: Pat
                   timeout=timeout, stage3=stage3, latency_ms=latency_ms, dtype=dtype, device=device, threads=threads,
                   tokenizer=tokenizer, json=json, cuda_graphs=cuda_graphs)
     if nproc > 1 and "RANK" not in os.environ:  # the launcher: refuse before spawning anything
-        check_world(model, nproc, layout, delay)
+        ckpt, _ = check_world(model, nproc, layout, delay)
+        from dtpshard.model.checkpoint import load_tokenizer
+
+        check_context(ckpt.hf_config, len(load_tokenizer(tokenizer or model)(prompt).input_ids), max_new_tokens)
         exits = launch_local(nproc, _run_rank, (kwargs,), grace=timeout, who="dtpshard run")
         if any(e.said or e.traceback for e in exits):  # a rank raised: say that one (ranks that lost a
             # collective have already said so themselves)
@@ -307,6 +310,7 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay | None = None, layout: Pat
     ids = tok(prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
         raise UserError("the prompt encodes to no tokens")
+    check_context(ckpt.hf_config, ids.shape[1], max_new_tokens)
     set_threads(threads)
     dev = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if device == "cuda" else "cpu"
     with process_group(timeout, "nccl" if device == "cuda" else "gloo") as (rank, world):

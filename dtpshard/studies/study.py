@@ -135,7 +135,7 @@ def _eval_rows(run: Path) -> list[dict[str, Any]]:
 
 
 def load_study(directory: Path) -> Study:
-    from dtpshard.training.rundir import is_done
+    from dtpshard.training.rundir import DONE
 
     d = Path(directory)
     if not d.is_dir():
@@ -159,7 +159,7 @@ def load_study(directory: Path) -> Study:
         if not seed.isdigit():
             continue
         rows = _eval_rows(r)
-        run = Run(r.name, layout, int(seed), is_done(r),
+        run = Run(r.name, layout, int(seed), (r / DONE).is_file(),  # finished, even with its weights removed
                   make_curve([x["step"] for x in rows], [x.get("eval_kl") for x in rows]),
                   make_curve([x["step"] for x in rows], [x.get("eval_ppl") for x in rows]))
         runs.append(run)
