@@ -145,3 +145,18 @@ def test_paired_bootstrap_of_a_difference_of_correlations():
     assert (ci.low, ci.high) == pytest.approx(tuple(np.quantile(d, [0.025, 0.975])), abs=1e-12)
     assert ci.high < 0  # xa's r is more negative, resolved by the paired resamples
     assert bootstrap_pearson_difference(xa[:2], xb[:2], y[:2]) is None
+
+
+def test_rank_correlation_is_spearman():
+    from scipy.stats import spearmanr
+
+    from dtpshard.studies.stats import rank_correlate
+
+    x = [29.5, 20.0, 12.6, 21.7, 19.7, 25.0]
+    y = [0.73, 1.02, 4.60, 0.93, 3.69, 0.85]  # monotone but far from a line: Pearson is bent, ρ is not
+    rk = rank_correlate(x, y)
+    ref = spearmanr(x, y)
+    assert rk.rho == pytest.approx(ref.statistic) and rk.p == pytest.approx(ref.pvalue) and rk.n == 6
+    assert rk.rho < pearsonr(x, y).statistic
+    assert rank_correlate([1, 2, None, 3], [3, 2, 9, 1]).rho == pytest.approx(-1.0)
+    assert rank_correlate([1, 2], [1, 2]).rho is None and rank_correlate([1, 1, 1], [1, 2, 3]).rho is None

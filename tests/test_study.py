@@ -5,7 +5,7 @@ import tomllib
 import numpy as np
 import pytest
 import yaml
-from scipy.stats import pearsonr
+from scipy.stats import pearsonr, spearmanr
 
 from dtpshard.cli import main
 from dtpshard.studies.demo import STUDY
@@ -75,8 +75,9 @@ def test_tiny_study_end_to_end(tmp_path, tiny_dirs, capsys):
             names.append(n)
     for proxy in proxies:
         r = pearsonr([scores[n][proxy] for n in names], [np.mean(kl[n]) for n in names]).statistic
-        row = next(li for li in md.splitlines() if li.startswith(f"| {proxy} |"))
-        assert row.split("|")[2].strip() == f"{r:+.3f}"
+        rho = spearmanr([scores[n][proxy] for n in names], [np.mean(kl[n]) for n in names]).statistic
+        row = next(li for li in md.splitlines() if li.startswith(f"| {proxy} |")).split("|")
+        assert row[2].strip() == f"{r:+.3f}" and row[6].strip() == f"{rho:+.3f}"
     assert (out / "figures" / "proxies.png").read_bytes()[:4] == b"\x89PNG"
 
     # rerunning resumes: nothing is recomputed, the report is rewritten

@@ -9,9 +9,9 @@ the compiled kernels instead of rebuilding them (bench/bench_model.py reports bo
 
 `auto` compiles where it pays: on CUDA always (fused kernels, fewer launches), and on CPU for
 runs of at least `AUTO_MIN_STEPS` optimizer steps. On this 2-core CPU compiled DTP (L = 4) ran
-fwd+bwd 1.09× eager DTP in bench/bench_model.py (1.34× in issue 17's own measurement on a
-smaller model), saving ~0.3 s of a ~3.5 s step, while a cold compile took ~40 s (minutes under
-load): about 150 steps to amortise cold, ~35 from the cache, so short runs (tests, demos) stay eager.
+fwd+bwd 1.06× eager DTP in bench/bench_model.py (1.34× in issue 17's own measurement on a
+smaller model), saving ~0.2 s of a ~3.2 s step, while a cold compile took ~30 s (minutes under
+load): about 150 steps to amortise cold, ~40 from the cache, so short runs (tests, demos) stay eager.
 """
 from __future__ import annotations
 

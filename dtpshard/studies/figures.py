@@ -3,7 +3,7 @@
 - curves.png: KL and perplexity against step; per layout the seed mean bold and single seeds
   faint; random layouts grey.
 - j_vs_kl.png: KL against the co-located score J untrained (step 0), mid-training and at the end,
-  one point per layout, with the least-squares line and Pearson r.
+  one point per layout, with the least-squares line, Pearson r and Spearman ρ; one y range for all.
 - proxies.png: the trained layouts' KL at the end against J under each affinity proxy.
 - up_edge.png: per layer, the co-located fraction of the up edge for each layout.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dtpshard.core.io import atomic_path
-from dtpshard.studies.stats import correlate, mean_curve
+from dtpshard.studies.stats import correlate, mean_curve, rank_correlate
 
 if TYPE_CHECKING:
     from dtpshard.studies.study import LayoutInfo, Study
@@ -123,7 +123,9 @@ def draw_j_vs_kl(study: "Study", path: Path) -> Path | None:
         if fit.slope is not None and fit.n >= 3:  # a line through two points says nothing
             xs = [min(i.J for i, _ in pts), max(i.J for i, _ in pts)]
             ax.plot(xs, [fit.slope * x + fit.intercept for x in xs], color="black", lw=1, ls="--", zorder=2)
-        r = "r n/a" if fit.r is None else f"Pearson r = {fit.r:+.2f}"
+        rank = rank_correlate([i.J for i, _ in pts], [y for _, y in pts])
+        r = "r n/a" if fit.r is None else f"Pearson r = {fit.r:+.2f}" + \
+            ("" if rank.rho is None else f", Spearman ρ = {rank.rho:+.2f}")
         ax.set_title(f"{title}\n{r} ({fit.n} layouts)", fontsize=10)
         ax.set_xlabel("co-located score J")
         ax.grid(alpha=0.3)
@@ -185,7 +187,9 @@ def draw_proxies(study: "Study", path: Path) -> Path | None:
         if fit.slope is not None and fit.n >= 3:
             xs = [min(x for _, x, _ in xy), max(x for _, x, _ in xy)]
             ax.plot(xs, [fit.slope * x + fit.intercept for x in xs], color="black", lw=1, ls="--", zorder=2)
-        ax.set_title(f"{proxy}\nPearson r = {fit.r:+.2f} ({fit.n} layouts)" if fit.r is not None else proxy,
+        rank = rank_correlate([x for _, x, _ in xy], [y for _, _, y in xy])
+        rho = "" if rank.rho is None else f", ρ = {rank.rho:+.2f}"
+        ax.set_title(f"{proxy}\nPearson r = {fit.r:+.2f}{rho} ({fit.n} layouts)" if fit.r is not None else proxy,
                      fontsize=10)
         ax.set_xlabel(f"J under {proxy}")
         ax.grid(alpha=0.3)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dtpshard.core.io import atomic_write_text
 from dtpshard.studies.stats import (bootstrap_pearson, bootstrap_pearson_difference, correlate, mean_curve, mean_sd,
-                                    pair_matching, step_matching)
+                                    pair_matching, rank_correlate, step_matching)
 from dtpshard.studies.study import LayoutInfo, Study, distinct, groups, layout_kl, load_study, mid_step
 
 
@@ -107,7 +107,8 @@ def proxy_rows(study: Study) -> list[dict]:
         ci = bootstrap_pearson(xs, y)
         infos = distinct(study)
         zero = correlate([i.proxy_J.get(proxy) for i in infos], [i.zero_kl for i in infos])
-        row = {"proxy": proxy, "fit": fit, "ci": ci, "zero": zero, "diff": None, "delta": None}
+        row = {"proxy": proxy, "fit": fit, "ci": ci, "zero": zero, "diff": None, "delta": None,
+               "rank": rank_correlate(xs, y)}
         if proxy != study.proxies[0]:  # against the first proxy, on the layouts scored under both
             first = [i.proxy_J.get(study.proxies[0]) for i, _ in end]
             both = [(a, b, c) for a, b, c in zip(xs, first, y) if a is not None and b is not None]
@@ -129,19 +130,23 @@ def proxy_table(study: Study) -> list[str]:
     p_ = lambda f: "–" if f.p is None else f"{f.p:.2g}"  # noqa: E731
     first = study.proxies[0]
     lines = [f"| proxy | r (J, KL@{study.steps}) | p | bootstrap 95% CI | r − r({first}), paired 95% CI | "
-             "trained layouts | r (J, zero-shot KL) | p | layouts |", "|---|---|---|---|---|---|---|---|---|"]
+             "Spearman ρ | p | trained layouts | r (J, zero-shot KL) | p | layouts |", "|" + "---|" * 11]
     for row in rows:
         f, z, d = row["fit"], row["zero"], row["diff"]
         diff = "–" if row["delta"] is None else f"{row['delta']:+.3f} " + (d.format(3) if d else "(no interval)")
+        rk = row["rank"]
+        rho = "–" if rk.rho is None else f"{rk.rho:+.3f}"
         lines.append(f"| {row['proxy']} | {r_(f)} | {p_(f)} | {row['ci'].format() if row['ci'] else '–'} | {diff} | "
-                     f"{f.n} | {r_(z)} | {p_(z)} | {z.n} |")
+                     f"{rho} | {'–' if rk.p is None else f'{rk.p:.2g}'} | {f.n} | {r_(z)} | {p_(z)} | {z.n} |")
     out = ["## Which proxy predicts the trained KL", "",
            "J of every layout under each proxy's affinity (one calibration pass each, on the same tokens). "
            f"Pearson r of J against the seed-mean KL at step {study.steps} over the trained layouts (more negative: "
            "higher J, lower KL), its two-sided p (scipy), and a percentile bootstrap 95% interval (10000 "
            "resamples of the layouts, seed 0; with this few layouts a percentile interval is approximate and tends "
            "to be narrow); the difference from the first proxy's r with a paired bootstrap "
-           "interval (both r on the same resamples); and r against the untrained (zero-shot) KL of every layout.", "",
+           "interval (both r on the same resamples); Spearman's rank correlation ρ (does J order the layouts as their "
+           "KL does, whatever the shape of the relation); and r against the untrained (zero-shot) KL of every "
+           "layout.", "",
            *lines, ""]
     known = [r for r in rows if r["fit"].r is not None]
     if len(known) > 1:
@@ -202,10 +207,11 @@ def correlation_lines(study: Study) -> list[str]:
                         (f"step {study.steps}", study.steps)):
         infos = distinct(study)
         xs, ys = [i.J for i in infos], [layout_kl(i, step) for i in infos]
-        fit, ci = correlate(xs, ys), bootstrap_pearson(xs, ys)
+        fit, ci, rank = correlate(xs, ys), bootstrap_pearson(xs, ys), rank_correlate(xs, ys)
         r = "n/a (fewer than 3 layouts)" if fit.r is None else f"{fit.r:+.3f} (p = {fit.p:.2g}" + \
             (f", bootstrap 95% CI {ci.format()})" if ci else ")")
-        out.append(f"- KL {label} against J over {fit.n} layouts: Pearson r = {r}")
+        rho = "" if rank.rho is None else f"; Spearman ρ = {rank.rho:+.3f} (p = {rank.p:.2g})"
+        out.append(f"- KL {label} against J over {fit.n} layouts: Pearson r = {r}{rho}")
     return out
 
 
@@ -238,7 +244,7 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
     same = [f"{i.name} = {i.same_as}" for i in study.layouts.values() if i.same_as]
     body += ["## Co-located score J against KL", "", f"J under the {first} affinity (the one the optimised layouts "
              "maximise); bootstrap intervals as below."
-             + (f" Identical layouts (the same permutations) count once in every correlation: {', '.join(same)}."
+             + (f" Identical layouts (the same units share a device in every layer) count once in every correlation: {', '.join(same)}."
                 if same else ""), ""] + correlation_lines(study) + [""]
     if "j_vs_kl" in figures:
         body += [f"![KL against J]({figures['j_vs_kl']})", ""]

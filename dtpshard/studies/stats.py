@@ -141,6 +141,28 @@ def correlate(x: Sequence[float], y: Sequence[float]) -> Fit:
     return Fit(r, p, float(slope), float(intercept), n)
 
 
+@dataclass(frozen=True)
+class Rank:
+    rho: float | None  # Spearman's rank correlation (scipy.stats.spearmanr); None with < 3 points or ties only
+    p: float | None
+    n: int
+
+
+def rank_correlate(x: Sequence[float], y: Sequence[float]) -> Rank:
+    """Spearman's ρ over the pairs where both are known: whether J orders the layouts as their KL
+    does, whatever the shape of the relation (a few far-off layouts bend Pearson's line)."""
+    pairs = [(a, b) for a, b in zip(x, y) if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
+    if len(pairs) < 3:
+        return Rank(None, None, len(pairs))
+    xs, ys = (np.asarray(v, dtype=np.float64) for v in zip(*pairs))
+    if np.ptp(xs) == 0 or np.ptp(ys) == 0:
+        return Rank(None, None, len(pairs))
+    from scipy.stats import spearmanr
+
+    res = spearmanr(xs, ys)
+    return Rank(float(res.statistic), float(res.pvalue), len(pairs))
+
+
 def pearson_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Pearson r of each row pair of x, y [B, n] (nan where a row is constant)."""
     xc = x - x.mean(axis=1, keepdims=True)
@@ -160,22 +182,34 @@ class Interval:
         return f"[{self.low:+.{digits}f}, {self.high:+.{digits}f}]"
 
 
+def _known(*columns: Sequence[float]) -> list[np.ndarray]:
+    """The columns restricted to the rows where every value is a finite number."""
+    rows = [r for r in zip(*columns) if all(v is not None and math.isfinite(v) for v in r)]
+    return [np.asarray(c, dtype=np.float64) for c in zip(*rows)] if rows else [np.zeros(0) for _ in columns]
+
+
+def _percentile_interval(stats: np.ndarray, level: float) -> Interval | None:
+    stats = stats[np.isfinite(stats)]  # resamples where r is undefined are dropped
+    if stats.size == 0:
+        return None
+    alpha = (1 - level) / 2
+    low, high = np.quantile(stats, [alpha, 1 - alpha])
+    return Interval(float(low), float(high), int(stats.size))
+
+
+def _resamples(n: int, resamples: int, seed: int) -> np.ndarray:  # [resamples, n] row indices
+    return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+
+
 def bootstrap_pearson(x: Sequence[float], y: Sequence[float], resamples: int = 10000, level: float = 0.95,
                       seed: int = 0) -> Interval | None:
     """Percentile bootstrap interval of Pearson r over the pairs (layouts resampled with
     replacement); resamples where r is undefined (constant x or y) are dropped. None with < 3 pairs."""
-    pairs = [(a, b) for a, b in zip(x, y) if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
-    if len(pairs) < 3:
+    xs, ys = _known(x, y)
+    if len(xs) < 3:
         return None
-    xs, ys = (np.asarray(v, dtype=np.float64) for v in zip(*pairs))
-    idx = np.random.default_rng(seed).integers(0, len(xs), size=(resamples, len(xs)))
-    r = pearson_rows(xs[idx], ys[idx])
-    r = r[np.isfinite(r)]
-    if r.size == 0:
-        return None
-    alpha = (1 - level) / 2
-    low, high = np.quantile(r, [alpha, 1 - alpha])
-    return Interval(float(low), float(high), int(r.size))
+    idx = _resamples(len(xs), resamples, seed)
+    return _percentile_interval(pearson_rows(xs[idx], ys[idx]), level)
 
 
 def bootstrap_pearson_difference(xa: Sequence[float], xb: Sequence[float], y: Sequence[float],
@@ -183,19 +217,11 @@ def bootstrap_pearson_difference(xa: Sequence[float], xb: Sequence[float], y: Se
     """Percentile bootstrap interval of r(xa, y) - r(xb, y), both on the same resampled layouts
     (paired: two scores of the same layouts are strongly correlated, so their difference is
     resolved far better than two separate intervals suggest)."""
-    rows = [(a, b, c) for a, b, c in zip(xa, xb, y)
-            if all(v is not None and math.isfinite(v) for v in (a, b, c))]
-    if len(rows) < 3:
+    a, b, c = _known(xa, xb, y)
+    if len(a) < 3:
         return None
-    a, b, c = (np.asarray(v, dtype=np.float64) for v in zip(*rows))
-    idx = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
-    d = pearson_rows(a[idx], c[idx]) - pearson_rows(b[idx], c[idx])
-    d = d[np.isfinite(d)]
-    if d.size == 0:
-        return None
-    alpha = (1 - level) / 2
-    low, high = np.quantile(d, [alpha, 1 - alpha])
-    return Interval(float(low), float(high), int(d.size))
+    idx = _resamples(len(a), resamples, seed)
+    return _percentile_interval(pearson_rows(a[idx], c[idx]) - pearson_rows(b[idx], c[idx]), level)
 
 
 @dataclass(frozen=True)
@@ -220,7 +246,10 @@ class PairMatches:
         ms = self.multipliers
         if not self.matches:
             return "–"
-        parts = [f"{min(ms):.1f}–{max(ms):.1f}× over {len(ms)} seed pairs" if ms else ""]
+        if len(ms) == 1:
+            parts = [f"{ms[0]:.1f}× (one seed pair)"]
+        else:
+            parts = [f"{min(ms):.1f}–{max(ms):.1f}× over {len(ms)} seed pairs" if ms else ""]
         if self.at_start:
             parts.append(f"{self.at_start} of {len(self.matches)} pairs at the start")
         if self.unreached:
