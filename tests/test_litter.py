@@ -129,7 +129,11 @@ def test_explain_names_the_file():
 
 
 def _writer(target: Path, kind: str) -> subprocess.Popen:
-    code = (f"import time; from dtpshard.core.io import {kind}\n"
+    # SIGINT and SIGTERM as an interactive user's process has them: a test run started in the
+    # background (`cmd &` in a script) passes SIGINT on ignored, and the writer would never see it
+    code = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+            f"import time; from dtpshard.core.io import {kind}\n"
             f"with {kind}({str(target)!r}) as tmp:\n"
             "    (tmp / 'x' if tmp.is_dir() else tmp).write_text('half')\n"
             "    print('writing', flush=True); time.sleep(600)")
