@@ -130,6 +130,11 @@ def test_rms_norm_backward_matches_autograd():
     g2 = torch.autograd.grad((_RMSNormFn.apply(x, w, 1e-6) * dy).sum(), (x, w))
     for a, b in zip(g1, g2):
         assert torch.allclose(a, b, atol=1e-12)
+    # the training forward (1/rms from vector_norm) equals the inference one to float rounding
+    assert torch.allclose(_RMSNormFn.apply(x, w, 1e-6), rms_norm(x, w, 1e-6), atol=1e-12)
+    x32 = torch.randn(4, 2, 7, 64) * 3
+    w32 = torch.randn(64)
+    assert torch.allclose(_RMSNormFn.apply(x32, w32, 1e-6), rms_norm(x32, w32, 1e-6), rtol=1e-6, atol=1e-6)
 
 
 def test_residual_update_backward_matches_autograd():

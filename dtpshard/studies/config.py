@@ -276,7 +276,7 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> dict[str
     except FileNotFoundError:
         raise UserError(f"config file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read config {path}: {e}") from None
+        raise UserError(f"cannot read config {path}: {(getattr(e, 'strerror', None) or str(e)).lower()}") from None
     try:
         if path.suffix.lower() in (".yaml", ".yml"):
             import yaml

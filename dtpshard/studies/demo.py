@@ -94,7 +94,7 @@ def study_cmd(*, out: Path = Path("smollm2-study"), study: Path = STUDY, force: 
     """The SmolLM2 study (dtpshard/configs/smollm2_study.toml): 14 layouts of SmolLM2-135M-Instruct
     (L = 3, δ = 1), 18 distillation runs on the offline corpus, J under four affinity proxies, and the report
     (does J predict the KL after training? how many steps does an optimised layout save?).
-    About 80 minutes on a 2-core CPU; nothing is downloaded. Rerun to resume.
+    75.7 minutes on a 2-core CPU (docs/results/smollm2-l3-d1); nothing is downloaded. Rerun to resume.
 
     Args:
         out: the experiment directory (report.md, figures/, metrics; see dtpshard experiment)

@@ -159,11 +159,23 @@ def _affinity(cfg: dict[str, Any], model: Path, out: Path) -> dict[str, Path]:
     return paths
 
 
-def _layouts(cfg: dict[str, Any], affinities: dict[str, Path], out: Path) -> dict[str, Path]:
-    from dtpshard.affinity.file import Affinity
+class _Affinities(dict):
+    """proxy -> its Affinity, each file read once, when first asked for (layouts, then scores)."""
+
+    def __init__(self, paths: dict[str, Path]):
+        super().__init__()
+        self.paths = paths
+
+    def __missing__(self, proxy: str) -> Any:
+        from dtpshard.affinity.file import Affinity
+
+        self[proxy] = affinity = Affinity.load(self.paths[proxy])
+        return affinity
+
+
+def _layouts(cfg: dict[str, Any], affinities: _Affinities, out: Path) -> dict[str, Path]:
     from dtpshard.layouts.make import make_layout
 
-    loaded: dict[str, Any] = {}
     paths = {}
     (out / LAYOUT_DIR).mkdir(exist_ok=True)
     for spec in (s for arm in cfg["arms"] for s in arm["layouts"]):
@@ -171,8 +183,7 @@ def _layouts(cfg: dict[str, Any], affinities: dict[str, Path], out: Path) -> dic
         if path.is_file():
             continue
         proxy = spec.get("proxy") or cfg["proxies"][0]
-        affinity = loaded.setdefault(proxy, None) or Affinity.load(affinities[proxy])
-        loaded[proxy] = affinity
+        affinity = affinities[proxy]
         lay = cfg["layouts"]
         optimising = spec["kind"] in OPTIMISING
         with _timed(out, "layouts"):
@@ -189,24 +200,20 @@ def _layouts(cfg: dict[str, Any], affinities: dict[str, Path], out: Path) -> dic
     return paths
 
 
-def _proxy_scores(cfg: dict[str, Any], affinities: dict[str, Path], layouts: dict[str, Path], out: Path) -> None:
+def _proxy_scores(cfg: dict[str, Any], affinities: _Affinities, layouts: dict[str, Path], out: Path) -> None:
     """DIR/scores.json: J of every layout under every proxy, {layout: {proxy: J}}."""
     path = out / SCORES
     done = read_json_object(path, "proxy scores") if path.is_file() else {}
     todo = [(n, p) for n in layouts for p in cfg["proxies"] if p not in (done.get(n) or {})]
     if not todo:
         return
-    from dtpshard.affinity.file import Affinity
     from dtpshard.core.layout import Layout
     from dtpshard.layouts.score import colocated_score
 
     with _timed(out, "proxy scores"):
-        for proxy in cfg["proxies"]:
-            names = [n for n, p in todo if p == proxy]
-            if names:
-                affinity = Affinity.load(affinities[proxy])
-                for name in names:
-                    done.setdefault(name, {})[proxy] = colocated_score(affinity, Layout.load(layouts[name]))["J"]
+        loaded = {name: Layout.load(layouts[name]) for name, _ in todo}
+        for name, proxy in todo:
+            done.setdefault(name, {})[proxy] = colocated_score(affinities[proxy], loaded[name])["J"]
         atomic_write_text(path, json.dumps(done, indent=1, sort_keys=True) + "\n")
 
 
@@ -327,7 +334,7 @@ def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False, tensorbo
     with locked(out):
         _prepare_dir(out, cfg, force)
         write_provenance(cfg, model, out, source)
-        affinities = _affinity(cfg, model, out)
+        affinities = _Affinities(_affinity(cfg, model, out))
         layouts = _layouts(cfg, affinities, out)
         _proxy_scores(cfg, affinities, layouts, out)
         _zero_shot(cfg, model, layouts, out)

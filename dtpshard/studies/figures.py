@@ -36,8 +36,10 @@ def colour(info: "LayoutInfo", extra: dict[str, str]) -> str:
 def _sorted(study: "Study", distinct: bool = False) -> list["LayoutInfo"]:
     """Random layouts first (drawn underneath), then the families in a fixed order; `distinct`:
     without layouts identical to another (one point per function in a correlation)."""
+    from dtpshard.studies.study import distinct as distinct_layouts
+
     rank = {k: i for i, k in enumerate(ORDER)}
-    infos = [i for i in study.layouts.values() if not (distinct and i.same_as)]
+    infos = distinct_layouts(study) if distinct else list(study.layouts.values())
     return sorted(infos, key=lambda i: (i.kind != "random", rank.get(i.kind, len(ORDER)), i.name))
 
 

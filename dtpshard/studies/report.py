@@ -101,11 +101,11 @@ def proxy_rows(study: Study) -> list[dict]:
     rows = []
     end = _trained(study, study.steps)
     y = [v for _, v in end]
+    infos = distinct(study)
     for proxy in study.proxies:
         xs = [i.proxy_J.get(proxy) for i, _ in end]
         fit = correlate(xs, y)
         ci = bootstrap_pearson(xs, y)
-        infos = distinct(study)
         zero = correlate([i.proxy_J.get(proxy) for i in infos], [i.zero_kl for i in infos])
         row = {"proxy": proxy, "fit": fit, "ci": ci, "zero": zero, "diff": None, "delta": None,
                "rank": rank_correlate(xs, y)}

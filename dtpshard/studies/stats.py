@@ -113,6 +113,12 @@ def step_matching(optimised: Curve, contiguous: Curve, step: float) -> StepMatch
     return StepMatch(step, target, reached, step / reached if reached > 0 else math.inf)
 
 
+def _known(*columns: Sequence[float]) -> list[np.ndarray]:
+    """The columns restricted to the rows where every value is a finite number."""
+    rows = [r for r in zip(*columns) if all(v is not None and math.isfinite(v) for v in r)]
+    return [np.asarray(c, dtype=np.float64) for c in zip(*rows)] if rows else [np.zeros(0) for _ in columns]
+
+
 @dataclass(frozen=True)
 class Fit:
     r: float | None  # Pearson r (scipy.stats.pearsonr); None with < 3 points or constant data
@@ -124,11 +130,10 @@ class Fit:
 
 def correlate(x: Sequence[float], y: Sequence[float]) -> Fit:
     """Pearson r and the least-squares line of y on x, over the pairs where both are known."""
-    pairs = [(a, b) for a, b in zip(x, y) if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
-    n = len(pairs)
+    xs, ys = _known(x, y)
+    n = len(xs)
     if n < 2:
         return Fit(None, None, None, None, n)
-    xs, ys = (np.asarray(v, dtype=np.float64) for v in zip(*pairs))
     if np.ptp(xs) == 0:
         return Fit(None, None, None, None, n)
     slope, intercept = np.polyfit(xs, ys, 1)
@@ -151,16 +156,13 @@ class Rank:
 def rank_correlate(x: Sequence[float], y: Sequence[float]) -> Rank:
     """Spearman's ρ over the pairs where both are known: whether J orders the layouts as their KL
     does, whatever the shape of the relation (a few far-off layouts bend Pearson's line)."""
-    pairs = [(a, b) for a, b in zip(x, y) if a is not None and b is not None and math.isfinite(a) and math.isfinite(b)]
-    if len(pairs) < 3:
-        return Rank(None, None, len(pairs))
-    xs, ys = (np.asarray(v, dtype=np.float64) for v in zip(*pairs))
-    if np.ptp(xs) == 0 or np.ptp(ys) == 0:
-        return Rank(None, None, len(pairs))
+    xs, ys = _known(x, y)
+    if len(xs) < 3 or np.ptp(xs) == 0 or np.ptp(ys) == 0:
+        return Rank(None, None, len(xs))
     from scipy.stats import spearmanr
 
     res = spearmanr(xs, ys)
-    return Rank(float(res.statistic), float(res.pvalue), len(pairs))
+    return Rank(float(res.statistic), float(res.pvalue), len(xs))
 
 
 def pearson_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -180,12 +182,6 @@ class Interval:
 
     def format(self, digits: int = 2) -> str:
         return f"[{self.low:+.{digits}f}, {self.high:+.{digits}f}]"
-
-
-def _known(*columns: Sequence[float]) -> list[np.ndarray]:
-    """The columns restricted to the rows where every value is a finite number."""
-    rows = [r for r in zip(*columns) if all(v is not None and math.isfinite(v) for v in r)]
-    return [np.asarray(c, dtype=np.float64) for c in zip(*rows)] if rows else [np.zeros(0) for _ in columns]
 
 
 def _percentile_interval(stats: np.ndarray, level: float) -> Interval | None:

@@ -36,7 +36,8 @@ class LayoutInfo:
     zero_ppl: float | None
     runs: list[Run] = field(default_factory=list)
     proxy_J: dict[str, float] = field(default_factory=dict)  # J under each proxy (scores.json)
-    same_as: str | None = None  # the name of an identical layout listed before it (same permutations)
+    same_as: str | None = None  # the name of an identical layout listed before it (same units per device)
+    identity: str | None = None  # _identity of its layout file
 
 
 @dataclass
@@ -118,7 +119,8 @@ def _layout_info(p: Path, zero: dict[str, Any], zero_path: Path) -> LayoutInfo:
         raise UserError(f"{p}: score.layers must be a list of objects")
     z = _table(zero, p.stem, zero_path)
     return LayoutInfo(p.stem, str(obj.get("kind", "unknown")), _num(s, "J", p), _num(s, "ratio_to_random", p),
-                      [_num(row, "up", p) for row in rows], _num(z, "kl", zero_path), _num(z, "ppl", zero_path))
+                      [_num(row, "up", p) for row in rows], _num(z, "kl", zero_path), _num(z, "ppl", zero_path),
+                      identity=_identity(obj))
 
 
 def _eval_rows(run: Path) -> list[dict[str, Any]]:
@@ -148,7 +150,7 @@ def load_study(directory: Path) -> Study:
     for p in sorted((d / "layouts").glob("*.json")):
         layouts[p.stem] = _layout_info(p, zero, d / "zeroshot.json")
     for name in sorted(layouts, key=lambda n: (rank.get(layouts[n].kind, len(rank)), n)):
-        key = _identity(_read_json(d / "layouts" / f"{name}.json", "layout") or {})
+        key = layouts[name].identity
         if key in seen:
             layouts[name].same_as = seen[key]
         elif key is not None:
