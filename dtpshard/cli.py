@@ -53,13 +53,35 @@ def _dashed(text: str) -> str:
     return re.sub(r"--[A-Za-z0-9_.]+", lambda m: m.group().replace("_", "-"), text)
 
 
+# what --help says a flag takes, instead of the Python type's name
+_HELP_TYPES = {"Count": "int >= 1", "NonNegativeInt": "int >= 0", "Seed": "int >= 0", "PositiveNumber": "number > 0",
+               "NonNegativeNumber": "number >= 0", "ClosedUnitInterval": "number in [0, 1]",
+               "Beta": "number in [0, 1)", "TopP": "number in (0, 1]", "Device": "auto, cpu, cuda or cuda:N",
+               "Path": "path", "str": "text", "float": "number", "bool": "true or false"}
+
+
+def help_type(type_str: str) -> str:
+    """jsonargparse's type string in words: `Optional[list[Path]]` -> `list of path, or null`."""
+    t = re.sub(r"<class '(?:[\w.]*\.)?(\w+)'>", r"\1", type_str)
+    t = re.sub(r"Literal\[([^\]]*)\]", lambda m: " | ".join(c.strip(" '\"") for c in m.group(1).split(",")), t)
+    t = re.sub(r"Optional\[(.*)\]$", r"\1 | null", t)
+    t = re.sub(r"(?:list|List)\[(.*?)\]", r"list of \1", t)
+    t = re.sub(r"\w+", lambda m: _HELP_TYPES.get(m.group(), m.group()), t)
+    return t.replace(" | null", ", or null")
+
+
 def _dataclass_params(fn: Callable) -> dict[str, type]:
     hints = typing.get_type_hints(fn)
     return {n: hints[n] for n in inspect.signature(fn).parameters if dataclasses.is_dataclass(hints.get(n))}
 
 
 def build_parser(name: str, fn: Callable) -> Any:
-    from jsonargparse import ActionConfigFile, ArgumentParser
+    from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
+
+    class Formatter(DefaultHelpFormatter):
+        def _get_type_str(self, action: Any) -> str | None:
+            t = super()._get_type_str(action)
+            return None if t is None else help_type(t)
 
     class Parser(ArgumentParser):
         argv: list[str] = []  # the command line being parsed, to quote a refused value as typed
@@ -71,7 +93,7 @@ def build_parser(name: str, fn: Callable) -> Any:
             raise Refused(_one_line(message, [a.dest for a in self._actions if not a.option_strings], self.argv))
 
     doc = (inspect.getdoc(fn) or "").split("Args:")[0].strip()
-    parser = Parser(prog=f"dtpshard {name}", description=doc, exit_on_error=False)
+    parser = Parser(prog=f"dtpshard {name}", description=doc, exit_on_error=False, formatter_class=Formatter)
     parser.add_argument("--config", action=ActionConfigFile,
                         help="YAML or JSON file of this command's options; flags given after it override it")
     nested = _dataclass_params(fn)

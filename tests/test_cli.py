@@ -155,3 +155,15 @@ def test_bad_config_file_is_one_line_naming_it(tmp_path, capsys, content, needle
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f"--config {cfg}: {needle}" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == (["opts.yaml"] if content is not None else [])
+
+
+def test_help_says_what_each_flag_takes_in_words(capsys):
+    assert cli.help_type("Optional[list[<class 'pathlib.Path'>]]") == "list of path, or null"
+    assert cli.help_type("Literal['auto', 'on', 'off']") == "auto | on | off"
+    assert cli.help_type("Count | null") == "int >= 1, or null"
+    for name in cli.COMMANDS:
+        assert cli.main([name, "--help"]) == 0
+        text = " ".join(capsys.readouterr().out.split())
+        assert "type:" in text
+        for python_name in ("<class", "Literal[", "Optional[", "Count", "NonNegative", "PositiveNumber", "Path,"):
+            assert python_name not in text, (name, python_name)

@@ -68,7 +68,8 @@ def test_experiment_end_to_end(study, tmp_path, capsys):
     md = (out / "report.md").read_text()
     assert "| optimised | 1 | 1 |" in md and "| anti | anti |" in md
     assert all((out / "figures" / f"{f}.png").is_file() for f in ("curves", "j_vs_kl", "up_edge"))
-    assert str(out / "report.md") in capsys.readouterr().err
+    captured = capsys.readouterr()  # progress on stderr, the report's path alone on stdout
+    assert captured.out.strip() == str(out / "report.md") and "[experiment]" in captured.err
 
 
 def test_interrupted_experiment_resumes_and_skips_finished_arms(study, tmp_path):

@@ -164,11 +164,13 @@ def test_tokenizer_flag_where_the_checkpoint_has_none(tiny_dirs, tmp_path, capsy
     assert len(out["new_token_ids"]) == 12
 
 
-def test_compiled_model_equals_eager_without_graph_breaks():
-    """fullgraph=True fails on any graph break; aot_eager traces forward and backward the way the
-    default backend does, in seconds (inductor's code generation is the slow test below)."""
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # qwen3: q/k-norms on strided views
+def test_compiled_model_equals_eager_without_graph_breaks(family):
+    """fullgraph=True fails on any graph break, also in a hand-written backward (dynamo traces it with
+    the forward); aot_eager traces forward and backward the way the default backend does, in
+    seconds (inductor's code generation is the slow test below)."""
     torch._dynamo.reset()
-    model = DTPModel.from_hf(tiny_hf_model("qwen2", num_hidden_layers=2), devices=2, delay=1)
+    model = DTPModel.from_hf(tiny_hf_model(family, num_hidden_layers=2), devices=2, delay=1)
     ids = ids_for(2, 8)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     got, want = compiled(ids).logits, model(ids).logits

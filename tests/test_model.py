@@ -161,14 +161,34 @@ def test_residual_update_backward_matches_autograd():
         assert torch.allclose(residual_update(x, p, 0.5, [(q1, 1.0)]), literal(x, p, 0.5, [(q1, 1.0)]), atol=1e-12)
 
 
-def test_rows_matmul_backward_matches_autograd():
-    from dtpshard.model.dtp import _RowsMatmul
+@pytest.mark.parametrize("cols", [False, True])
+def test_device_matmul_backward_matches_autograd_in_the_weights_layout(cols):
+    from dtpshard.model.dtp import _DeviceMatmul
 
-    h = torch.randn(4, 6, 8, dtype=torch.float64, requires_grad=True)
     w = torch.randn(12, 8, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b: _RowsMatmul.apply(a, b, 4), (h, w))
-    ref = torch.bmm(h, w.view(4, 3, 8).transpose(1, 2))
-    assert torch.equal(_RowsMatmul.apply(h, w, 4), ref)
+    if cols:  # device l: columns [2l, 2l + 2), transposed -> [4, 2, 12]
+        x, view = torch.randn(4, 6, 2, dtype=torch.float64), w.view(12, 4, 2).permute(1, 2, 0)
+    else:  # device l: rows [3l, 3l + 3), transposed -> [4, 8, 3]
+        x, view = torch.randn(4, 6, 8, dtype=torch.float64), w.view(4, 3, 8).transpose(1, 2)
+    x.requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: _DeviceMatmul.apply(a, b, 4, cols), (x, w))
+    ref = torch.bmm(x, view)
+    assert torch.equal(_DeviceMatmul.apply(x, w, 4, cols), ref)
+    dy = torch.randn_like(ref)
+    got = torch.autograd.grad(_DeviceMatmul.apply(x, w, 4, cols), (x, w), dy)
+    assert all(torch.equal(g, r) for g, r in zip(got, torch.autograd.grad(ref, (x, w), dy)))
+    assert got[1].is_contiguous()  # autograd's own is strided (columns) or transposed (rows)
+
+
+def test_every_weight_gradient_arrives_in_the_weights_layout():
+    """A strided gradient costs AccumulateGrad a copy (or a slow strided add) per weight per step."""
+    hf = tiny_hf_model("qwen3")
+    model = DTPModel.from_hf(hf, devices=2, delay=1).train()
+    strided = []
+    for name, p in model.named_parameters():
+        p.register_hook(lambda g, name=name: strided.append(name) if not g.is_contiguous() else None)
+    model(ids_for(hf)).logits.logsumexp(-1).mean().backward()
+    assert not strided
 
 
 def test_autocast_bf16_training_step_runs():

@@ -76,3 +76,19 @@ def test_force_never_starts_over_a_directory_that_is_not_a_run(model, tmp_path, 
         args = ["experiment", str(study), "--out", str(other), "--force"]
     refused(capsys, args, "is not a dtpshard run's")
     assert snapshot(other) == before
+
+
+def test_distill_never_writes_beside_unrelated_files(model, tmp_path, capsys):
+    busy = tmp_path / "busy"
+    (busy / "data").mkdir(parents=True)
+    (busy / "notes.txt").write_text("mine")
+    before = snapshot(busy)
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    args = ["distill", str(model), "--out", str(busy), "--text", str(text), "--steps", "1", "--devices", "2",
+            "--seq-len", "8", "--micro-batch", "1", "--grad-accum", "1", "--eval-blocks", "1", "--device", "cpu",
+            "--no-progress"]
+    refused(capsys, args, f"--out {busy}: not empty and not a dtpshard run (holds data and 1 more)")
+    assert snapshot(busy) == before and sorted(p.name for p in busy.iterdir()) == ["data", "notes.txt"]
+    assert main(args + ["--force"]) == 0  # the user's explicit choice: the run goes beside them
+    assert (busy / "DONE").is_file() and (busy / "notes.txt").read_text() == "mine"

@@ -52,9 +52,10 @@ def _row(md, first_cell):
     return [c.strip() for c in line.strip("|").split("|")]
 
 
-def test_report_tables_and_figures(tmp_path):
+def test_report_tables_and_figures(tmp_path, capsys):
     d = make_experiment(tmp_path / "exp")
     assert main(["report", str(d)]) == 0
+    assert capsys.readouterr().out.strip() == str(d / "report.md")  # stdout: the path alone
     md = (d / "report.md").read_text()
     for fig in ("curves", "j_vs_kl", "up_edge"):
         png = d / "figures" / f"{fig}.png"

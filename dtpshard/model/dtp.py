@@ -60,7 +60,10 @@ class _RMSNormFn(torch.autograd.Function):
         t = g * x32  # dy·n
         dw = t.reshape(-1, t.shape[-1]).sum(0)
         g.mul_(_up(weight))  # dn·r
-        s = torch.mul(g, x32, out=t).mean(-1, keepdim=True).mul_(r).mul_(r)  # r²·mean(dn·n)
+        # out= only into a contiguous t: dynamo refuses a strided out= (the q/k-norms' inputs are
+        # transposed views), and a graph break there would split the compiled model at every norm
+        gx = torch.mul(g, x32, out=t) if t.is_contiguous() else g * x32
+        s = gx.mean(-1, keepdim=True).mul_(r).mul_(r)  # r²·mean(dn·n)
         dx = g.addcmul_(x32, s, value=-1)  # r·dn - x·r²·mean(dn·n)
         return dx.to(x.dtype), dw.to(weight.dtype), None
 
@@ -110,16 +113,12 @@ class _ResidualUpdate(torch.autograd.Function):
 
 
 class Proj(nn.Module):
-    """A bare weight (and bias) with nn.Linear's names; the DTP code reads per-device views."""
+    """A bare weight (and bias) with nn.Linear's names; the DTP code reads per-device views of it."""
 
     def __init__(self, out_features: int, in_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def cols(self, devices: int) -> torch.Tensor:  # [L, in/L, out]: device l's columns, transposed
-        out, inp = self.weight.shape
-        return self.weight.view(out, devices, inp // devices).permute(1, 2, 0)
 
 
 class Norm(nn.Module):
@@ -139,38 +138,54 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else t.dtype
 
 
-class _RowsMatmul(torch.autograd.Function):
-    """y[l] = h[l] @ W_l^T, W_l device l's rows of a dense [out, in] weight.
+def _device_weights(weight: torch.Tensor, devices: int, cols: bool) -> torch.Tensor:
+    """Each device's share of a dense [out, in] weight as an [L, in_l, out_l] view (W_l^T): its rows
+    ([L, in, out/L]: q/k/v, gate/up) or its columns ([L, in/L, out]: o_proj, down_proj)."""
+    out, inp = weight.shape
+    if cols:
+        return weight.view(out, devices, inp // devices).permute(1, 2, 0)
+    return weight.view(devices, out // devices, inp).transpose(1, 2)
 
-    Autograd through the [L, out/L, in] view would form dW transposed and copy it back into
-    the weight's layout; dW = dy^T h is computed here directly in that layout. Follows
-    autocast by hand (compute in the autocast dtype, gradients in the inputs' dtypes).
+
+class _DeviceMatmul(torch.autograd.Function):
+    """y[l] = x[l] @ W_l^T for every device l at once, W_l its rows or columns of a dense weight.
+
+    Autograd through the per-device view would hand the weight a transposed or strided gradient,
+    which AccumulateGrad then copies (or adds element by element); dW = dy^T x leaves the backward
+    here in the weight's own row-major layout: a view for rows, one contiguous copy for columns
+    (the values are those of autograd's batched GEMM, bit for bit). Follows autocast by hand:
+    compute in the autocast dtype, gradients in the inputs' dtypes.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, devices):  # h [L, N, in] -> [L, N, out/L]
-        dt = _compute_dtype(h)
-        hc, w = h.to(dt), weight.to(dt).view(devices, -1, weight.shape[1])
-        ctx.save_for_backward(hc, weight)
-        ctx.devices, ctx.h_dtype = devices, h.dtype
-        return torch.bmm(hc, w.transpose(1, 2))
+    def forward(ctx, x, weight, devices, cols):  # x [L, N, in_l] -> [L, N, out_l]
+        dt = _compute_dtype(x)
+        xc = x.to(dt)
+        ctx.save_for_backward(xc, weight)
+        ctx.devices, ctx.cols, ctx.x_dtype = devices, cols, x.dtype
+        return torch.bmm(xc, _device_weights(weight.to(dt), devices, cols))
 
     @staticmethod
     def backward(ctx, dy):
-        hc, weight = ctx.saved_tensors
-        dy = dy.to(hc.dtype)
-        dh = dw = None
+        xc, weight = ctx.saved_tensors
+        dy = dy.to(xc.dtype)
+        dx = dw = None
         if ctx.needs_input_grad[0]:
-            dh = torch.bmm(dy, weight.to(hc.dtype).view(ctx.devices, -1, weight.shape[1])).to(ctx.h_dtype)
+            w = _device_weights(weight.to(xc.dtype), ctx.devices, ctx.cols)
+            dx = torch.bmm(dy, w.transpose(1, 2)).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = torch.bmm(dy.transpose(1, 2), hc).view(weight.shape).to(weight.dtype)
-        return dh, dw, None
+            dw = torch.bmm(dy.transpose(1, 2), xc)  # [L, out_l, in_l]
+            if ctx.cols:  # [L, out, in/L] -> [out, L, in/L] -> [out, in]
+                dw = dw.permute(1, 0, 2)
+            dw = dw.reshape(weight.shape).to(weight.dtype)
+        return dx, dw, None, None
 
 
-def _device_matmul(h: torch.Tensor, proj: "Proj") -> torch.Tensor:
-    """h [L, B, T, D] times each device's rows of proj -> [L, B, T, out/L]."""
-    L, B, T, D = h.shape
-    return _RowsMatmul.apply(h.reshape(L, B * T, D), proj.weight, L).view(L, B, T, -1)
+def _device_matmul(x: torch.Tensor, proj: "Proj", cols: bool = False) -> torch.Tensor:
+    """x [L, B, T, in_l] times each device's rows (-> [L, B, T, out/L]) or columns (x [L, B, T, in/L]
+    -> partials [L, B, T, out]) of proj."""
+    L, B, T, _ = x.shape
+    return _DeviceMatmul.apply(x.reshape(L, B * T, -1), proj.weight, L, cols).view(L, B, T, -1)
 
 
 class Attention(nn.Module):
@@ -208,7 +223,7 @@ class Attention(nn.Module):
         o, (k, v) = attend(q, k, v, self.s.heads_per_group, kv, mask)  # one attention call over all devices
         Hl = o.shape[1]
         o = o.transpose(1, 2).reshape(L, B * T, Hl * self.s.head_dim)  # [L*B, Hl, T, hd] -> [L, B*T, Hl*hd]
-        p = torch.bmm(o, self.o_proj.cols(L)).view(L, B, T, D)
+        p = _device_matmul(o.view(L, B, T, -1), self.o_proj, cols=True)
         return p, (k, v)
 
 
@@ -223,7 +238,7 @@ class FFN(nn.Module):
         """h [L, B, T, D] -> partials [L, B, T, D]: device l's neurons through its down_proj columns."""
         L, B, T, D = h.shape
         act = F.silu(_device_matmul(h, self.gate_proj)) * _device_matmul(h, self.up_proj)
-        return torch.bmm(act.view(L, B * T, -1), self.down_proj.cols(L)).view(L, B, T, D)
+        return _device_matmul(act, self.down_proj, cols=True)
 
 
 class Layer(nn.Module):

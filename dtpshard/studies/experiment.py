@@ -79,8 +79,8 @@ def affinity_name(cfg: dict[str, Any], proxy: str) -> str:
 
 
 # -- the pipeline ------------------------------------------------------------------------------
-def _say(msg: str) -> None:
-    print(f"[experiment] {msg}", flush=True)
+def _say(msg: str) -> None:  # progress goes to stderr; stdout is the report's path alone
+    print(f"[experiment] {msg}", file=sys.stderr, flush=True)
 
 
 def _compared(record: dict[str, Any]) -> dict[str, Any]:
@@ -362,7 +362,7 @@ def experiment_cmd(study: Path, *, out: Path, force: bool = False, tensorboard: 
     """
     cfg = load_config(study, overrides)
     run_experiment(cfg, out, force, tensorboard)
-    print(f"report: {Path(out) / 'report.md'}", file=sys.stderr)
+    print(Path(out) / "report.md")  # stdout: the report's path alone, as report, demo and study print it
     return 0
 
 

@@ -286,5 +286,5 @@ def report_cmd(directory: Path) -> int:
         directory: the experiment directory (config.json, layouts/, zeroshot.json, runs/)
     """
     path = write_report(directory)
-    print(f"report: {path}")
+    print(path)  # stdout: the report's path alone (as experiment, demo and study print it)
     return 0

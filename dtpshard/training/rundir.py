@@ -121,6 +121,19 @@ def refuse_foreign(out: Path, config: str = CONFIG) -> None:
                         "choose another --out")
 
 
+def refuse_unrelated(run: Path, force: bool) -> None:
+    """A RUN with no config.json must be new or empty: a run's files are never written beside
+    someone else's (the one exception, --force, is the user's explicit choice). Hidden names (our
+    lock, a kill's temporaries) do not count; our own files without a config are check_run's case."""
+    if force or not run.is_dir() or (run / CONFIG).exists():
+        return
+    other = sorted(p.name for p in run.iterdir() if not p.name.startswith(".") and p.name not in OWNED)
+    if other:
+        more = f" and {len(other) - 1} more" if len(other) > 1 else ""
+        raise UserError(f"--out {run}: not empty and not a dtpshard run (holds {other[0]}{more}); "
+                        "choose a new or empty directory, or --force to write beside those files")
+
+
 def check_run(run: Path, config: dict[str, Any], compared: list[str], force: bool,
               added: dict[str, Any] | None = None) -> bool:
     """Whether RUN already holds this run (resume); refuse a RUN of other settings unless force.
@@ -131,6 +144,7 @@ def check_run(run: Path, config: dict[str, Any], compared: list[str], force: boo
     if run.exists() and not run.is_dir():
         raise UserError(f"--out {run}: exists and is not a directory")
     refuse_foreign(run)
+    refuse_unrelated(run, force)
     if force:
         return False
     if not (run / CONFIG).is_file():
