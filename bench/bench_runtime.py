@@ -9,7 +9,10 @@ latency to every transfer and `--bandwidth-gbps` a wire time of bytes / bandwidt
 available before it was posted plus both; sleep-based, runtime.ranks.Link) to emulate a slower
 link: δ = 0 waits for it after every module, δ ≥ 1 overlaps it with δ modules of compute.
 "compute" is the same forward with the transfers removed, so 1 - compute/δ0 is the share of the
-TP step spent communicating. Usage: python bench/bench_runtime.py [--latency-ms 0 0.1 1 --worlds 2]
+TP step spent communicating, and the CPU column (user + system seconds of each rank's process, all
+threads) shows how much of that time is the transfers' own work on the same cores rather than
+waiting: with one core per rank and no idle core, such work cannot overlap with compute.
+Usage: python bench/bench_runtime.py [--latency-ms 0 0.1 1 --worlds 2]
 On a machine shared with other jobs the absolute times are noisy; modes are interleaved per repeat.
 """
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -50,21 +54,30 @@ def random_checkpoint(out: Path, layers: int, vocab: int) -> Path:
     return out
 
 
-def _timed(net, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float]:
-    """(prefill seconds, seconds per decoded token), the slowest rank's."""
+def _cpu() -> float:
+    """CPU seconds (user + system) of this process, all its threads: the compute and gloo's."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _timed(net, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, float]:
+    """(prefill seconds, seconds per decoded token), the slowest rank's, and the CPU seconds per
+    decoded token, the ranks' mean."""
     import torch.distributed as dist
 
     dist.barrier()
     t0 = time.perf_counter()
     cache = net.new_cache()
     nxt = net(prompt, cache, logits_to_keep=1)[:, -1].argmax(-1, keepdim=True)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), _cpu()
     for _ in range(new_tokens):
         nxt = net(nxt, cache, logits_to_keep=1)[:, -1].argmax(-1, keepdim=True)
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), _cpu()
     times = torch.tensor([t1 - t0, (t2 - t1) / new_tokens], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return float(times[0]), float(times[1])
+    cpu = torch.tensor([(c2 - c1) / new_tokens], dtype=torch.float64)
+    dist.all_reduce(cpu)
+    return float(times[0]), float(times[1]), float(cpu[0]) / dist.get_world_size()
 
 
 def worker(model: str, args: dict, out: str) -> int:
@@ -92,7 +105,8 @@ def worker(model: str, args: dict, out: str) -> int:
                         runs[mode].append(t)
             rows += [{"L": world, "latency_ms": latency, "mode": mode,
                       "prefill_s": statistics.median(r[0] for r in runs[mode]),
-                      "token_s": statistics.median(r[1] for r in runs[mode])} for mode in modes]
+                      "token_s": statistics.median(r[1] for r in runs[mode]),
+                      "token_cpu_s": statistics.median(r[2] for r in runs[mode])} for mode in modes]
         if rank == 0:
             Path(out).write_text(json.dumps(rows))
     return 0
@@ -101,7 +115,7 @@ def worker(model: str, args: dict, out: str) -> int:
 def table(rows: list[dict]) -> str:
     """One line per (L, latency, δ): times, ratio to δ = 0, TP's communication share, the verdict."""
     lines = ["| L | latency ms | δ | prefill ms | ratio | comm share TP | ms/token | ratio | comm share TP | "
-             "DTP ≤ 0.85·TP where comm ≥ 1/5 |", "|" + "---|" * 10]
+             "CPU ms/token per rank (compute-only) | DTP ≤ 0.85·TP where comm ≥ 1/5 |", "|" + "---|" * 11]
     for r in rows:
         if r["mode"] == "compute":
             continue
@@ -115,6 +129,7 @@ def table(rows: list[dict]) -> str:
             cells += [f"{1000 * r[key]:.2f}", f"{ratio:.3f}", f"{share:.2f}"]
             if r["mode"] != 0 and share >= 0.2:
                 verdict.append(f"{label} {'yes' if ratio <= 0.85 else 'NO'}")
+        cells.append(f"{1000 * r['token_cpu_s']:.1f} ({1000 * comp['token_cpu_s']:.1f})")
         cells.append(", ".join(verdict) or "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

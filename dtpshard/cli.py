@@ -61,13 +61,16 @@ _HELP_TYPES = {"Count": "int >= 1", "NonNegativeInt": "int >= 0", "Seed": "int >
 
 
 def help_type(type_str: str) -> str:
-    """jsonargparse's type string in words: `Optional[list[Path]]` -> `list of path, or null`."""
+    """jsonargparse's type string in words: `Optional[list[Path]]` -> `list of path, or null`,
+    `Literal['auto', 'on']` -> `auto | on`. Choices (quoted) are kept as they are."""
     t = re.sub(r"<class '(?:[\w.]*\.)?(\w+)'>", r"\1", type_str)
-    t = re.sub(r"Literal\[([^\]]*)\]", lambda m: " | ".join(c.strip(" '\"") for c in m.group(1).split(",")), t)
-    t = re.sub(r"Optional\[(.*)\]$", r"\1 | null", t)
+    t = re.sub(r"'[^']*'|\"[^\"]*\"|\w+",
+               lambda m: m.group() if m.group()[0] in "'\"" else _HELP_TYPES.get(m.group(), m.group()), t)
+    t = re.sub(r"Literal\[([^\]]*)\]", lambda m: "(" + " | ".join(c.strip(" '\"") for c in m.group(1).split(",")) + ")", t)
+    t = re.sub(r"^Optional\[(.*)\]$", r"\1 | null", t)
     t = re.sub(r"(?:list|List)\[(.*?)\]", r"list of \1", t)
-    t = re.sub(r"\w+", lambda m: _HELP_TYPES.get(m.group(), m.group()), t)
-    return t.replace(" | null", ", or null")
+    t = re.sub(r"^\(([^()]*)\)", r"\1", t)  # a choice that stands alone needs no brackets
+    return t.replace("true or false | null", "true, false or null").replace(" | null", ", or null")
 
 
 def _dataclass_params(fn: Callable) -> dict[str, type]:

@@ -1,5 +1,6 @@
 """The command line: every numeric and enum flag of every command is checked while parsing (one
 line naming the flag, exit 2, before any work), --config files with overrides, --version, --help."""
+import re
 import subprocess
 import sys
 import typing
@@ -161,9 +162,15 @@ def test_help_says_what_each_flag_takes_in_words(capsys):
     assert cli.help_type("Optional[list[<class 'pathlib.Path'>]]") == "list of path, or null"
     assert cli.help_type("Literal['auto', 'on', 'off']") == "auto | on | off"
     assert cli.help_type("Count | null") == "int >= 1, or null"
+    assert cli.help_type("Optional[list[Literal['first-order', 'ablation']]]") == "list of (first-order | ablation), or null"
+    assert cli.help_type("Literal['str', 'Path']") == "str | Path"  # choices are kept as they are
+    python_names = {"Count", "Seed", "Beta", "TopP", "Device", "NonNegativeInt", "NonNegativeNumber", "PositiveNumber",
+                    "ClosedUnitInterval", "Path", "str", "float", "bool", "Optional", "Union", "Literal", "List", "class"}
     for name in cli.COMMANDS:
         assert cli.main([name, "--help"]) == 0
         text = " ".join(capsys.readouterr().out.split())
-        assert "type:" in text
-        for python_name in ("<class", "Literal[", "Optional[", "Count", "NonNegative", "PositiveNumber", "Path,"):
-            assert python_name not in text, (name, python_name)
+        spans = re.findall(r"type: (.*?)(?:, default:|\)(?: |$))", text)
+        assert spans, name
+        for span in spans:
+            assert not re.search(r"\w\[|<", span), (name, span)  # no list[...], Optional[...], <class ...>
+            assert not python_names & set(re.findall(r"\w+", span)), (name, span)

@@ -78,7 +78,7 @@ def test_force_never_starts_over_a_directory_that_is_not_a_run(model, tmp_path, 
     assert snapshot(other) == before
 
 
-def test_distill_never_writes_beside_unrelated_files(model, tmp_path, capsys):
+def test_distill_never_writes_beside_unrelated_files(model, tmp_path, capsys, monkeypatch):
     busy = tmp_path / "busy"
     (busy / "data").mkdir(parents=True)
     (busy / "notes.txt").write_text("mine")
@@ -88,7 +88,42 @@ def test_distill_never_writes_beside_unrelated_files(model, tmp_path, capsys):
     args = ["distill", str(model), "--out", str(busy), "--text", str(text), "--steps", "1", "--devices", "2",
             "--seq-len", "8", "--micro-batch", "1", "--grad-accum", "1", "--eval-blocks", "1", "--device", "cpu",
             "--no-progress"]
-    refused(capsys, args, f"--out {busy}: not empty and not a dtpshard run (holds data and 1 more)")
+    import dtpshard.training.loop as loop
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was read before the refusal")
+
+    with monkeypatch.context() as m:
+        m.setattr(loop, "build_models", no_model)
+        refused(capsys, args, f"--out {busy}: not empty and not a dtpshard run (holds data and 1 more)")
     assert snapshot(busy) == before and sorted(p.name for p in busy.iterdir()) == ["data", "notes.txt"]
     assert main(args + ["--force"]) == 0  # the user's explicit choice: the run goes beside them
     assert (busy / "DONE").is_file() and (busy / "notes.txt").read_text() == "mine"
+
+
+def test_distill_and_experiment_never_take_each_others_directory(model, tmp_path, capsys):
+    study = tmp_path / "study.toml"
+    study.write_text(config_text(model, corpus(tmp_path / "c.txt")))
+    exp, run = tmp_path / "exp", tmp_path / "run"
+    for d, fmt in ((exp, "dtpshard.experiment/1"), (run, "dtpshard.distill/1")):
+        d.mkdir()
+        (d / "config.json").write_text(f'{{"format": "{fmt}"}}')
+    before = snapshot(tmp_path)
+    for force in ([], ["--force"]):
+        refused(capsys, ["distill", str(model), "--out", str(exp), "--steps", "1", "--devices", "2", *force],
+                f"--out {exp}: is a dtpshard experiment directory, not a distillation run")
+        refused(capsys, ["experiment", str(study), "--out", str(run), *force],
+                f"--out {run}: is a dtpshard distill directory, not an experiment directory")
+    assert snapshot(tmp_path) == before
+
+
+def test_experiment_never_writes_beside_unrelated_files(model, tmp_path, capsys):
+    study = tmp_path / "study.toml"
+    study.write_text(config_text(model, corpus(tmp_path / "c.txt")))
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / ".git").mkdir()  # hidden names count too: only the lock and our temporaries do not
+    before = snapshot(busy)
+    refused(capsys, ["experiment", str(study), "--out", str(busy)],
+            f"--out {busy}: not empty and not an experiment directory (holds .git)")
+    assert snapshot(busy) == before

@@ -3,15 +3,16 @@
 Compiling DTPModel fuses what the L residual streams add over the dense model, which is all
 elementwise work on [L, B, T, D] tensors: the pre-norms, the own-partial update and the
 arrivals' Σ_{j≠l} updates become a few fused kernels per module instead of one pass (and one
-temporary) per op. The compile itself takes about a minute on a small CPU, so inductor's FX-graph
-and autograd caches are kept under the dtpshard cache dir: a second run of the same shape loads
-the compiled kernels instead of rebuilding them (bench/bench_model.py reports both times).
+temporary) per op. The compile itself takes ~25 s cold on a small CPU (minutes under load), so
+inductor's FX-graph and autograd caches are kept under the dtpshard cache dir: a second run of
+the same shape loads the compiled kernels instead of rebuilding them (bench/bench_model.py
+reports both: DTP's first step takes ~23 s cold and ~10 s from the cache, against ~3 s eager).
 
-`auto` compiles where it pays: on CUDA always (fused kernels, fewer launches), and on CPU for
-runs of at least `AUTO_MIN_STEPS` optimizer steps. On this 2-core CPU compiled DTP (L = 4) ran
-fwd+bwd 1.06× eager DTP in bench/bench_model.py (1.34× in issue 17's own measurement on a
-smaller model), saving ~0.2 s of a ~3.2 s step, while a cold compile took ~30 s (minutes under
-load): about 150 steps to amortise cold, ~40 from the cache, so short runs (tests, demos) stay eager.
+`auto` compiles on CUDA always (fused kernels, fewer launches) and on CPU for runs of at least
+`AUTO_MIN_STEPS` optimizer steps. On this 2-core CPU (bench/bench_model.py, Qwen3 widths, L = 4)
+compiled DTP ran fwd+bwd 0.99-1.03x eager DTP over four runs: MKL's GEMMs are the step there and
+the fused elementwise work saves little time. What a long CPU run gains is memory: 0.66x eager
+DTP's peak RSS (fewer temporaries alive at once), for a compile that costs a few steps' time.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.io import cache_dir
 from dtpshard.core.vocab import CompileMode  # noqa: F401 - the flag's type, named here too
 
-AUTO_MIN_STEPS = 200  # below this a ~60 s cold compile can cost more than it saves on CPU
+AUTO_MIN_STEPS = 200  # shorter CPU runs (tests, demos) stay eager: there the compile is a large share of the run
 
 
 def use_inductor_cache() -> str:

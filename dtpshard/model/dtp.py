@@ -57,13 +57,13 @@ class _RMSNormFn(torch.autograd.Function):
         x, weight, r = ctx.saved_tensors
         x32 = _up(x)
         g = _up(dy) * r  # dy·r (a new buffer even for fp32 dy: it is updated in place below)
-        t = g * x32  # dy·n
+        # t is made contiguous whatever dy's strides: dynamo refuses out= into a strided tensor (the
+        # q/k-norms' inputs are transposed views), and a graph break would split the compiled
+        # model at every norm
+        t = torch.mul(g, x32, out=torch.empty_like(g, memory_format=torch.contiguous_format))  # dy·n
         dw = t.reshape(-1, t.shape[-1]).sum(0)
         g.mul_(_up(weight))  # dn·r
-        # out= only into a contiguous t: dynamo refuses a strided out= (the q/k-norms' inputs are
-        # transposed views), and a graph break there would split the compiled model at every norm
-        gx = torch.mul(g, x32, out=t) if t.is_contiguous() else g * x32
-        s = gx.mean(-1, keepdim=True).mul_(r).mul_(r)  # r²·mean(dn·n)
+        s = torch.mul(g, x32, out=t).mean(-1, keepdim=True).mul_(r).mul_(r)  # r²·mean(dn·n)
         dx = g.addcmul_(x32, s, value=-1)  # r·dn - x·r²·mean(dn·n)
         return dx.to(x.dtype), dw.to(weight.dtype), None
 
@@ -150,11 +150,14 @@ def _device_weights(weight: torch.Tensor, devices: int, cols: bool) -> torch.Ten
 class _DeviceMatmul(torch.autograd.Function):
     """y[l] = x[l] @ W_l^T for every device l at once, W_l its rows or columns of a dense weight.
 
-    Autograd through the per-device view would hand the weight a transposed or strided gradient,
-    which AccumulateGrad then copies (or adds element by element); dW = dy^T x leaves the backward
-    here in the weight's own row-major layout: a view for rows, one contiguous copy for columns
-    (the values are those of autograd's batched GEMM, bit for bit). Follows autocast by hand:
-    compute in the autocast dtype, gradients in the inputs' dtypes.
+    Autograd through the per-device view copies dW into the weight's layout in the view's
+    backward (rows) or hands the weight a column-major dW that AccumulateGrad then copies or adds
+    element by element (columns: ~8x the time of a contiguous add here). Here dW = dy^T x leaves
+    the backward in the weight's own row-major layout: a view for rows, one copy of whole rows
+    for columns. It is autograd's GEMM with its operands swapped, so the values are autograd's up
+    to float rounding; on the CPU they were equal bit for bit at the SmolLM2-135M and Qwen3-0.6B
+    widths (and in the study arm retrained in docs/results/smollm2-l3-d1), not at every shape.
+    Follows autocast by hand: compute in the autocast dtype, gradients in the inputs' dtypes.
     """
 
     @staticmethod
@@ -175,8 +178,8 @@ class _DeviceMatmul(torch.autograd.Function):
             dx = torch.bmm(dy, w.transpose(1, 2)).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             dw = torch.bmm(dy.transpose(1, 2), xc)  # [L, out_l, in_l]
-            if ctx.cols:  # [L, out, in/L] -> [out, L, in/L] -> [out, in]
-                dw = dw.permute(1, 0, 2)
+            if ctx.cols:  # [L, out, in/L] -> [out, L, in/L]: a copy of whole rows (autograd's own
+                dw = dw.permute(1, 0, 2)  # GEMM, [L, in/L, out], would need a transposing one)
             dw = dw.reshape(weight.shape).to(weight.dtype)
         return dx, dw, None, None
 
@@ -214,7 +217,7 @@ class Attention(nn.Module):
                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
         """h [L, B, T, D] (each device's normed stream) -> partials [L, B, T, D], new (k, v).
         `mask`: a boolean [L*B, 1, T, past + T] mask (padded batches) replacing the causal one."""
-        L, B, T, D = h.shape
+        L, B, T, _ = h.shape
         q, k, v = self._heads(self.q_proj, h, L), self._heads(self.k_proj, h, L), self._heads(self.v_proj, h, L)
         if self.s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -222,8 +225,8 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         o, (k, v) = attend(q, k, v, self.s.heads_per_group, kv, mask)  # one attention call over all devices
         Hl = o.shape[1]
-        o = o.transpose(1, 2).reshape(L, B * T, Hl * self.s.head_dim)  # [L*B, Hl, T, hd] -> [L, B*T, Hl*hd]
-        p = _device_matmul(o.view(L, B, T, -1), self.o_proj, cols=True)
+        o = o.transpose(1, 2).reshape(L, B, T, Hl * self.s.head_dim)  # [L*B, Hl, T, hd] -> [L, B, T, Hl*hd]
+        p = _device_matmul(o, self.o_proj, cols=True)
         return p, (k, v)
 
 
@@ -236,7 +239,6 @@ class FFN(nn.Module):
 
     def partials(self, h: torch.Tensor) -> torch.Tensor:
         """h [L, B, T, D] -> partials [L, B, T, D]: device l's neurons through its down_proj columns."""
-        L, B, T, D = h.shape
         act = F.silu(_device_matmul(h, self.gate_proj)) * _device_matmul(h, self.up_proj)
         return _device_matmul(act, self.down_proj, cols=True)
 

@@ -112,11 +112,11 @@ def _check_inputs(cfg: dict[str, Any], model: Path) -> None:
 
 
 def _prepare_dir(out: Path, cfg: dict[str, Any], force: bool) -> None:
-    from dtpshard.training.rundir import LOCK, refuse_foreign
+    from dtpshard.training.rundir import refuse_foreign, refuse_unrelated
 
     saved = out / "config.json"
     record = {"format": FORMAT, **cfg}
-    refuse_foreign(out)
+    refuse_foreign(out, "dtpshard.experiment/", "an experiment directory")
     if saved.is_file():
         try:
             old = read_json(saved)
@@ -133,8 +133,10 @@ def _prepare_dir(out: Path, cfg: dict[str, Any], force: bool) -> None:
         for p in [out / name for name in (LAYOUT_DIR, ZEROSHOT, RUNS, TEACHER_CACHE, SCORES, TIMINGS, PROVENANCE,
                                           "report.md", "figures")] + list(out.glob("affinity*.safetensors")):
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-    elif out.exists() and (not out.is_dir() or any(p.name != LOCK for p in out.iterdir())) and not force:
-        raise UserError(f"--out {out}: exists and is not an experiment directory (use --force to use it anyway)")
+    elif out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a directory")
+    else:
+        refuse_unrelated(out, force, ("config.json",), "an experiment directory")
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(saved, json.dumps(record, indent=1) + "\n")
 
@@ -361,8 +363,8 @@ def experiment_cmd(study: Path, *, out: Path, force: bool = False, tensorboard: 
         overrides: the study keys given as flags, nested as in the file
     """
     cfg = load_config(study, overrides)
-    run_experiment(cfg, out, force, tensorboard)
-    print(Path(out) / "report.md")  # stdout: the report's path alone, as report, demo and study print it
+    report = run_experiment(cfg, out, force, tensorboard)
+    print(report)  # stdout: the report's path alone, as report, demo and study print it
     return 0
 
 

@@ -41,9 +41,10 @@ def distill(cfg: DistillConfig) -> Path:
     # --force starts a run over by removing its files, config.json among them: never the teacher's
     refuse_overwriting(cfg.out, the_teacher_directory=cfg.teacher, the_tokenizer_directory=cfg.tokenizer,
                        the_teacher_cache=cfg.teacher_cache)
-    from dtpshard.training.rundir import refuse_unrelated
+    from dtpshard.training.rundir import refuse_foreign, refuse_unrelated
 
-    refuse_unrelated(Path(cfg.out), cfg.force)  # before any model is read
+    refuse_foreign(Path(cfg.out))  # before any model is read: a model's or an experiment's directory,
+    refuse_unrelated(Path(cfg.out), cfg.force)  # or unrelated files
     # One process owns RUN: this one, or the launcher of a data-parallel group (for its ranks).
     owner = int(os.environ.get("RANK", "0")) == 0
     with locked(cfg.out) if owner else nullcontext():

@@ -108,29 +108,39 @@ def config_differences(old: dict[str, Any], new: dict[str, Any], keys: list[str]
     return out
 
 
-def refuse_foreign(out: Path, config: str = CONFIG) -> None:
-    """--force removes a run's config.json among its files: never one that is not ours (a model
-    directory's, say). A config.json that parses to an object without a dtpshard "format" key is
-    someone else's; a damaged one may be ours and is left to --force."""
+def refuse_foreign(out: Path, expect: str = "dtpshard.distill/", what: str = "a distillation run") -> None:
+    """--force removes a run's config.json among its files: never one that is not this command's
+    (a model directory's, an experiment's when distilling, a run's when running an experiment).
+    A damaged config.json may be ours and is left to --force."""
     try:
-        old = json.loads((out / config).read_text())
+        old = json.loads((out / CONFIG).read_text())
     except (OSError, ValueError):
         return
-    if isinstance(old, dict) and not str(old.get("format", "")).startswith("dtpshard."):
-        raise UserError(f"--out {out}: its {config} is not a dtpshard run's (a model directory?); "
+    if not isinstance(old, dict):
+        return
+    fmt = str(old.get("format", ""))
+    if not fmt.startswith("dtpshard."):
+        raise UserError(f"--out {out}: its {CONFIG} is not a dtpshard run's (a model directory?); "
                         "choose another --out")
+    if not fmt.startswith(expect):
+        raise UserError(f"--out {out}: is a dtpshard {fmt.split('/')[0].removeprefix('dtpshard.')} directory, "
+                        f"not {what}; choose another --out")
 
 
-def refuse_unrelated(run: Path, force: bool) -> None:
-    """A RUN with no config.json must be new or empty: a run's files are never written beside
-    someone else's (the one exception, --force, is the user's explicit choice). Hidden names (our
-    lock, a kill's temporaries) do not count; our own files without a config are check_run's case."""
+def _ours(name: str, owned: tuple[str, ...]) -> bool:
+    """One of the directory's own names: its files, the lock, or a kill's .NAME.tmp-PID leftover."""
+    return name in owned or name == LOCK or (name.startswith(".") and name[1:].split(".tmp-")[0] in owned)
+
+
+def refuse_unrelated(run: Path, force: bool, owned: tuple[str, ...] = OWNED, what: str = "a dtpshard run") -> None:
+    """A directory without config.json must be new or empty (but for its own names, `owned`):
+    a run's files are never written beside someone else's, unless --force says so."""
     if force or not run.is_dir() or (run / CONFIG).exists():
         return
-    other = sorted(p.name for p in run.iterdir() if not p.name.startswith(".") and p.name not in OWNED)
+    other = sorted(p.name for p in run.iterdir() if not _ours(p.name, owned))
     if other:
         more = f" and {len(other) - 1} more" if len(other) > 1 else ""
-        raise UserError(f"--out {run}: not empty and not a dtpshard run (holds {other[0]}{more}); "
+        raise UserError(f"--out {run}: not empty and not {what} (holds {other[0]}{more}); "
                         "choose a new or empty directory, or --force to write beside those files")
 
 
@@ -149,8 +159,7 @@ def check_run(run: Path, config: dict[str, Any], compared: list[str], force: boo
         return False
     if not (run / CONFIG).is_file():
         if run.is_dir() and any(p.name in OWNED for p in run.iterdir()):
-            if not force:
-                raise UserError(f"--out {run}: has run files but no {CONFIG} (use --force to start it over)")
+            raise UserError(f"--out {run}: has run files but no {CONFIG} (use --force to start it over)")
         return False
     try:
         old = read_json(run / CONFIG, "run config")
