@@ -117,13 +117,33 @@ def test_distill_and_experiment_never_take_each_others_directory(model, tmp_path
     assert snapshot(tmp_path) == before
 
 
-def test_experiment_never_writes_beside_unrelated_files(model, tmp_path, capsys):
+def test_experiment_never_writes_beside_unrelated_files(model, tmp_path, capsys, monkeypatch):
+    import dtpshard.studies.experiment as experiment
+
     study = tmp_path / "study.toml"
     study.write_text(config_text(model, corpus(tmp_path / "c.txt")))
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / ".git").mkdir()  # hidden names count too: only the lock and our temporaries do not
     before = snapshot(busy)
-    refused(capsys, ["experiment", str(study), "--out", str(busy)],
-            f"--out {busy}: not empty and not an experiment directory (holds .git)")
+    with monkeypatch.context() as m:
+        m.setattr(experiment, "resolve_model", lambda *a: pytest.fail("the model was read before the refusal"))
+        refused(capsys, ["experiment", str(study), "--out", str(busy)],
+                f"--out {busy}: not empty and not an experiment directory (holds .git)")
     assert snapshot(busy) == before
+
+
+def test_a_killed_start_leaves_nothing_that_blocks_the_rerun(tmp_path):
+    """A kill before config.json was in place leaves at most the lock and a temporary: both the
+    directory's own. A hidden name that only looks like ours (no .tmp-) is someone else's."""
+    from dtpshard.core.errors import UserError
+    from dtpshard.training.rundir import refuse_unrelated
+
+    d = tmp_path / "exp"
+    d.mkdir()
+    (d / ".lock").write_text("")
+    (d / ".config.json.tmp-4242").write_text("{")
+    refuse_unrelated(d, False, ("config.json",), "an experiment directory")
+    (d / ".config.json").write_text("")
+    with pytest.raises(UserError, match=r"holds \.config\.json\)"):
+        refuse_unrelated(d, False, ("config.json",), "an experiment directory")

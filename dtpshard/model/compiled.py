@@ -12,7 +12,7 @@ reports both: DTP's first step takes ~23 s cold and ~10 s from the cache, agains
 `AUTO_MIN_STEPS` optimizer steps. On this 2-core CPU (bench/bench_model.py, Qwen3 widths, L = 4)
 compiled DTP ran fwd+bwd 0.99-1.03x eager DTP over four runs: MKL's GEMMs are the step there and
 the fused elementwise work saves little time. What a long CPU run gains is memory: 0.66x eager
-DTP's peak RSS (fewer temporaries alive at once), for a compile that costs a few steps' time.
+DTP's peak RSS in the last run (fewer temporaries alive at once), for a compile that costs a few steps' time.
 """
 from __future__ import annotations
 

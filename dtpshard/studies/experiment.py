@@ -111,12 +111,15 @@ def _check_inputs(cfg: dict[str, Any], model: Path) -> None:
                 raise UserError(f"{where}: {e}") from None
 
 
+EXPERIMENT_DIR = "an experiment directory"  # what the refusals call it
+
+
 def _prepare_dir(out: Path, cfg: dict[str, Any], force: bool) -> None:
     from dtpshard.training.rundir import refuse_foreign, refuse_unrelated
 
     saved = out / "config.json"
     record = {"format": FORMAT, **cfg}
-    refuse_foreign(out, "dtpshard.experiment/", "an experiment directory")
+    refuse_foreign(out, "dtpshard.experiment/", EXPERIMENT_DIR)
     if saved.is_file():
         try:
             old = read_json(saved)
@@ -136,7 +139,7 @@ def _prepare_dir(out: Path, cfg: dict[str, Any], force: bool) -> None:
     elif out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory")
     else:
-        refuse_unrelated(out, force, ("config.json",), "an experiment directory")
+        refuse_unrelated(out, force, ("config.json",), EXPERIMENT_DIR)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(saved, json.dumps(record, indent=1) + "\n")
 
@@ -322,16 +325,19 @@ def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False, tensorbo
     from dtpshard.model.checkpoint import read_shape
     from dtpshard.core.shape import check_delay, check_devices
 
+    from dtpshard.training.rundir import locked, refuse_foreign, refuse_unrelated
+
     out = Path(out)
+    refuse_unrelated(out, force, ("config.json",), EXPERIMENT_DIR)  # before any model is read
     model = resolve_model(cfg["model"])
     shape = read_shape(model)
-    from dtpshard.training.rundir import locked
 
     check_devices(shape, cfg["devices"])
     check_delay(shape, cfg["delay"])
     from dtpshard.core.io import refuse_overwriting
 
     refuse_overwriting(out, the_model_directory=model, the_study_model=Path(cfg["model"]))
+    refuse_foreign(out, "dtpshard.experiment/", EXPERIMENT_DIR)  # another command's directory
     _check_inputs(cfg, model)
     with locked(out):
         _prepare_dir(out, cfg, force)

@@ -129,7 +129,8 @@ def refuse_foreign(out: Path, expect: str = "dtpshard.distill/", what: str = "a 
 
 def _ours(name: str, owned: tuple[str, ...]) -> bool:
     """One of the directory's own names: its files, the lock, or a kill's .NAME.tmp-PID leftover."""
-    return name in owned or name == LOCK or (name.startswith(".") and name[1:].split(".tmp-")[0] in owned)
+    return name in owned or name == LOCK or (name.startswith(".") and ".tmp-" in name
+                                              and name[1:].split(".tmp-")[0] in owned)
 
 
 def refuse_unrelated(run: Path, force: bool, owned: tuple[str, ...] = OWNED, what: str = "a dtpshard run") -> None:
