@@ -164,3 +164,34 @@ def test_model_that_the_devices_do_not_divide_is_refused(study, tmp_path, capsys
     assert main(["experiment", str(bad), "--out", str(tmp_path / "exp")]) == 2
     assert "devices=3 does not divide" in capsys.readouterr().err
     assert not (tmp_path / "exp").exists()
+
+
+def test_directory_from_before_proxies_still_resumes(study):
+    """Experiments written before `proxies` existed store no layout proxy: they resume unchanged."""
+    import copy
+
+    from dtpshard.studies.config import FORMAT
+    from dtpshard.studies.experiment import _compared, load_config
+
+    new = {"format": FORMAT, **load_config(study)}
+    old = copy.deepcopy(new)
+    old.pop("proxies")
+    for arm in old["arms"]:
+        for lay in arm["layouts"]:
+            lay.pop("proxy")
+    assert any(lay.get("proxy") for arm in new["arms"] for lay in arm["layouts"])  # the new form has them
+    assert _compared(json.loads(json.dumps(old))) == _compared(json.loads(json.dumps(new)))
+
+
+def test_hand_edited_scores_are_recomputed_and_timings_refused_in_one_line(study, tmp_path, capsys):
+    out = tmp_path / "exp"
+    assert main(["experiment", str(study), "--out", str(out)]) == 0
+    scores = json.loads((out / "scores.json").read_text())
+    (out / "scores.json").write_text(json.dumps({**scores, "optimised": 5, "anti": {"first-order": "x"}}))
+    assert main(["experiment", str(study), "--out", str(out)]) == 0
+    assert json.loads((out / "scores.json").read_text()) == scores  # the same J, computed again
+    (out / "timings.json").write_text(json.dumps({"layouts": "x"}))
+    capsys.readouterr()
+    assert main(["experiment", str(study), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("timings.json: 'layouts' must be a number, found \"x\"") and "Traceback" not in err

@@ -134,7 +134,8 @@ def test_j_figure_has_a_panel_only_where_there_is_data(tmp_path):
 def test_identical_layouts_count_once(tmp_path):
     d = make_experiment(tmp_path / "exp")
     opt = json.loads((d / "layouts" / "optimised.json").read_text())
-    opt.update(devices=2, layers=[{"kv_perm": [1, 0, 2, 3], "ffn_perm": [0, 1, 2, 3, 4, 5]}])
+    opt.update(devices=2, delay=1, model={"layers": 1, "kv_groups": 4, "heads_per_group": 1, "neurons": 6},
+               layers=[{"kv_perm": [1, 0, 2, 3], "ffn_perm": [0, 1, 2, 3, 4, 5]}])
     (d / "layouts" / "optimised.json").write_text(json.dumps(opt))
     # the same function: the two devices swapped, units reordered within a device
     same = {**opt, "kind": "neurons-only", "layers": [{"kv_perm": [3, 2, 0, 1], "ffn_perm": [5, 3, 4, 2, 0, 1]}]}
@@ -145,3 +146,14 @@ def test_identical_layouts_count_once(tmp_path):
     assert _row(md, "neurons-only")[1] == "neurons-only (= optimised)"
     assert "count once in every correlation: neurons-only = optimised" in md
     assert "untrained (step 0) against J over 5 layouts" in md  # 6 layout files, 5 distinct
+
+
+def test_report_of_a_run_that_has_not_evaluated_yet(tmp_path, capsys):
+    """`dtpshard report` while an experiment runs: a run started but with no evaluation row yet."""
+    d = make_experiment(tmp_path / "exp")
+    (d / "runs" / "optimised-s9").mkdir()
+    (d / "runs" / "optimised-s9" / "metrics.jsonl").write_text("")
+    assert main(["report", str(d)]) == 0
+    md = (d / "report.md").read_text()
+    assert _row(md, "optimised")[2] == "4"  # counted as a run (running), left out of the curves
+    assert "optimised's mean curve reaches it at step" in md

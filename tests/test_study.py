@@ -9,7 +9,6 @@ from scipy.stats import pearsonr, spearmanr
 
 from dtpshard.cli import main
 from dtpshard.studies.demo import STUDY
-from dtpshard.studies.study import _identity
 from test_experiment import corpus
 
 
@@ -67,9 +66,18 @@ def test_tiny_study_end_to_end(tmp_path, tiny_dirs, capsys):
     for run in (out / "runs").iterdir():
         rows = [json.loads(li) for li in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in li]
         kl.setdefault(run.name.rsplit("-s", 1)[0], []).append(rows[-1]["eval_kl"])
-    names, seen = [], set()  # identical layouts (same permutations) count once
+    def same_function(obj):  # which units share a device in each layer, whatever the devices are called
+        L = obj["devices"]
+
+        def share(perm, d):
+            return frozenset(perm[d * len(perm) // L:(d + 1) * len(perm) // L])
+
+        return frozenset(tuple((share(lay["kv_perm"], d), share(lay["ffn_perm"], d)) for lay in obj["layers"])
+                         for d in range(L))
+
+    names, seen = [], set()  # identical layouts (same units per device) count once
     for n in sorted(kl, key=lambda n: (n != "optimised", n)):
-        key = _identity(layouts[n])
+        key = same_function(layouts[n])
         if key not in seen:
             seen.add(key)
             names.append(n)

@@ -211,6 +211,14 @@ def atomic_dir(path: str | Path, force: bool = False) -> Iterator[Path]:
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes, read in chunks (hashlib.file_digest)."""
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def cache_dir() -> Path:
     """dtpshard's one cache folder (the parsed offline corpus, the dequantised demo model):
     $DTPSHARD_CACHE, else $XDG_CACHE_HOME/dtpshard, else ~/.cache/dtpshard."""

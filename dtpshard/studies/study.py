@@ -12,6 +12,7 @@ from typing import Any
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import read_json_object
 from dtpshard.core.vocab import LAYOUT_KINDS
+from dtpshard.studies.provenance import LAYOUT_DIR, PROVENANCE, RUNS, SCORES, TIMINGS, ZEROSHOT
 from dtpshard.studies.stats import Curve, make_curve
 
 
@@ -37,7 +38,7 @@ class LayoutInfo:
     runs: list[Run] = field(default_factory=list)
     proxy_J: dict[str, float] = field(default_factory=dict)  # J under each proxy (scores.json)
     same_as: str | None = None  # the name of an identical layout listed before it (same units per device)
-    identity: str | None = None  # _identity of its layout file
+    identity: str | None = None  # Layout.function_key of its layout file (None: unreadable)
 
 
 @dataclass
@@ -90,25 +91,14 @@ def _config(d: Path) -> dict[str, Any]:
     return config
 
 
-def _identity(obj: dict[str, Any]) -> str | None:
-    """What makes two layouts the same function: which units share a device, layer by layer. The
-    devices are interchangeable (relabelling them, or reordering units within one, changes
-    nothing), so the key is the sorted list of each device's units over all layers."""
-    layers, L = obj.get("layers"), obj.get("devices")
-    if not isinstance(layers, list) or not isinstance(L, int) or L < 1:
-        return None
+def _identity(obj: dict[str, Any], where: Path) -> str | None:
+    """Layout.function_key of a layout file; None for one this version cannot read (never merged)."""
+    from dtpshard.core.layout import Layout
+
     try:
-        devices = []
-        for d in range(L):
-            units = []
-            for layer in layers:
-                kv, ffn = layer["kv_perm"], layer["ffn_perm"]
-                g, n = len(kv) // L, len(ffn) // L
-                units.append((sorted(kv[d * g:(d + 1) * g]), sorted(ffn[d * n:(d + 1) * n])))
-            devices.append(units)
-    except (KeyError, TypeError):  # not a layout this version reads: never merged with another
+        return Layout.from_json(obj, where=str(where)).function_key()
+    except UserError:
         return None
-    return json.dumps(sorted(devices))
 
 
 def _layout_info(p: Path, zero: dict[str, Any], zero_path: Path) -> LayoutInfo:
@@ -120,7 +110,7 @@ def _layout_info(p: Path, zero: dict[str, Any], zero_path: Path) -> LayoutInfo:
     z = _table(zero, p.stem, zero_path)
     return LayoutInfo(p.stem, str(obj.get("kind", "unknown")), _num(s, "J", p), _num(s, "ratio_to_random", p),
                       [_num(row, "up", p) for row in rows], _num(z, "kl", zero_path), _num(z, "ppl", zero_path),
-                      identity=_identity(obj))
+                      identity=_identity(obj, p))
 
 
 def _eval_rows(run: Path) -> list[dict[str, Any]]:
@@ -143,20 +133,14 @@ def load_study(directory: Path) -> Study:
     if not d.is_dir():
         raise UserError(f"{d}: no such experiment directory")
     config = _config(d)
-    zero = _read_json(d / "zeroshot.json", "zero-shot results") or {}
+    zero = _read_json(d / ZEROSHOT, "zero-shot results") or {}
     layouts: dict[str, LayoutInfo] = {}
     seen: dict[str, str] = {}
     rank = {k: i for i, k in enumerate(LAYOUT_KINDS)}  # the paper's families name a duplicate first
-    for p in sorted((d / "layouts").glob("*.json")):
-        layouts[p.stem] = _layout_info(p, zero, d / "zeroshot.json")
-    for name in sorted(layouts, key=lambda n: (rank.get(layouts[n].kind, len(rank)), n)):
-        key = layouts[name].identity
-        if key in seen:
-            layouts[name].same_as = seen[key]
-        elif key is not None:
-            seen[key] = name
+    for p in sorted((d / LAYOUT_DIR).glob("*.json")):
+        layouts[p.stem] = _layout_info(p, zero, d / ZEROSHOT)
     runs: list[Run] = []
-    for r in sorted(p for p in (d / "runs").glob("*-s*") if p.is_dir()):
+    for r in sorted(p for p in (d / RUNS).glob("*-s*") if p.is_dir()):
         layout, _, seed = r.name.rpartition("-s")
         if not seed.isdigit():
             continue
@@ -170,7 +154,14 @@ def load_study(directory: Path) -> Study:
         layouts[layout].runs.append(run)
     if not layouts and not runs:
         raise UserError(f"{d}: no layouts/ and no runs/ (not an experiment directory)")
-    scores_path = d / "scores.json"
+    # of identical layouts the one kept is a trained one, then the paper's family first
+    for name in sorted(layouts, key=lambda n: (not layouts[n].runs, rank.get(layouts[n].kind, len(rank)), n)):
+        key = layouts[name].identity
+        if key in seen:
+            layouts[name].same_as = seen[key]
+        elif key is not None:
+            seen[key] = name
+    scores_path = d / SCORES
     scores = _read_json(scores_path, "proxy scores") or {}
     for name, info in layouts.items():
         table = _table(scores, name, scores_path)
@@ -185,7 +176,7 @@ def load_study(directory: Path) -> Study:
         if J is not None and info.J is not None and info.J != J:
             info.ratio = None if not info.ratio or not info.J else J * info.ratio / info.J
             info.J = J
-    timings_path = d / "timings.json"
+    timings_path = d / TIMINGS
     timings = _read_json(timings_path, "timings") or {}
     for k in timings:
         if _num(timings, k, timings_path) is None:
@@ -193,7 +184,7 @@ def load_study(directory: Path) -> Study:
     steps = (config.get("training") or {}).get("steps")
     if not isinstance(steps, int):
         steps = int(max((r.kl.steps[-1] for r in runs if len(r.kl.steps)), default=0))
-    prov_path = d / "provenance.json"
+    prov_path = d / PROVENANCE
     provenance = _read_json(prov_path, "provenance") or {}
     for key in ("versions", "model_files", "data", "tokens"):
         _table(provenance, key, prov_path)
@@ -201,7 +192,7 @@ def load_study(directory: Path) -> Study:
         _table(provenance, "model_source", prov_path)
     sources: dict[str, str] = {}
     for run in runs[:1]:  # every run reads the same corpus split; its config.json names it
-        path = d / "runs" / run.name / "config.json"
+        path = d / RUNS / run.name / "config.json"
         cfg = _read_json(path, "run config") or {}
         sources = {k: str(cfg[k]) for k in ("train_data", "eval_data") if cfg.get(k) is not None}
     return Study(d, config, layouts, runs, steps, list(proxies), timings, provenance, sources)
