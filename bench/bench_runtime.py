@@ -5,9 +5,9 @@ model (D 1024, N 3072, head dim 128; 12 heads in 6 KV groups so that L = 2 and 3
 4 layers; vocab 8192 so the replicated LM head does not drown the layers) or --model DIR.
 Timed: one prefill of --prompt-len tokens, then --new-tokens greedy decoding steps from the
 per-rank KV cache, median of --repeats, the slowest rank counted. `--latency-ms` adds a fixed
-latency to every transfer and `--bandwidth-gbps` a wire time of bytes / bandwidth (a sum is not
-available before it was posted plus both; sleep-based, runtime.ranks.Link) to emulate a slower
-link: δ = 0 waits for it after every module, δ ≥ 1 overlaps it with δ modules of compute.
+latency to every transfer and `--bandwidth-gbps` a wire time of bytes / bandwidth (a sum is
+available that much after the local transfer itself completed; sleep-based, runtime.ranks.Link) to
+emulate a slower link: δ = 0 waits for it after every module, δ ≥ 1 overlaps it with δ modules of compute.
 "compute" is the same forward with the transfers removed, so 1 - compute/δ0 is the share of the
 TP step spent communicating, and the CPU column (user + system seconds of each rank's process, all
 threads) shows how much of that time is the transfers' own work on the same cores rather than

@@ -39,7 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("dtpshard.studies.report:report_cmd", "Markdown report with figures for an experiment directory"),
     "demo": ("dtpshard.studies.demo:demo_cmd", "the whole pipeline on SmolLM2-135M, offline, on a CPU"),
     "study": ("dtpshard.studies.demo:study_cmd",
-              "the SmolLM2 study: does J predict the KL after training? (76 min on a 2-core CPU)"),
+              "the SmolLM2 study: does J predict the KL after training? (75.7 min on a 2-core CPU)"),
     "run": ("dtpshard.runtime.ranks:run_cmd", "DTP across processes (use under torchrun)"),
 }
 _BOOL_WORDS = {"true", "false", "yes", "no", "1", "0", "on", "off"}
@@ -56,7 +56,7 @@ def _dashed(text: str) -> str:
 # what --help says a flag takes, instead of the Python type's name
 _HELP_TYPES = {"Count": "int >= 1", "NonNegativeInt": "int >= 0", "Seed": "int >= 0", "PositiveNumber": "number > 0",
                "NonNegativeNumber": "number >= 0", "ClosedUnitInterval": "number in [0, 1]",
-               "Beta": "number in [0, 1)", "TopP": "number in (0, 1]", "Device": "auto, cpu, cuda or cuda:N",
+               "Beta": "number in [0, 1)", "TopP": "number in (0, 1]", "Seconds": "seconds > 0, at most 1e6", "Device": "auto, cpu, cuda or cuda:N",
                "Path": "path", "str": "text", "float": "number", "bool": "true or false"}
 
 

@@ -164,7 +164,7 @@ def test_help_says_what_each_flag_takes_in_words(capsys):
     assert cli.help_type("Count | null") == "int >= 1, or null"
     assert cli.help_type("Optional[list[Literal['first-order', 'ablation']]]") == "list of (first-order | ablation), or null"
     assert cli.help_type("Literal['str', 'Path']") == "str | Path"  # choices are kept as they are
-    python_names = {"Count", "Seed", "Beta", "TopP", "Device", "NonNegativeInt", "NonNegativeNumber", "PositiveNumber",
+    python_names = {"Count", "Seconds", "Seed", "Beta", "TopP", "Device", "NonNegativeInt", "NonNegativeNumber", "PositiveNumber",
                     "ClosedUnitInterval", "Path", "str", "float", "bool", "Optional", "Union", "Literal", "List", "class"}
     for name in cli.COMMANDS:
         assert cli.main([name, "--help"]) == 0

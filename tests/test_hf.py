@@ -177,6 +177,11 @@ def test_compiled_model_equals_eager_without_graph_breaks(family):
     assert (got - want).abs().max().item() <= TOL
     got.logsumexp(-1).mean().backward()
     assert model.model.layers[0].mlp.up_proj.weight.grad is not None
+    compiled_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    want.logsumexp(-1).mean().backward()  # the eager graph's gradients
+    for name, g in compiled_grads.items():
+        torch.testing.assert_close(g, model.get_parameter(name).grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.slow

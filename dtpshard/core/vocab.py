@@ -42,13 +42,14 @@ Fraction = ClosedUnitInterval
 Beta = restricted_number_type("Beta", float, [(">=", 0), ("<", 1)])
 TopP = restricted_number_type("TopP", float, [(">", 0), ("<=", 1)])  # nucleus mass
 Delay = NonNegativeNumber  # δ in modules; fractional allowed, 0 is tensor parallelism
-Seconds = PositiveNumber
+# a wait in seconds: finite, > 0, and at most ~11.6 days (threading.TIMEOUT_MAX-safe on every platform)
+Seconds = restricted_number_type("Seconds", float, [(">", 0), ("<=", 1e6)])
 Device = restricted_string_type("Device", r"^(auto|cpu|cuda|cuda:[0-9]+)$")
 
 REFUSAL = {
     "Count": "must be an integer >= 1", "NonNegativeInt": "must be an integer >= 0",
     "Seed": "must be an integer >= 0", "PositiveNumber": "must be a finite number > 0",
-    "NonNegativeNumber": "must be a finite number >= 0", "ClosedUnitInterval": "must be a number in [0, 1]",
+    "NonNegativeNumber": "must be a finite number >= 0", "Seconds": "must be a finite number > 0 (seconds, at most 1e6)", "ClosedUnitInterval": "must be a number in [0, 1]",
     "Beta": "must be a number in [0, 1)", "TopP": "must be a number in (0, 1]", "Device": "must be auto, cpu, cuda or cuda:N",
     "int": "must be an integer", "float": "must be a number", "str": "must be a string",
     "bool": "must be true or false", "Path": "must be a path",

@@ -284,15 +284,15 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay | None = None, layout: Pat
         raise UserError("--cuda-graphs: only with --device cuda")
     if device == "cuda" and latency_ms:
         raise UserError("latency_ms emulates a link with host-side waits: only with device=cpu")
+    if latency_ms / 1000 >= timeout:
+        raise UserError(f"--latency-ms {latency_ms:g}: every transfer would outlast --timeout {timeout:g} s")
     delay = _student_delay(model, delay, nproc if nproc > 1 else int(os.environ.get("WORLD_SIZE", "1")))
     kwargs = dict(model=model, prompt=prompt, delay=delay, layout=layout, max_new_tokens=max_new_tokens,
                   timeout=timeout, stage3=stage3, latency_ms=latency_ms, dtype=dtype, device=device, threads=threads,
                   tokenizer=tokenizer, json=json, cuda_graphs=cuda_graphs)
     if nproc > 1 and "RANK" not in os.environ:  # the launcher: refuse before spawning anything
         ckpt, _ = check_world(model, nproc, layout, delay)
-        from dtpshard.model.checkpoint import load_tokenizer
-
-        check_context(ckpt.hf_config, len(load_tokenizer(tokenizer or model)(prompt).input_ids), max_new_tokens)
+        _prompt_ids(model, prompt, tokenizer, ckpt.hf_config, max_new_tokens)
         exits = launch_local(nproc, _run_rank, (kwargs,), grace=timeout, who="dtpshard run")
         if any(e.said or e.traceback for e in exits):  # a rank raised: say that one (ranks that lost a
             # collective have already said so themselves)
@@ -303,14 +303,9 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay | None = None, layout: Pat
         return 0
     rank, world = world_from_env()
     ckpt, lay = check_world(model, world, layout, delay)  # before any collective
-    from dtpshard.model.checkpoint import load_tokenizer
     from dtpshard.model.decode import generate_ids
 
-    tok = load_tokenizer(tokenizer or model)
-    ids = tok(prompt, return_tensors="pt").input_ids
-    if ids.shape[1] == 0:
-        raise UserError("the prompt encodes to no tokens")
-    check_context(ckpt.hf_config, ids.shape[1], max_new_tokens)
+    tok, ids = _prompt_ids(model, prompt, tokenizer, ckpt.hf_config, max_new_tokens)
     set_threads(threads)
     dev = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if device == "cuda" else "cpu"
     with process_group(timeout, "nccl" if device == "cuda" else "gloo") as (rank, world):
@@ -332,6 +327,19 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay | None = None, layout: Pat
             else:
                 print(prompt + completion, flush=True)
     return 0
+
+
+def _prompt_ids(model: Path, prompt: str, tokenizer: Path | None, hf_config: Any, max_new_tokens: int) -> tuple:
+    """(tokenizer, ids [1, T]) of the prompt; refuses one that encodes to nothing or would run past the
+    model's context. The launcher calls it too, so that it refuses before spawning any rank."""
+    from dtpshard.model.checkpoint import load_tokenizer
+
+    tok = load_tokenizer(tokenizer or model)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        raise UserError("the prompt encodes to no tokens")
+    check_context(hf_config, ids.shape[1], max_new_tokens)
+    return tok, ids
 
 
 def _student_delay(model: Path, delay: float | None, world: int) -> float:

@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.vocab import PROXIES
 from dtpshard.studies.config import FORMAT, OPTIMISING, check_config, load_config, resolve_model  # noqa: F401
 from dtpshard.core.io import atomic_write_text, read_json, read_json_object
 from dtpshard.studies.provenance import (LAYOUT_DIR, PROVENANCE, RUNS, SCORES, TIMINGS, ZEROSHOT, timed as _timed,
@@ -70,6 +71,7 @@ from dtpshard.studies.provenance import (LAYOUT_DIR, PROVENANCE, RUNS, SCORES, T
 AFFINITY, TEACHER_CACHE = "affinity.safetensors", "teacher-cache"
 PROXY_OPTIONS = {"first-order": {}, "group-unit": {"group_unit": True}, "exact-jacobian": {"exact_jacobian": True},
                  "ablation": {"ablation": True}}
+assert set(PROXY_OPTIONS) == set(PROXIES), "every proxy the study file accepts has its affinity options"
 
 
 def affinity_name(cfg: dict[str, Any], proxy: str) -> str:
@@ -121,11 +123,8 @@ EXPERIMENT_DIR = "an experiment directory"  # what the refusals call it
 
 
 def _prepare_dir(out: Path, cfg: dict[str, Any], force: bool) -> None:
-    from dtpshard.training.rundir import refuse_foreign, refuse_unrelated
-
-    saved = out / "config.json"
+    saved = out / "config.json"  # run_experiment has refused another command's or unrelated files
     record = {"format": FORMAT, **cfg}
-    refuse_foreign(out, "dtpshard.experiment/", EXPERIMENT_DIR)
     if saved.is_file():
         try:
             old = read_json(saved)
@@ -144,8 +143,6 @@ def _prepare_dir(out: Path, cfg: dict[str, Any], force: bool) -> None:
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
     elif out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory")
-    else:
-        refuse_unrelated(out, force, ("config.json",), EXPERIMENT_DIR)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(saved, json.dumps(record, indent=1) + "\n")
 
@@ -345,7 +342,7 @@ def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False, tensorbo
 
     study_model = None if cfg["model"] == MODEL_KEY else Path(cfg["model"])  # the key is not a path
     refuse_overwriting(out, the_model_directory=model, the_study_model=study_model)
-    refuse_foreign(out, "dtpshard.experiment/", EXPERIMENT_DIR)  # another command's directory
+    refuse_foreign(out, FORMAT.split("/")[0] + "/", EXPERIMENT_DIR)  # another command's directory
     _check_inputs(cfg, model)
     with locked(out):
         _prepare_dir(out, cfg, force)

@@ -176,6 +176,7 @@ def load_study(directory: Path) -> Study:
         if J is not None and info.J is not None and info.J != J:
             info.ratio = None if not info.ratio or not info.J else J * info.ratio / info.J
             info.J = J
+            info.up = [None] * len(info.up)  # its per-layer parts are under its own proxy: not shown with the others
     timings_path = d / TIMINGS
     timings = _read_json(timings_path, "timings") or {}
     for k in timings:

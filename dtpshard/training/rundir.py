@@ -108,10 +108,15 @@ def config_differences(old: dict[str, Any], new: dict[str, Any], keys: list[str]
     return out
 
 
-def refuse_foreign(out: Path, expect: str = "dtpshard.distill/", what: str = "a distillation run") -> None:
+def refuse_foreign(out: Path, expect: str = "", what: str = "a distillation run") -> None:
     """--force removes a run's config.json among its files: never one that is not this command's
     (a model directory's, an experiment's when distilling, a run's when running an experiment).
-    A damaged config.json may be ours and is left to --force."""
+    `expect`: the command's format prefix (default distill's). A damaged config.json may be ours and
+    is left to --force."""
+    if not expect:
+        from dtpshard.training.recipe import FORMAT
+
+        expect = FORMAT.split("/")[0] + "/"
     try:
         old = json.loads((out / CONFIG).read_text())
     except (OSError, ValueError):
@@ -154,9 +159,7 @@ def check_run(run: Path, config: dict[str, Any], compared: list[str], force: boo
     force it always starts over (a damaged checkpoint or config too)."""
     if run.exists() and not run.is_dir():
         raise UserError(f"--out {run}: exists and is not a directory")
-    refuse_foreign(run)
-    refuse_unrelated(run, force)
-    if force:
+    if force:  # distill() has refused another command's directory and unrelated files
         return False
     if not (run / CONFIG).is_file():
         if run.is_dir() and any(p.name in OWNED for p in run.iterdir()):
