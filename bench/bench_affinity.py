@@ -89,8 +89,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     variants = [("paper (fo + add), δ=1", 1, ScoreOptions())]
     if args.all_options:
-        variants += [("exact Jacobian, δ=1", 1, ScoreOptions(exact_jacobian=True)),
-                     ("ablation, δ=1", 1, ScoreOptions(ablation=True)),
+        variants += [("exact Jacobian, δ=1", 1, ScoreOptions(rho="jacobian")),
+                     ("ablation, δ=1", 1, ScoreOptions(rho="ablation")),
                      ("paper, δ=2 (adds attn->attn, FFN->FFN)", 2, ScoreOptions())]
 
     from transformers import AutoModelForCausalLM, Qwen3Config

@@ -23,22 +23,23 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dtpshard.affinity.file import Affinity, edges_for_delay, units
+from dtpshard.affinity.file import Affinity, edges_for_delay
 from dtpshard.core.layout import Layout
 from dtpshard.layouts.optimise import optimise_layout
 from dtpshard.layouts.score import colocated_score
+from dtpshard.core.shape import UnitShape
 
 SHAPES = {
-    "Qwen3-0.6B": {"layers": 28, "kv_groups": 8, "heads_per_group": 2, "neurons": 3072},
-    "Danube3-500M": {"layers": 16, "kv_groups": 8, "heads_per_group": 2, "neurons": 4096},
-    "Llama-3-70B": {"layers": 80, "kv_groups": 8, "heads_per_group": 8, "neurons": 28672},
+    "Qwen3-0.6B": UnitShape(28, 8, 2, 3072),
+    "Danube3-500M": UnitShape(16, 8, 2, 4096),
+    "Llama-3-70B": UnitShape(80, 8, 8, 28672),
 }
 DEVICES = {"Llama-3-70B": 8}  # the others take --devices
 
 
 def affinity_bytes(model: dict[str, int], delay: float) -> int:
     """Memory of the float64 edges plus one edge's float64 temporaries while it is generated."""
-    sizes = [units(model, a) * units(model, b) for a, b in edges_for_delay(2 * model["layers"], delay)]
+    sizes = [model.units(a) * model.units(b) for a, b in edges_for_delay(2 * model.layers, delay)]
     return 8 * sum(sizes) + 3 * 8 * max(sizes, default=0)
 
 
@@ -46,16 +47,16 @@ def synthetic_affinity(model: dict[str, int], delay: float = 1, seed: int = 0, r
                        strength: float = 1.5, noise: float = 0.5) -> Affinity:
     """Heavy-tailed, low rank plus noise scores for every edge δ needs."""
     rng = np.random.default_rng(seed)
-    modules = 2 * model["layers"]
-    factors = [rng.standard_normal((units(model, m), rank)) for m in range(modules)]
-    scales = [rng.lognormal(0.0, 1.0, units(model, m)) for m in range(modules)]
+    modules = 2 * model.layers
+    factors = [rng.standard_normal((model.units(m), rank)) for m in range(modules)]
+    scales = [rng.lognormal(0.0, 1.0, model.units(m)) for m in range(modules)]
     edges = {}
     for a, b in edges_for_delay(modules, delay):
         logits = strength * factors[a] @ factors[b].T / np.sqrt(rank)
         logits += noise * rng.standard_normal(logits.shape)
         # float32 like an affinity file, held as float64 like Affinity.load; one edge at a time
         edges[(a, b)] = (np.exp(logits) * scales[a][:, None] * scales[b][None, :]).astype(np.float32).astype(np.float64)
-    return Affinity(dict(model), delay, edges, tokens=0, options={"synthetic": True}, source="bench")
+    return Affinity(model, delay, edges, tokens=0, options={"synthetic": True}, source="bench")
 
 
 def run(name: str, model: dict[str, int], devices: int, delay: float, n_random: int) -> dict:

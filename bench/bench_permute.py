@@ -131,7 +131,7 @@ def main() -> None:
         shards = len(list(src.glob("*.safetensors")))
         print(f"checkpoint: {size / 1e9:.2f} GB of bf16 weights in {shards} shards (largest tensor "
               f"{32000 * 2048 * 2 / 1e6:.0f} MB), written in {time.perf_counter() - t0:.0f} s")
-        Layout.random(read_shape(src).summary(), 4, seed=0).save(root / "layout.json")
+        Layout.random(read_shape(src), 4, seed=0).save(root / "layout.json")
         permute = ["cli", "permute", str(src), str(root / "layout.json"), "--out", str(root / "out")]
         arms = {"today": ["today", str(src), str(root / "layout.json"), str(root / "out")],
                 "stream": permute, "nocheck": permute + ["--check", "none"]}

@@ -31,7 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dtpshard.runtime.ranks import Link, launch_local
+from dtpshard.core.launch import launch_local
+from dtpshard.runtime.ranks import Link
 
 
 class NoLink(Link):
@@ -81,7 +82,8 @@ def _timed(net, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, fl
 
 
 def worker(model: str, args: dict, out: str) -> int:
-    from dtpshard.runtime.ranks import RankModel, check_world, process_group, set_threads
+    from dtpshard.core.launch import process_group, set_threads
+    from dtpshard.runtime.ranks import RankModel, check_world
 
     set_threads(args["threads"])
     with process_group(timeout=300) as (rank, world):

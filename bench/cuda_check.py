@@ -108,7 +108,7 @@ def distillation() -> bool:
 
     with tempfile.TemporaryDirectory() as tmp:
         teacher = save_tiny(Path(tmp) / "teacher", "qwen3")
-        layout = Layout.random(DTPModel.from_pretrained(teacher).shape.summary(), 4, 1, seed=0)
+        layout = Layout.random(DTPModel.from_pretrained(teacher).shape, 4, 1, seed=0)
         layout.save(Path(tmp) / "layout.json")
         t = time.perf_counter()
         run = distill(DistillConfig(teacher=teacher, out=Path(tmp) / "run", layout=Path(tmp) / "layout.json",
@@ -192,7 +192,8 @@ def teacher_cache() -> bool:
 
 def _graph_timing(model_dir: str, out: str) -> int:
     from dtpshard.runtime.graphs import GraphDecoder
-    from dtpshard.runtime.ranks import RankModel, check_world, process_group
+    from dtpshard.core.launch import process_group
+    from dtpshard.runtime.ranks import RankModel, check_world
 
     with process_group(timeout=300, backend="nccl") as (rank, world):
         ckpt, _ = check_world(model_dir, world)
@@ -221,7 +222,7 @@ def cuda_graphs() -> bool:
     from test_graphs import _check
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dtpshard.runtime.ranks import launch_local
+    from dtpshard.core.launch import launch_local
 
     world = 2 if torch.cuda.device_count() >= 2 else 1
     with tempfile.TemporaryDirectory() as tmp:

@@ -40,7 +40,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("dtpshard.studies.demo:demo_cmd", "the whole pipeline on SmolLM2-135M, offline, on a CPU"),
     "study": ("dtpshard.studies.demo:study_cmd",
               "the SmolLM2 study: does J predict the KL after training? (75.7 min on a 2-core CPU)"),
-    "run": ("dtpshard.runtime.ranks:run_cmd", "DTP across processes (use under torchrun)"),
+    "run": ("dtpshard.runtime.run:run_cmd", "DTP across processes (use under torchrun)"),
 }
 _BOOL_WORDS = {"true", "false", "yes", "no", "1", "0", "on", "off"}
 

@@ -19,14 +19,14 @@ from dtpshard.affinity.file import Affinity, edges_for_delay
 from dtpshard.model.checkpoint import open_checkpoint
 from dtpshard.cli import main
 from dtpshard.model.dense import DenseModel
-from dtpshard.core.errors import UserError
+from dtpshard.core.shape import UnitShape
 
 try:
     from test_dense import VOCAB, tiny_model, tiny_tokenizer
 except ImportError:  # tests collected as a package
     from tests.test_dense import VOCAB, tiny_model, tiny_tokenizer
 
-MODES = {"first_order": {}, "exact": {"exact_jacobian": True}, "ablation": {"ablation": True}}
+MODES = {"first_order": {}, "exact": {"rho": "jacobian"}, "ablation": {"rho": "ablation"}}
 
 
 @pytest.fixture(scope="module")
@@ -158,11 +158,11 @@ def test_every_edge_of_delay_3_matches_reference(setup, mode, group_unit):
 def test_options_change_the_scores(setup):
     _, _, dense, ids, _ = setup
     base = compute_affinity(dense, ids, delay=1)
-    for opts in (ScoreOptions(group_unit=True), ScoreOptions(exact_jacobian=True), ScoreOptions(ablation=True)):
+    for proxy in ("group-unit", "exact-jacobian", "ablation"):
+        opts = ScoreOptions.of(proxy)
+        assert opts.proxy == proxy  # one name per proxy, its options derived from it
         other = compute_affinity(dense, ids, delay=1, opts=opts)
         assert not np.allclose(other[(0, 1)], base[(0, 1)], rtol=1e-3)
-    with pytest.raises(UserError):
-        ScoreOptions(exact_jacobian=True, ablation=True)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -214,9 +214,9 @@ def test_command_writes_the_affinity_file(tmp_path, model_dir, capsys):
     assert rc == 0, capsys.readouterr().err
     aff = Affinity.load(out)
     assert sorted(aff.edges) == sorted(edges_for_delay(4, 2))
-    assert aff.model == {"layers": 2, "kv_groups": 2, "heads_per_group": 2, "neurons": 16}
+    assert aff.model == UnitShape(2, 2, 2, 16)
     assert aff.delay == 2 and aff.tokens == 48 and "cal.txt" in aff.source
-    assert aff.options["up"] == "fo" and aff.options["down"] == "add" and aff.options["extra_edges"] is True
+    assert aff.options["proxy"] == "first-order" and aff.options["extra_edges"] is True
     from safetensors import safe_open
 
     with safe_open(str(out), framework="numpy") as f:
@@ -231,9 +231,9 @@ def test_command_writes_the_affinity_file(tmp_path, model_dir, capsys):
 def test_command_default_offline_corpus(tmp_path, model_dir):
     out = tmp_path / "aff.safetensors"
     assert main(["affinity", str(model_dir), "--out", str(out), "--blocks", "2", "--seq-len", "8",
-                 "--no-progress", "--ablation", "--group-unit"]) == 0
+                 "--no-progress", "--proxy", "ablation"]) == 0
     aff = Affinity.load(out)
-    assert aff.source.startswith("offline:python-stdlib-docstrings") and aff.options["ablation"] is True
+    assert aff.source.startswith("offline:python-stdlib-docstrings") and aff.options["proxy"] == "ablation"
 
 
 def _one_line_error(capsys, argv: list[str], needle: str) -> None:
@@ -253,7 +253,7 @@ def test_command_bad_inputs_give_one_line(tmp_path, model_dir, capsys):
     (tmp_path / "cal.txt").write_text(TEXT)
     _one_line_error(capsys, base + ["--text", str(tmp_path / "cal.txt"), "--seq-len", "64", "--blocks", "500"],
                     "blocks of 64 tokens")
-    _one_line_error(capsys, base + ["--exact-jacobian", "--ablation"], "not both")
+    _one_line_error(capsys, base + ["--proxy", "exact-jacobian-ablation"], "--proxy")
     _one_line_error(capsys, base + ["--delay", "0.5"], "no edges")
     gelu = tmp_path / "gelu"
     gelu.mkdir()

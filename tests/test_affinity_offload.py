@@ -17,7 +17,7 @@ from dtpshard.cli import main
 from dtpshard.model.checkpoint import open_checkpoint, read_shape
 from dtpshard.model.dense import DenseModel, StreamedDense
 
-OPTIONS = [ScoreOptions(), ScoreOptions(group_unit=True, exact_jacobian=True), ScoreOptions(ablation=True)]
+OPTIONS = [ScoreOptions(), ScoreOptions(group_unit=True, rho="jacobian"), ScoreOptions(rho="ablation")]
 KINDS = {(0, 1): "up", (1, 2): "down", (0, 2): "attention->attention", (1, 3): "FFN->FFN", (0, 3): "attention->FFN δ=3"}
 
 

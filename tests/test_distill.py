@@ -21,6 +21,7 @@ from dtpshard.training.distill import DistillConfig, distill_cmd, lr_factor, res
 from dtpshard.training.evaluate import eval_blocks_for, evaluate
 from dtpshard.core.layout import Layout
 from dtpshard.model.dtp import DTPModel
+from dtpshard.core.shape import UnitShape
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_KEYS = {"kind", "step", "tokens", "loss", "kl", "ce", "lr", "grad_norm", "wall"}
@@ -40,7 +41,7 @@ def setup(tiny_dirs, tmp_path_factory):
     text = root / "docs.txt"
     text.write_text("\n\n".join(random_docs(300, 0)))
     model = tiny_dirs["llama"]
-    layout = Layout.random(DTPModel.from_pretrained(model, 1, 0).shape.summary(), devices=2, delay=1, seed=3)
+    layout = Layout.random(DTPModel.from_pretrained(model, 1, 0).shape, devices=2, delay=1, seed=3)
     layout.save(root / "layout.json")
     return {"root": root, "model": model, "text": text, "layout": root / "layout.json"}
 
@@ -233,7 +234,7 @@ def test_other_settings_are_refused_unless_force(setup, straight, tmp_path, caps
     assert main(args_for(setup, run, lr=2e-3, seed=1)) == 2
     line = _one_error_line(capsys, "lr 0.001 (now 0.002)", "seed 0 (now 1)", "--force")
     assert "steps" not in line
-    Layout.random(DTPModel.from_pretrained(setup["model"], 1, 0).shape.summary(), 2, 1, seed=9).save(tmp_path / "l.json")
+    Layout.random(DTPModel.from_pretrained(setup["model"], 1, 0).shape, 2, 1, seed=9).save(tmp_path / "l.json")
     assert main(args_for(setup, run, layout=tmp_path / "l.json")) == 2
     _one_error_line(capsys, "layout content changed")
     assert main(args_for(setup, run, lr=2e-3, steps=2, **{"eval-every": 1}) + ["--force"]) == 0
@@ -243,7 +244,7 @@ def test_other_settings_are_refused_unless_force(setup, straight, tmp_path, caps
 
 def test_bad_inputs_one_line_exit_2(setup, tmp_path, capsys):
     out = tmp_path / "bad"
-    other = Layout.contiguous({"layers": 3, "kv_groups": 4, "heads_per_group": 2, "neurons": 64}, devices=2)
+    other = Layout.contiguous(UnitShape(3, 4, 2, 64), devices=2)
     other.save(tmp_path / "other.json")
     assert main(args_for(setup, out, layout=tmp_path / "other.json")) == 2
     _one_error_line(capsys, "neurons=64")

@@ -11,7 +11,7 @@ import torch
 from dtpshard.cli import main
 from dtpshard.core.layout import Layout
 from dtpshard.model.dtp import DTPModel
-from test_distill import ROOT, args_for, random_docs, rows_without_wall
+from test_distill import args_for, random_docs, rows_without_wall
 
 STEPS = {"steps": 6, "eval-every": 3, "checkpoint-every": 2}
 
@@ -22,7 +22,7 @@ def setup(tiny_dirs, tmp_path_factory):
     text = root / "docs.txt"
     text.write_text("\n\n".join(random_docs(300, 1)))
     model = tiny_dirs["qwen3"]
-    Layout.random(DTPModel.from_pretrained(model, 1, 0).shape.summary(), 2, 1, seed=4).save(root / "layout.json")
+    Layout.random(DTPModel.from_pretrained(model, 1, 0).shape, 2, 1, seed=4).save(root / "layout.json")
     return {"root": root, "model": model, "text": text, "layout": root / "layout.json"}
 
 

@@ -12,6 +12,7 @@ from dtpshard.training.evaluate import eval_blocks_for, evaluate
 from dtpshard.core.layout import Layout
 from dtpshard.training.losses import kl_ce_sums
 from dtpshard.model.dtp import DTPModel
+from dtpshard.core.shape import UnitShape
 
 
 def reference_sums(h_s, w_s, h_t, w_t, y, ce_weight):
@@ -72,7 +73,7 @@ def test_evaluate_matches_transformers_reference(family):
     from tiny import tiny_hf_model
 
     hf = tiny_hf_model(family, seed=3)
-    layout = Layout.random(DTPModel.from_hf(hf, 1, 0).shape.summary(), devices=2, delay=1, seed=5)
+    layout = Layout.random(DTPModel.from_hf(hf, 1, 0).shape, devices=2, delay=1, seed=5)
     student = DTPModel.from_hf(hf, devices=2, delay=1, layout=layout)
     blocks = torch.randint(0, hf.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(2))
     kl, ppl = _hf_reference(student, hf, blocks)
@@ -135,7 +136,7 @@ def test_eval_cmd_refusals(tiny_dirs, eval_text, tmp_path, capsys):
     _one_error_line(capsys, "devices=3")
     assert main(base + ["--devices", "2", "--delay", "7"]) == 2
     _one_error_line(capsys, "delay=7")
-    other = Layout.contiguous({"layers": 3, "kv_groups": 4, "heads_per_group": 2, "neurons": 64}, devices=2)
+    other = Layout.contiguous(UnitShape(3, 4, 2, 64), devices=2)
     other.save(tmp_path / "other.json")
     assert main(base + ["--devices", "2", "--layout", str(tmp_path / "other.json")]) == 2
     _one_error_line(capsys, "neurons=64")

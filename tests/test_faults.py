@@ -60,7 +60,7 @@ def world(tmp_path_factory, tiny_dirs):
     shape = read_shape(model)
     rng = np.random.default_rng(0)
     edges = {(a, b): rng.random((shape.units(a), shape.units(b))) for a, b in edges_for_delay(shape.modules, 1)}
-    Affinity(shape.summary(), 1, edges, tokens=8).save(w / "aff.safetensors")
+    Affinity(shape, 1, edges, tokens=8).save(w / "aff.safetensors")
     (w / "study.toml").write_text(config_text(model, w / "missing.txt"))
     return w
 

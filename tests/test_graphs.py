@@ -5,14 +5,15 @@ import torch
 from tiny import save_tiny
 
 from dtpshard.model.decode import generate_ids
-from dtpshard.runtime.ranks import launch_local
+from dtpshard.core.launch import launch_local
 
 DELAYS = (0, 1, 2)
 
 
 def _worker(model_dir, out_dir, backend):
     from dtpshard.runtime.graphs import GraphDecoder
-    from dtpshard.runtime.ranks import RankModel, check_world, process_group, set_threads
+    from dtpshard.core.launch import process_group, set_threads
+    from dtpshard.runtime.ranks import RankModel, check_world
 
     set_threads()
     prompt = torch.randint(0, 384, (2, 5), generator=torch.Generator().manual_seed(1))

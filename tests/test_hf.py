@@ -23,7 +23,7 @@ def ids_for(B=2, T=11, seed=0, vocab=384):
 def student(tiny_dirs, tmp_path_factory):
     """A student as distill writes one (save_pretrained of a permuted DTP model), with its layout."""
     src = tiny_dirs["qwen3"]
-    layout = Layout.random(DTPModel.from_pretrained(src, 1, 0).shape.summary(), devices=2, delay=1, seed=1)
+    layout = Layout.random(DTPModel.from_pretrained(src, 1, 0).shape, devices=2, delay=1, seed=1)
     model = DTPModel.from_pretrained(src, devices=2, delay=1, layout=layout)
     with torch.no_grad():  # "trained": no longer the teacher's function at any setting
         model.model.layers[0].mlp.down_proj.weight.mul_(1.5)
@@ -203,9 +203,16 @@ def test_inductor_compiled_model_and_cli_compile(student, capsys):
     assert evals[1]["ppl"] == pytest.approx(evals[0]["ppl"], rel=1e-4)
 
 
-def test_runtime_uses_a_students_delay(student, tiny_dirs, caplog):
-    from dtpshard.runtime.ranks import _student_delay
+def _student_delay(model, delay, world):
+    """The δ `dtpshard run` resolves for `world` ranks (its warnings logged)."""
+    from dtpshard.runtime.run import plan_run
 
+    return plan_run(model, "import torch", world, delay=delay, stage3=None, layout=None, max_new_tokens=1,
+                    timeout=60, latency_ms=0, dtype="float32", device="cpu", threads=0, tokenizer=None, json=False,
+                    cuda_graphs=False).settings.delay
+
+
+def test_runtime_uses_a_students_delay(student, tiny_dirs, caplog):
     with caplog.at_level(logging.WARNING, logger="dtpshard"):
         assert _student_delay(student["path"], None, 2) == 1 and not caplog.records
         assert _student_delay(tiny_dirs["qwen3"], None, 4) == 1 and not caplog.records  # dense: no warning

@@ -3,14 +3,16 @@ every malformed file."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import FORMAT, Layout, as_layout
+from dtpshard.core.shape import UnitShape
 
-MODEL = {"layers": 3, "kv_groups": 4, "heads_per_group": 2, "neurons": 12}
+MODEL = UnitShape(3, 4, 2, 12)
 
 
 def good(**edits) -> dict:
@@ -63,10 +65,10 @@ def test_devices_of_units():
 
 def test_check_model_refuses_another_shape():
     lay = Layout.contiguous(MODEL, 2)
-    lay.check_model(dict(MODEL))
+    lay.check_model(MODEL)
     for key, value in (("layers", 4), ("kv_groups", 2), ("heads_per_group", 4), ("neurons", 16)):
-        with pytest.raises(UserError, match=f"{key}={MODEL[key]} but the model has {key}={value}"):
-            lay.check_model({**MODEL, key: value})
+        with pytest.raises(UserError, match=f"{key}={getattr(MODEL, key)} but the model has {key}={value}"):
+            lay.check_model(replace(MODEL, **{key: value}))
 
 
 def perm_edit(obj, layer, key, values):
@@ -90,7 +92,7 @@ BAD = {
     "too few layers": (lambda: {**good(), "layers": good()["layers"][:2]}, "2 layers listed, model has 3"),
     "too many layers": (lambda: {**good(), "layers": good()["layers"] * 2}, "6 layers listed, model has 3"),
     "L does not divide G": (lambda: good(devices=3), "devices=3 does not divide kv_groups=4"),
-    "L does not divide N": (lambda: {**good(devices=4), "model": {**MODEL, "neurons": 10}},
+    "L does not divide N": (lambda: {**good(devices=4), "model": {**MODEL.to_json(), "neurons": 10}},
                             "devices=4 does not divide neurons=10"),
     "unknown format": (lambda: good(format="dtpshard.layout/2"),
                        "format='dtpshard.layout/2', expected 'dtpshard.layout/1'"),
@@ -99,8 +101,8 @@ BAD = {
     "devices zero": (lambda: good(devices=0), "devices=0 must be a positive integer"),
     "devices bool": (lambda: good(devices=True), "devices=True must be a positive integer"),
     "negative delay": (lambda: good(delay=-1), "delay=-1 must be a number >= 0"),
-    "model not integers": (lambda: good(model={**MODEL, "neurons": "12"}), "model must give positive integer"),
-    "model zero": (lambda: good(model={**MODEL, "kv_groups": 0}), "model must give positive integer"),
+    "model not integers": (lambda: good(model={**MODEL.to_json(), "neurons": "12"}), "model must give positive integer"),
+    "model zero": (lambda: good(model={**MODEL.to_json(), "kv_groups": 0}), "model must give positive integer"),
     "layer not an object": (lambda: good(layers=[[0, 1, 2, 3]] * 3), "layer 0 is not an object"),
     "score not an object": (lambda: good(score=[1, 2]), "score must be an object"),
     "not an object": (lambda: [1, 2, 3], "not a JSON object"),

@@ -7,20 +7,23 @@ import json
 import numpy as np
 import pytest
 
-from dtpshard.affinity.file import Affinity, edges_for_delay, units
+from dtpshard.affinity.file import Affinity, edges_for_delay
 from dtpshard.cli import main
 from dtpshard.core.layout import Layout
 from dtpshard.layouts.score import colocated_score
+from dataclasses import replace
 
-MODEL = {"layers": 4, "kv_groups": 8, "heads_per_group": 2, "neurons": 24}
+from dtpshard.core.shape import UnitShape
+
+MODEL = UnitShape(4, 8, 2, 24)
 
 
 def write_affinity(path, model=MODEL, delay=1, seed=0):
     rng = np.random.default_rng(seed)
-    modules = 2 * model["layers"]
-    f = [rng.standard_normal((units(model, m), 3)) for m in range(modules)]
+    modules = 2 * model.layers
+    f = [rng.standard_normal((model.units(m), 3)) for m in range(modules)]
     edges = {(a, b): np.exp(f[a] @ f[b].T) for a, b in edges_for_delay(modules, delay)}
-    Affinity(dict(model), delay, edges).save(path)
+    Affinity(model, delay, edges).save(path)
     return path
 
 
@@ -85,7 +88,7 @@ def test_model_directory_source(tiny_dirs, tmp_path, capsys):
     from dtpshard.model.checkpoint import read_shape
 
     model_dir = tiny_dirs["llama"]
-    shape = read_shape(model_dir).summary()
+    shape = read_shape(model_dir).unit_shape()
     out = tmp_path / "c.json"
     assert main(["layout", str(model_dir), "--kind", "contiguous", "--devices", "2", "--out", str(out)]) == 0
     layout = Layout.load(out)
@@ -119,7 +122,7 @@ def test_bad_inputs(aff, tmp_path, capsys):
     nan.save(tmp_path / "nan.safetensors")
     _one_line_error(capsys, ["layout", str(tmp_path / "nan.safetensors"), "--out", out], "NaN")
     other = Affinity.load(aff)  # tensors of this shape, metadata of another model
-    other.model = dict(MODEL, neurons=32)
+    other.model = replace(MODEL, neurons=32)
     other.save(tmp_path / "other.safetensors")
     _one_line_error(capsys, ["layout", str(tmp_path / "other.safetensors"), "--out", out], "expected [8, 32]")
     zero = Affinity.load(aff)
@@ -132,10 +135,10 @@ def test_bad_inputs(aff, tmp_path, capsys):
 def test_only_the_edges_the_delay_needs_are_loaded_and_memory_is_checked(tmp_path, capsys, monkeypatch):
     """A δ = 1 layout from a δ = 2 file reads no FFN -> FFN edge; what does not fit is one line."""
     path = write_affinity(tmp_path / "d2.safetensors", delay=2)
-    modules = 2 * MODEL["layers"]
+    modules = 2 * MODEL.layers
     assert set(Affinity.load(path, delay=1).edges) == set(edges_for_delay(modules, 1))
     assert set(Affinity.load(path).edges) == set(edges_for_delay(modules, 2))
-    need_1 = 8 * sum(units(MODEL, a) * units(MODEL, b) for a, b in edges_for_delay(modules, 1))
+    need_1 = 8 * sum(MODEL.units(a) * MODEL.units(b) for a, b in edges_for_delay(modules, 1))
     monkeypatch.setattr("dtpshard.core.memory.available_bytes", lambda: need_1 + 8 * 24 * 8)
     out = tmp_path / "x.json"
     assert main(["layout", str(path), "--delay", "1", "--out", str(out)]) == 0 and out.exists()

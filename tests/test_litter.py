@@ -18,6 +18,7 @@ from test_report import make_experiment
 
 from dtpshard.cli import main
 from dtpshard.core.errors import explain
+from dtpshard.core.shape import UnitShape
 
 
 def _mount(path: Path, size: str) -> bool:
@@ -185,7 +186,7 @@ def test_one_mode_for_every_output(tmp_path):
 
     old = os.umask(0o022)
     try:
-        Affinity({"layers": 1, "kv_groups": 1, "heads_per_group": 1, "neurons": 2}, 1,
+        Affinity(UnitShape(1, 1, 1, 2), 1,
                  {(0, 1): np.ones((1, 2))}).save(tmp_path / "a.safetensors")
         atomic_write_text(tmp_path / "b.json", "{}")
     finally:

@@ -137,7 +137,7 @@ def test_fractional_delay_is_continuous():
 
 
 def test_rms_norm_backward_matches_autograd():
-    from dtpshard.model.dtp import _RMSNormFn, rms_norm
+    from dtpshard.model.ops import _RMSNormFn, rms_norm
 
     x = torch.randn(2, 3, 5, 16, dtype=torch.float64, requires_grad=True)
     w = torch.randn(16, dtype=torch.float64, requires_grad=True)
@@ -155,7 +155,7 @@ def test_rms_norm_backward_matches_autograd():
 
 
 def test_residual_update_backward_matches_autograd():
-    from dtpshard.model.dtp import _ResidualUpdate, residual_update
+    from dtpshard.model.ops import _ResidualUpdate, residual_update
 
     def literal(x, p, own, arrivals):  # x_l + own·p_l + Σ_k w_k·(Σ_j q_j^k - q_l^k)
         out = x + own * p
@@ -180,7 +180,7 @@ def test_residual_update_backward_matches_autograd():
 
 @pytest.mark.parametrize("cols", [False, True])
 def test_device_matmul_backward_matches_autograd_in_the_weights_layout(cols):
-    from dtpshard.model.dtp import _DeviceMatmul
+    from dtpshard.model.ops import _DeviceMatmul
 
     def case(n, out, inp, dtype):  # x, w and autograd's reference y = bmm(x, W_l^T views)
         w = torch.randn(out, inp, dtype=dtype, requires_grad=True)

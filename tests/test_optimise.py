@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy.optimize import linear_sum_assignment
 
-from dtpshard.affinity.file import Affinity, edges_for_delay, units
+from dtpshard.affinity.file import Affinity, edges_for_delay
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout
 from dtpshard.layouts import assignment
@@ -15,16 +15,17 @@ from dtpshard.layouts.assignment import assign, price_start
 from dtpshard.layouts.optimise import (Problem, ascend, balanced_assignment, evenly_spaced_layers,
                                exhaustive_assignment, family_blocks, labelled_partitions, optimise_layout)
 from dtpshard.layouts.score import colocated_score, j_of_devices
+from dtpshard.core.shape import UnitShape
 
 
 def structured_affinity(model, delay=1, seed=0, rank=3) -> Affinity:
     """Low rank plus noise, heavy-tailed: there is something for the optimiser to find."""
     rng = np.random.default_rng(seed)
-    modules = 2 * model["layers"]
-    f = [rng.standard_normal((units(model, m), rank)) for m in range(modules)]
-    edges = {(a, b): np.exp(f[a] @ f[b].T + 0.3 * rng.standard_normal((units(model, a), units(model, b))))
+    modules = 2 * model.layers
+    f = [rng.standard_normal((model.units(m), rank)) for m in range(modules)]
+    edges = {(a, b): np.exp(f[a] @ f[b].T + 0.3 * rng.standard_normal((model.units(a), model.units(b))))
              for a, b in edges_for_delay(modules, delay)}
-    return Affinity(dict(model), delay, edges)
+    return Affinity(model, delay, edges)
 
 
 def all_balanced(n_units, devices):
@@ -138,7 +139,7 @@ def test_exhaustive_search_refuses_huge_spaces():
 def test_each_block_update_is_the_brute_force_best(delay, devices):
     """Every block of a sweep reaches the best J over all balanced assignments of that module,
     with J recomputed from scratch (so linearity of the gain is tested too, δ ≥ 2 included)."""
-    model = {"layers": 2, "kv_groups": 6, "heads_per_group": 1, "neurons": 6}
+    model = UnitShape(2, 6, 1, 6)
     problem = Problem.build(structured_affinity(model, delay, seed=delay + devices), devices, delay)
     devs = problem.contiguous()
     rng = np.random.default_rng(0)
@@ -158,7 +159,7 @@ def test_each_block_update_is_the_brute_force_best(delay, devices):
 
 def test_cached_products_match_fresh_ones():
     """The optimiser updates edge products through the moved units only; J must not drift."""
-    model = {"layers": 3, "kv_groups": 8, "heads_per_group": 1, "neurons": 64}
+    model = UnitShape(3, 8, 1, 64)
     problem = Problem.build(structured_affinity(model, 2, seed=1), 4, 2)
     rng = np.random.default_rng(2)
     devs = problem.contiguous()
@@ -180,7 +181,7 @@ def test_cached_products_match_fresh_ones():
             assert j_of_devices(problem.edges, trial, 4) - fresh == pytest.approx(change, abs=1e-12)
 
 
-MODEL = {"layers": 3, "kv_groups": 24, "heads_per_group": 2, "neurons": 48}
+MODEL = UnitShape(3, 24, 2, 48)
 
 
 @pytest.mark.parametrize("devices,delay", [(2, 1), (3, 1), (4, 1), (8, 1), (4, 2)])
@@ -234,7 +235,7 @@ def test_evenly_spaced_layers():
 
 
 def test_k_layers_changes_only_those_layers():
-    model = {"layers": 6, "kv_groups": 8, "heads_per_group": 1, "neurons": 16}
+    model = UnitShape(6, 8, 1, 16)
     aff = structured_affinity(model, 1, seed=5)
     layout = optimise_layout(aff, 4, 1, "optimised", layers=2)
     assert layout.score["optimised_layers"] == [0, 3]
@@ -257,7 +258,7 @@ def test_restarts_keep_the_best_start():
 
 
 def test_exhaustive_kv_option_reaches_the_same_j():
-    model = {"layers": 3, "kv_groups": 8, "heads_per_group": 1, "neurons": 16}
+    model = UnitShape(3, 8, 1, 16)
     aff = structured_affinity(model, 1, seed=8)
     exact = optimise_layout(aff, 4, 1, "heads-only")
     paper = optimise_layout(aff, 4, 1, "heads-only", kv_search="exhaustive")
@@ -268,7 +269,7 @@ def test_relabelled_optimum_scores_the_same():
     aff = structured_affinity(MODEL, 1, seed=9)
     layout = optimise_layout(aff, 4, 1, "optimised")
     rotate = lambda p: np.roll(p, len(p) // 4)  # device d's block moves to device d+1
-    moved = Layout(4, 1, "moved", dict(MODEL), [rotate(p) for p in layout.kv_perms],
+    moved = Layout(4, 1, "moved", MODEL, [rotate(p) for p in layout.kv_perms],
                    [rotate(p) for p in layout.ffn_perms])
     assert colocated_score(aff, moved)["J"] == pytest.approx(layout.score["J"], rel=1e-12)
 

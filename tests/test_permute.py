@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from dataclasses import replace
 import os
 import re
 import shutil
@@ -34,7 +35,7 @@ def ids_for(vocab, B=2, T=16, seed=0):
 
 def no_identity_layout(shape, devices=4, seed=1) -> Layout:
     """A random layout in which no layer keeps its groups or its neurons in place."""
-    lay = Layout.random(shape.summary(), devices, delay=1, seed=seed)
+    lay = Layout.random(shape, devices, delay=1, seed=seed)
     lay.kv_perms = [np.roll(p, 1) if (p == np.arange(len(p))).all() else p for p in lay.kv_perms]  # p = 1/24
     assert not any((p == np.arange(len(p))).all() for p in lay.kv_perms + lay.ffn_perms)
     return lay
@@ -84,7 +85,7 @@ def test_delay_zero_dtp_is_unchanged_under_any_layout(hf):
     dense = hf(ids).logits
     for devices in (2, 4):
         plain = DTPModel.from_hf(hf, devices=devices, delay=0)(ids).logits
-        for lay in (no_identity_layout(shape, devices, seed=devices), Layout.random(shape.summary(), devices, seed=9)):
+        for lay in (no_identity_layout(shape, devices, seed=devices), Layout.random(shape, devices, seed=9)):
             out = DTPModel.from_hf(hf, devices=devices, delay=0, layout=lay)(ids).logits
             assert (out - plain).abs().max().item() <= TOL
             assert (out - dense).abs().max().item() <= TOL
@@ -106,7 +107,7 @@ def test_delay_one_random_layout_changes_logits_as_the_spec_says(hf):
 def test_contiguous_layout_is_a_no_op(hf):
     shape = shape_from_hf_config(hf.config)
     sd = {k: v.detach() for k, v in hf.state_dict().items()}
-    out = apply_layout(sd, shape, Layout.contiguous(shape.summary(), 4))
+    out = apply_layout(sd, shape, Layout.contiguous(shape, 4))
     assert out.keys() == sd.keys()
     for k in sd:
         assert torch.equal(out[k], sd[k]), k
@@ -181,7 +182,7 @@ def test_in_memory_layout_equals_permuted_checkpoint_exactly(permuted, family):
 
 def test_permute_contiguous_writes_the_same_file(tiny_dirs, tmp_path, capsys):
     src = tiny_dirs["qwen3"]
-    Layout.contiguous(shape_from_hf_config(tiny_hf_model("qwen3").config).summary(), 2).save(tmp_path / "c.json")
+    Layout.contiguous(shape_from_hf_config(tiny_hf_model("qwen3").config), 2).save(tmp_path / "c.json")
     assert main(["permute", str(src), str(tmp_path / "c.json"), "--out", str(tmp_path / "o"),
                  "--check", "logits", "--check-tokens", "32"]) == 0
     m = re.search(r"check: max \|logits\(permuted\) - logits\(original\)\| = (\S+) = (\S+) x max \|logit\| (\S+) "
@@ -232,13 +233,13 @@ def write_json(path, obj):
 
 def test_refuses_layouts_for_another_model(env, capsys):
     src, shape, good, tmp = env
-    other = {**shape.summary(), "layers": 2}
+    other = replace(shape, layers=2)
     Layout.random(other, 4).save(tmp / "layers.json")
     refused(capsys, [src, tmp / "layers.json"], tmp / "o", "layers=2 but the model has layers=3")
-    other = {**shape.summary(), "kv_groups": 2, "heads_per_group": 4}
+    other = replace(shape, kv_groups=2, heads_per_group=4)
     Layout.random(other, 2).save(tmp / "kv.json")
     refused(capsys, [src, tmp / "kv.json"], tmp / "o", "kv_groups=2 but the model has kv_groups=4")
-    Layout.random({**shape.summary(), "neurons": 48}, 4).save(tmp / "n.json")
+    Layout.random(replace(shape, neurons=48), 4).save(tmp / "n.json")
     refused(capsys, [src, tmp / "n.json"], tmp / "o", "neurons=48 but the model has neurons=96")
 
 

@@ -17,7 +17,7 @@ from dtpshard.model.decode import generate_ids
 from dtpshard.core.layout import Layout
 from dtpshard.model.dtp import DTPModel
 from dtpshard.core.permutation import permutation_spec
-from dtpshard.runtime.ranks import launch_local
+from dtpshard.core.launch import launch_local
 
 TOL = 1e-4
 DELAYS = (0, 1, 2, 1.5)
@@ -41,7 +41,8 @@ def _ids(T, seed, vocab=384):
 
 def _equivalence_worker(model_dir, layout_path, out_dir):
     """One rank: everything the test compares, saved to out_dir/rank{r}.pt."""
-    from dtpshard.runtime.ranks import RankModel, check_world, process_group, set_threads
+    from dtpshard.core.launch import process_group, set_threads
+    from dtpshard.runtime.ranks import RankModel, check_world
 
     set_threads()  # one core each: oversubscribed OpenMP threads make a forward ~10x slower
     ids, prompt = _ids(13, 0), _ids(5, 1)
@@ -68,7 +69,7 @@ def _equivalence_worker(model_dir, layout_path, out_dir):
 def test_ranks_equal_single_process_model(world, ckpt_dirs, tmp_path):
     path = ckpt_dirs[world]
     shape = open_checkpoint(path).shape
-    layout = Layout.random(shape.summary(), world, seed=world)
+    layout = Layout.random(shape, world, seed=world)
     assert not layout.is_identity()
     layout.save(tmp_path / "layout.json")
     codes = launch_local(world, _equivalence_worker, (str(path), str(tmp_path / "layout.json"), str(tmp_path)),
@@ -137,7 +138,7 @@ def test_refused_before_any_collective(ckpt_dirs, tmp_path, capfd, monkeypatch):
     assert "world size 3 does not fit" in capfd.readouterr().err
     # a layout made for 4 devices at world size 2
     monkeypatch.setenv("WORLD_SIZE", "2")
-    Layout.random(open_checkpoint(ckpt_dirs[2]).shape.summary(), 4, seed=0).save(tmp_path / "l4.json")
+    Layout.random(open_checkpoint(ckpt_dirs[2]).shape, 4, seed=0).save(tmp_path / "l4.json")
     assert cli.main(["run", str(ckpt_dirs[2]), "--prompt", "x", "--layout", str(tmp_path / "l4.json")]) == 2
     err = capfd.readouterr().err
     assert "made for devices=4, the world size is 2" in err and len(err.strip().splitlines()) == 1
@@ -149,9 +150,9 @@ def test_refused_before_any_collective(ckpt_dirs, tmp_path, capfd, monkeypatch):
 
 
 def test_launcher_refuses_before_spawning_any_rank(ckpt_dirs, capfd, monkeypatch):
-    import dtpshard.runtime.ranks as ranks
+    import dtpshard.runtime.run as run
 
-    monkeypatch.setattr(ranks, "launch_local", lambda *a, **k: pytest.fail("ranks were spawned"))
+    monkeypatch.setattr(run, "launch_local", lambda *a, **k: pytest.fail("ranks were spawned"))
     for flags, said in ((["--prompt", ""], "the prompt encodes to no tokens"),
                         (["--prompt", "x", "--latency-ms", "1e12", "--timeout", "5"],
                          "--latency-ms 1e+12: every transfer would outlast --timeout 5 s"),

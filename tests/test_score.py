@@ -6,21 +6,22 @@ import json
 import numpy as np
 import pytest
 
-from dtpshard.affinity.file import Affinity, edges_for_delay, units
+from dtpshard.affinity.file import Affinity, edges_for_delay
 from dtpshard.cli import main
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout
 from dtpshard.layouts.score import colocated_score, layout_devices, perm_from_devices
+from dtpshard.core.shape import UnitShape
 
-MODEL = {"layers": 3, "kv_groups": 4, "heads_per_group": 2, "neurons": 8}
+MODEL = UnitShape(3, 4, 2, 8)
 
 
 def random_affinity(model=MODEL, delay=1, seed=0) -> Affinity:
     rng = np.random.default_rng(seed)
-    modules = 2 * model["layers"]
-    edges = {(a, b): rng.lognormal(0, 1.5, (units(model, a), units(model, b)))
+    modules = 2 * model.layers
+    edges = {(a, b): rng.lognormal(0, 1.5, (model.units(a), model.units(b)))
              for a, b in edges_for_delay(modules, delay)}
-    return Affinity(dict(model), delay, edges)
+    return Affinity(model, delay, edges)
 
 
 def brute_force_j(aff: Affinity, layout: Layout) -> float:
@@ -44,13 +45,13 @@ def test_j_matches_definition(delay, devices):
         layout = Layout.random(MODEL, devices, delay, seed=seed)
         score = colocated_score(aff, layout)
         assert score["J"] == pytest.approx(brute_force_j(aff, layout), rel=1e-12)
-        assert score["n_edges"] == len(edges_for_delay(2 * MODEL["layers"], delay))
+        assert score["n_edges"] == len(edges_for_delay(2 * MODEL.layers, delay))
         assert score["random_expectation"] == pytest.approx(score["n_edges"] / devices)
         assert sum(e["colocated"] for e in score["edges"]) == pytest.approx(score["J"], rel=1e-12)
 
 
 def test_hand_computed_contiguous():
-    model = {"layers": 1, "kv_groups": 2, "heads_per_group": 1, "neurons": 2}
+    model = UnitShape(1, 2, 1, 2)
     s = np.array([[1.0, 2.0], [3.0, 10.0]])  # heads -> neurons; L = 2: pairs (0,0) and (1,1)
     aff = Affinity(model, 1, {(0, 1): s})
     contiguous = colocated_score(aff, Layout.contiguous(model, 2, 1))
@@ -81,14 +82,14 @@ def test_relabelling_devices_leaves_j_unchanged():
     layout = Layout.random(MODEL, 4, 2, seed=11)
     relabel = np.array([2, 0, 3, 1])
     devs = [relabel[d] for d in layout_devices(layout)]
-    moved = Layout(4, 2, "relabelled", dict(MODEL),
+    moved = Layout(4, 2, "relabelled", MODEL,
                    [perm_from_devices(devs[2 * i], 4) for i in range(3)],
                    [perm_from_devices(devs[2 * i + 1], 4) for i in range(3)])
     assert not all((a == b).all() for a, b in zip(moved.ffn_perms, layout.ffn_perms))
     assert colocated_score(aff, moved)["J"] == pytest.approx(colocated_score(aff, layout)["J"], rel=1e-12)
     # relabelling one module only is a different layout, and J notices
     devs[1] = relabel[devs[1]]
-    one = Layout(4, 2, "x", dict(MODEL), moved.kv_perms,
+    one = Layout(4, 2, "x", MODEL, moved.kv_perms,
                  [perm_from_devices(devs[2 * i + 1], 4) for i in range(3)])
     assert colocated_score(aff, one)["J"] != pytest.approx(colocated_score(aff, layout)["J"], rel=1e-6)
 
@@ -97,7 +98,7 @@ def test_perm_from_devices_round_trip():
     rng = np.random.default_rng(0)
     dev = rng.permutation(np.arange(12) // 4)
     perm = perm_from_devices(dev, 3)
-    layout = Layout(3, 1, "x", {"layers": 1, "kv_groups": 3, "heads_per_group": 1, "neurons": 12},
+    layout = Layout(3, 1, "x", UnitShape(1, 3, 1, 12),
                     [np.arange(3)], [perm])
     assert (layout.ffn_device(0) == dev).all()
     assert (perm_from_devices(np.arange(12) // 4, 3) == np.arange(12)).all()
@@ -153,7 +154,7 @@ def _one_line_error(capsys, argv, needle):
 
 
 def test_score_cmd_bad_inputs(tmp_path, capsys):
-    other = {"layers": 3, "kv_groups": 4, "heads_per_group": 2, "neurons": 16}
+    other = UnitShape(3, 4, 2, 16)
     aff, lay = _files(tmp_path, layout_model=other)
     _one_line_error(capsys, ["score", str(aff), str(lay)], "neurons=16 but the affinity file")
     aff, lay = _files(tmp_path, layout_delay=2)

@@ -41,10 +41,10 @@ def test_tiny_study_end_to_end(tmp_path, tiny_dirs, capsys):
     assert {"optimised-layers-1", "optimised-layers-2", "optimised-ablation", "neurons-only"} <= set(layouts)
     assert layouts["optimised-ablation"]["kind"] == "optimised-ablation"  # its own group in the report
 
-    # one pass per proxy over the same tokens: the ablation file equals `dtpshard affinity --ablation`
+    # one pass per proxy over the same tokens: the ablation file equals `dtpshard affinity --proxy ablation`
     direct = tmp_path / "ablation.safetensors"
     assert main(["affinity", str(tiny_dirs["llama"]), "--out", str(direct), "--text", cfg["calibration"]["text"][0],
-                 "--blocks", "2", "--seq-len", "16", "--device", "cpu", "--no-progress", "--ablation"]) == 0
+                 "--blocks", "2", "--seq-len", "16", "--device", "cpu", "--no-progress", "--proxy", "ablation"]) == 0
     from safetensors.torch import load_file
 
     a, b = load_file(direct), load_file(out / "affinity-ablation.safetensors")

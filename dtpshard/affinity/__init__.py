@@ -3,6 +3,6 @@ calibration pass (`dtpshard affinity`). Imports core and model."""
 from dtpshard.core.lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
-    "Affinity": "file", "edges_for_delay": "file", "units": "file", "ScoreOptions": "scorer",
-    "compute_affinity": "scorer", "affinity_cmd": "calibrate",
+    "Affinity": "file", "edges_for_delay": "file", "ScoreOptions": "scorer", "compute_affinity": "scorer",
+    "calibrate": "calibrate", "affinity_cmd": "calibrate",
 })

@@ -1,25 +1,160 @@
-"""`dtpshard affinity`: one calibration pass over the dense model, written as an affinity file."""
+"""The calibration pass (`calibrate`) and `dtpshard affinity`, its command.
+
+`calibrate` reads the model and the calibration tokens, plans where the pass keeps what (in
+memory or streamed, affinity/offload.py), scores every edge (affinity/scorer.py) and writes the
+affinity file; it returns what it did. The command only turns flags into its arguments and prints.
+"""
 from __future__ import annotations
 
+import json as _json
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtpshard.affinity.file import Affinity, edges_for_delay
+from dtpshard.affinity.offload import GiB, HiddenStates, Plan, default_budget, plan
+from dtpshard.affinity.scorer import ScoreOptions, compute_affinity
+from dtpshard.core.devices import pick_device
 from dtpshard.core.errors import UserError
-from dtpshard.core.vocab import AffinityDType, Count, Delay, Device, NonNegativeInt, NonNegativeNumber, Seed
+from dtpshard.core.io import check_output_file, check_writable_dir, refuse_overwriting
+from dtpshard.core.shape import check_delay
+from dtpshard.core.vocab import AffinityDType, Count, Delay, Device, NonNegativeInt, NonNegativeNumber, Proxy, Seed
+from dtpshard.data.blocks import load_texts, make_blocks
+from dtpshard.model.checkpoint import check_token_ids, load_tokenizer, open_checkpoint
+from dtpshard.model.dense import DenseModel, StreamedDense
+
+
+@dataclass(frozen=True)
+class CalibrationData:
+    """What the pass scores: `blocks` blocks of `seq_len` tokens of --text files, a --dataset, or
+    (neither) the built-in offline corpus, in a document order seeded by `seed`."""
+
+    text: list[str] | None = None
+    dataset: str | None = None
+    text_field: str = "text"
+    tokenizer: Path | None = None  # None: the model's
+    blocks: int = 64
+    seq_len: int = 1024
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class PassSettings:
+    """How the pass runs; none of it changes the scores beyond float rounding."""
+
+    micro_batch: int = 4  # sequences per module call
+    chunk: int = 0  # cap on tokens per score chunk; 0: automatic
+    device: str = "auto"
+    dtype: str = "float32"  # the compute dtype; sums are float64 whatever it is
+    offload: bool | None = None  # one layer at a time; None: only when the model does not fit the budget
+    memory_budget: float = 0.0  # GiB; 0: 0.8 x what is available now
+    spill_dir: Path | None = None  # hidden states beyond the budget; None: the output's directory
+
+
+@dataclass
+class CalibrationResult:
+    out: Path
+    edges: int
+    tokens: int
+    seconds: float
+    device: str
+    data: str  # the data's one-line description
+    options: dict[str, Any]
+    plan: Plan = field(repr=False)
+
+    def to_json(self, model: Path, delay: float, data: CalibrationData) -> dict[str, Any]:
+        return {"out": str(self.out), "model": str(model), "delay": delay, "edges": self.edges, "tokens": self.tokens,
+                "blocks": data.blocks, "seq_len": data.seq_len, "seconds": self.seconds, "device": self.device,
+                "data": self.data, "options": self.options}
+
+
+@dataclass
+class CalibrationPlan:
+    """A checked pass, before it runs: the model's files, the tokens, and where the pass keeps what."""
+
+    model: Path
+    out: Path
+    ckpt: Any
+    ids: torch.Tensor  # [blocks, seq_len]
+    data: CalibrationData
+    source: str  # the texts' one-line description
+    delay: float
+    run: PassSettings
+    device: str
+    memory: Plan
+
+    def describe(self) -> str:
+        return f"affinity pass: {self.memory.describe()}"
+
+
+def plan_calibration(model: Path, out: Path, data: CalibrationData = CalibrationData(), *, delay: float = 1,
+                     run: PassSettings = PassSettings()) -> CalibrationPlan:
+    """Read the model's headers and the calibration tokens and plan the pass; every bad input
+    (model, data, δ, --out) is refused here, before any scoring."""
+    device = pick_device(run.device)
+    ckpt = open_checkpoint(model)
+    shape = ckpt.shape
+    check_delay(shape, delay)
+    if not edges_for_delay(shape.modules, delay):
+        raise UserError(f"--delay {delay}: no edges (every module sees all partials below δ = 1)")
+    weights = [*ckpt.files.files, ckpt.files.index, Path(model) / "config.json"]
+    refuse_overwriting(out, the_model_directory=Path(model), the_model_file=weights, the_tokenizer=data.tokenizer)
+    check_output_file(Path(out))  # before the pass, not after it
+    tok = load_tokenizer(data.tokenizer or model)
+    texts = load_texts(data.text, data.dataset, role="calibration", text_field=data.text_field)
+    ids = make_blocks(tok, texts, data.seq_len, data.blocks, seed=data.seed)  # [blocks, seq_len]
+    check_token_ids(ids, shape.vocab, data.tokenizer or model)
+    budget = int(run.memory_budget * GiB) if run.memory_budget > 0 else default_budget(device)
+    how = plan(shape, ids.numel(), delay, getattr(torch, run.dtype), budget, run.offload)
+    if how.hidden > how.hidden_budget:
+        check_writable_dir(spill_dir(run, out) / "spill")
+    return CalibrationPlan(Path(model), Path(out), ckpt, ids, data, texts.source, delay, run, device, how)
+
+
+def spill_dir(run: PassSettings, out: Path) -> Path:
+    return run.spill_dir if run.spill_dir is not None else Path(out).parent
+
+
+def run_calibration(p: CalibrationPlan, proxy: str = "first-order", progress: bool = False) -> CalibrationResult:
+    """Score every edge (a, b) that δ creates (b - δ <= a <= b - 1) under `proxy` and write the
+    affinity file (dtpshard.affinity/1)."""
+    opts = ScoreOptions.of(proxy)
+    dtype = getattr(torch, p.run.dtype)
+    t0 = time.perf_counter()
+    dense = (StreamedDense(p.ckpt, dtype, p.device) if p.memory.offload
+             else DenseModel.from_checkpoint(p.ckpt, dtype, p.device))
+    edges = compute_affinity(dense, p.ids, p.delay, opts, micro_batch=p.run.micro_batch, chunk=p.run.chunk or None,
+                             progress=progress, hidden=HiddenStates(p.memory.hidden_budget, spill_dir(p.run, p.out)))
+    seconds = time.perf_counter() - t0
+    d = p.data
+    options = dict(opts.metadata(p.delay), blocks=d.blocks, seq_len=d.seq_len, seed=d.seed, dtype=p.run.dtype)
+    Affinity(p.ckpt.shape.unit_shape(), p.delay, edges, tokens=p.ids.numel(), options=options,
+             source=f"{p.source} seed={d.seed}").save(p.out)
+    return CalibrationResult(p.out, len(edges), int(p.ids.numel()), seconds, str(p.device), p.source, options, p.memory)
+
+
+def calibrate(model: Path, out: Path, data: CalibrationData = CalibrationData(), *, delay: float = 1,
+              proxy: str = "first-order", run: PassSettings = PassSettings(), progress: bool = False) -> CalibrationResult:
+    """The whole pass: plan_calibration, then run_calibration."""
+    return run_calibration(plan_calibration(model, out, data, delay=delay, run=run), proxy, progress)
 
 
 def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, dataset: str | None = None,
-                 text_field: str = "text", tokenizer: Path | None = None, blocks: Count = 64, seq_len: Count = 1024, delay: Delay = 1.0, seed: Seed = 0,
-                 group_unit: bool = False, exact_jacobian: bool = False, ablation: bool = False,
-                 micro_batch: Count = 4, chunk: NonNegativeInt = 0, device: Device = "auto",
-                 dtype: AffinityDType = "float32", offload: bool | None = None, memory_budget: NonNegativeNumber = 0.0,
-                 spill_dir: Path | None = None, progress: bool = True, json: bool = False) -> int:
+                 text_field: str = "text", tokenizer: Path | None = None, blocks: Count = 64, seq_len: Count = 1024,
+                 delay: Delay = 1.0, seed: Seed = 0, proxy: Proxy = "first-order", micro_batch: Count = 4,
+                 chunk: NonNegativeInt = 0, device: Device = "auto", dtype: AffinityDType = "float32",
+                 offload: bool | None = None, memory_budget: NonNegativeNumber = 0.0, spill_dir: Path | None = None,
+                 progress: bool = True, json: bool = False) -> int:
     """Score how much every unit depends on every co-located unit (docs/design.md §2), in one pass.
 
     Calibration text (--text files, or --dataset, or by default the built-in offline corpus) is
     tokenised and packed into --blocks blocks of --seq-len tokens; the dense model runs over them
     once, layer by layer, and every edge (a, b) that delay δ creates gets a score matrix
-    [units(a), units(b)], the mean over tokens accumulated in float64. The defaults are the
+    [units(a), units(b)], the mean over tokens accumulated in float64. The default proxy is the
     paper's: the up edge is first order through SwiGLU per query head, summed per KV group, with ρ
     held at its dense value; the down edge is the additive q/k/v score.
 
@@ -39,9 +174,7 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
         seq_len: tokens per block
         delay: DTP delay δ; every edge b-δ <= a <= b-1 is scored (δ >= 2 adds attention->attention, FFN->FFN, ...)
         seed: seed of the document order
-        group_unit: score a KV group as one unit (sum its r heads' contributions before squaring)
-        exact_jacobian: use the exact RMSNorm Jacobian (ρ moves with the contribution) instead of γ/ρ
-        ablation: leave-one-out score: actually remove the contribution and recompute the norm and the unit
+        proxy: the score: first-order (the paper's), group-unit (a KV group's heads summed before squaring), exact-jacobian (ρ moves with the contribution), ablation (the contribution actually removed, norm and unit recomputed)
         micro_batch: sequences per module call (memory)
         chunk: cap on tokens per score chunk; 0 = automatic (memory)
         device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
@@ -52,54 +185,13 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
         progress: show a progress bar
         json: print one JSON object {out, edges, tokens, seconds, ...} on stdout
     """
-    import torch
-
-    from dtpshard.affinity.scorer import ScoreOptions, compute_affinity
-    from dtpshard.affinity.file import Affinity, edges_for_delay
-    from dtpshard.model.checkpoint import check_token_ids, load_tokenizer, open_checkpoint
-    from dtpshard.core.shape import check_delay
-    from dtpshard.data.blocks import load_texts, make_blocks
-    from dtpshard.model.dense import DenseModel, StreamedDense
-    from dtpshard.affinity.offload import GiB, HiddenStates, default_budget, plan
-    from dtpshard.core.io import check_output_file, check_writable_dir, refuse_overwriting
-    from dtpshard.core.devices import pick_device
-
-    opts = ScoreOptions(group_unit=group_unit, exact_jacobian=exact_jacobian, ablation=ablation)
-    device = pick_device(device)
-    ckpt = open_checkpoint(model)
-    shape = ckpt.shape
-    check_delay(shape, delay)
-    if not edges_for_delay(shape.modules, delay):
-        raise UserError(f"--delay {delay}: no edges (every module sees all partials below δ = 1)")
-    weights = [*ckpt.files.files, ckpt.files.index, Path(model) / "config.json"]
-    refuse_overwriting(out, the_model_directory=Path(model), the_model_file=weights, the_tokenizer=tokenizer)
-    check_output_file(Path(out))  # before the pass, not after it
-    tok = load_tokenizer(tokenizer or model)
-    texts = load_texts(text, dataset, role="calibration", text_field=text_field)
-    ids = make_blocks(tok, texts, seq_len, blocks, seed=seed)  # [blocks, seq_len]
-    check_token_ids(ids, shape.vocab, tokenizer or model)
-
-    budget = int(memory_budget * GiB) if memory_budget > 0 else default_budget(device)
-    how = plan(shape, ids.numel(), delay, getattr(torch, dtype), budget, offload)
-    spill = spill_dir if spill_dir is not None else out.parent
-    if how.hidden > how.hidden_budget:
-        check_writable_dir(spill / "spill")
-    print(f"affinity pass: {how.describe()}", file=sys.stderr)
-    t0 = time.perf_counter()
-    build = StreamedDense if how.offload else DenseModel.from_checkpoint
-    dense = build(ckpt, dtype=getattr(torch, dtype), device=device)
-    edges = compute_affinity(dense, ids, delay, opts, micro_batch=micro_batch, chunk=chunk or None,
-                             progress=progress, hidden=HiddenStates(how.hidden_budget, spill))
-    elapsed = time.perf_counter() - t0
-    options = dict(opts.to_dict(delay), blocks=blocks, seq_len=seq_len, seed=seed, dtype=dtype)
-    Affinity(shape.summary(), delay, edges, tokens=ids.numel(), options=options,
-             source=f"{texts.source} seed={seed}").save(out)
-    print(f"wrote {out}: {len(edges)} edges, {ids.numel()} tokens ({blocks} x {seq_len}), "
-          f"{elapsed:.1f} s on {device}", file=sys.stderr)
+    data = CalibrationData(text, dataset, text_field, tokenizer, blocks, seq_len, seed)
+    run = PassSettings(micro_batch, chunk, device, dtype, offload, memory_budget, spill_dir)
+    pass_ = plan_calibration(model, out, data, delay=delay, run=run)
+    print(pass_.describe(), file=sys.stderr)
+    result = run_calibration(pass_, proxy, progress)
+    print(f"wrote {out}: {result.edges} edges, {result.tokens} tokens ({blocks} x {seq_len}), "
+          f"{result.seconds:.1f} s on {result.device}", file=sys.stderr)
     if json:
-        import json as _json
-
-        print(_json.dumps({"out": str(out), "model": str(model), "delay": delay, "edges": len(edges),
-                           "tokens": int(ids.numel()), "blocks": blocks, "seq_len": seq_len, "seconds": elapsed,
-                           "device": str(device), "data": texts.source, "options": options}))
+        print(_json.dumps(result.to_json(model, delay, data)))
     return 0

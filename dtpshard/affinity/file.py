@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.layout import units
-from dtpshard.core.memory import check_fits
 from dtpshard.core.io import atomic_path
+from dtpshard.core.memory import check_fits
+from dtpshard.core.shape import UnitShape
 
 FORMAT = "dtpshard.affinity/1"
 
@@ -25,9 +25,6 @@ FORMAT = "dtpshard.affinity/1"
 def edges_for_delay(modules: int, delay: float) -> list[tuple[int, int]]:
     """Edges (a, b) with b - δ <= a <= b - 1: module b runs before a's partials arrive."""
     return [(a, b) for b in range(modules) for a in range(max(0, math.ceil(b - delay)), b)]
-
-
-__all__ = ["Affinity", "edges_for_delay", "units"]
 
 
 def _needed(name: str, delay: float) -> bool:
@@ -40,7 +37,7 @@ def _needed(name: str, delay: float) -> bool:
 
 @dataclass
 class Affinity:
-    model: dict[str, int]
+    model: UnitShape
     delay: float
     edges: dict[tuple[int, int], np.ndarray]  # raw mean scores, float64 in memory
     tokens: int = 0
@@ -51,7 +48,7 @@ class Affinity:
         from safetensors.numpy import save_file
 
         tensors = {f"edge.{a}.{b}": np.ascontiguousarray(s, dtype=np.float32) for (a, b), s in self.edges.items()}
-        meta = {"format": FORMAT, "model": json.dumps(self.model), "delay": json.dumps(self.delay),
+        meta = {"format": FORMAT, "model": json.dumps(self.model.to_json()), "delay": json.dumps(self.delay),
                 "tokens": str(int(self.tokens)), "options": json.dumps(self.options), "source": self.source}
         with atomic_path(path) as tmp:
             save_file(tensors, str(tmp), metadata=meta)
@@ -83,19 +80,16 @@ class Affinity:
             options = json.loads(meta.get("options", "{}"))
         except (KeyError, json.JSONDecodeError) as e:
             raise UserError(f"{path}: bad metadata ({e})") from None
-        if not isinstance(model, dict) or any(not isinstance(model.get(k), int) or model[k] < 1
-                                              for k in ("layers", "kv_groups", "heads_per_group", "neurons")):
-            raise UserError(f"{path}: metadata 'model' must give positive integer layers, kv_groups, "
-                            "heads_per_group, neurons")
+        model = UnitShape.from_json(model, f"{path}: metadata")
         edges: dict[tuple[int, int], np.ndarray] = {}
         for name, arr in arrays.items():
             parts = name.split(".")
             if len(parts) != 3 or parts[0] != "edge" or not (parts[1].isdigit() and parts[2].isdigit()):
                 raise UserError(f"{path}: unexpected tensor {name!r}")
             a, b = int(parts[1]), int(parts[2])
-            if not (0 <= a < b < 2 * model["layers"]):
-                raise UserError(f"{path}: {name} is not an edge of a {model['layers']}-layer model")
-            want = (units(model, a), units(model, b))
+            if not (0 <= a < b < model.modules):
+                raise UserError(f"{path}: {name} is not an edge of a {model.layers}-layer model")
+            want = (model.units(a), model.units(b))
             if arr.shape != want:
                 raise UserError(f"{path}: {name} has shape {list(arr.shape)}, expected {list(want)}")
             if not np.isfinite(arr).all():
@@ -107,7 +101,7 @@ class Affinity:
 
     def require_edges(self, delay: float) -> list[tuple[int, int]]:
         """The edges δ needs, each present, or one line saying which is missing."""
-        need = edges_for_delay(2 * self.model["layers"], delay)
+        need = edges_for_delay(self.model.modules, delay)
         for e in need:
             if e not in self.edges:
                 raise UserError(f"affinity has no edge.{e[0]}.{e[1]}, needed at delay {delay} "

@@ -10,16 +10,16 @@ Notation, per token t. Target module b: x (the residual entering b's pre-norm), 
 - a query head h of attention module a: c_h = W_o[:, h·hd:(h+1)·hd] o_h (o_h: the head's output);
   a KV group with `group_unit`: the sum of its r heads' c_h;
 - a neuron n of FFN module a: c_n = act_n W_down[:, n], act_n = silu(g_n)·u_n.
-The change δn of b's normalised input γ⊙x/ρ when c_u is taken away is, by score mode:
-- first order, paper (default): δn = γ⊙c/ρ                       (ρ held at its dense value)
-- `exact_jacobian`:  δn = γ⊙(c − x·(x·c)/(Dρ²))/ρ                 (RMSNorm Jacobian, ρ moves)
-- `ablation`:        δn = γ⊙x/ρ − γ⊙(x−c)/ρ_c, ρ_c = rms(x − c)    (leave-one-out, exact)
+The change δn of b's normalised input γ⊙x/ρ when c_u is taken away is, by `rho`:
+- held, paper (default): δn = γ⊙c/ρ                             (ρ held at its dense value)
+- jacobian:  δn = γ⊙(c − x·(x·c)/(Dρ²))/ρ                         (RMSNorm Jacobian, ρ moves)
+- ablation:  δn = γ⊙x/ρ − γ⊙(x−c)/ρ_c, ρ_c = rms(x − c)            (leave-one-out, exact)
 Target responses (then S = mean over tokens):
 - FFN neuron m (module b odd): Δg = W_gate[m]·δn, Δu = W_up[m]·δn; the damage is
   d = silu'(g)·u·Δg + silu(g)·Δu with silu'(g) = σ(g)(1 + g(1−σ(g)))  (first order, "fo"), or with
-  `ablation` d = silu(g)·u − silu(g−Δg)·(u−Δu); the score is d² · ‖W_down[:, m]‖².
+  ablation d = silu(g)·u − silu(g−Δg)·(u−Δu); the score is d² · ‖W_down[:, m]‖².
 - KV group g (module b even): ‖W_g δn‖², W_g the stacked q rows of its r heads, its k and v rows
-  (before q/k-norm and RoPE, biases cancel); linear, so the same formula for every mode.
+  (before q/k-norm and RoPE, biases cancel); linear, so the same formula for every `rho`.
 Without `group_unit` the score of a source KV group is the sum over its r heads of the per-head
 scores (the paper); with it, the group's r contributions are summed before squaring.
 
@@ -41,7 +41,7 @@ chunking, the micro-batch or the blocking beyond float64 rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -50,35 +50,44 @@ import torch.nn.functional as F
 from dtpshard.affinity.file import edges_for_delay
 from dtpshard.affinity.offload import DiskArray, HiddenStates, MemoryArray
 from dtpshard.core.shape import ModelShape
-from dtpshard.model.dense import DenseModel, Layer
-from dtpshard.core.errors import UserError
+from dtpshard.core.vocab import PROXIES
+from dtpshard.model.dense import DenseModel, LayerWeights
 
 CHUNK_ELEMENTS = {"cpu": 1 << 21, "cuda": 1 << 26}  # largest temporary per token chunk, in elements
 BLOCKED = {"cpu": True, "cuda": False}  # loop over (unit, row block) rather than one batched block
 ROW_BLOCK = 512  # blocked: target rows (gate+up rows, or q/k/v rows of whole groups) per block
 
 
+Rho = Literal["held", "jacobian", "ablation"]  # how the target's norm sees a contribution taken away
+
+
 @dataclass(frozen=True)
 class ScoreOptions:
-    """Score variants; the defaults are the paper's (fo up edge, add down edge, per-head sum)."""
+    """How a score is computed: the two knobs a proxy (core.vocab.Proxy) is made of."""
 
-    group_unit: bool = False  # a KV group's heads summed before squaring
-    exact_jacobian: bool = False  # exact RMSNorm Jacobian instead of γ/ρ (ρ held)
-    ablation: bool = False  # leave-one-out: actually remove the contribution
+    group_unit: bool = False  # a KV group's heads summed before squaring (else each head, then summed)
+    rho: Rho = "held"  # held: δn = γ⊙c/ρ (the paper's); jacobian: the exact RMSNorm Jacobian; ablation: leave-one-out
 
-    def __post_init__(self) -> None:
-        if self.exact_jacobian and self.ablation:
-            raise UserError("choose --exact-jacobian or --ablation, not both (ablation already recomputes the norm)")
+    @classmethod
+    def of(cls, proxy: str) -> "ScoreOptions":
+        return PROXY_OPTIONS[proxy]
 
     @property
-    def mode(self) -> str:
-        return "ablation" if self.ablation else "exact" if self.exact_jacobian else "first_order"
+    def proxy(self) -> str | None:
+        """The proxy these options are (None for a combination no proxy names)."""
+        return next((name for name, o in PROXY_OPTIONS.items() if o == self), None)
 
-    def to_dict(self, delay: float) -> dict[str, Any]:
-        return {"up": "ablation" if self.ablation else "fo", "down": "ablation" if self.ablation else "add",
-                "group_unit": self.group_unit, "exact_jacobian": self.exact_jacobian, "ablation": self.ablation,
-                "rho": "exact" if (self.exact_jacobian or self.ablation) else "dense",
-                "extra_edges": delay >= 2}
+    def metadata(self, delay: float) -> dict[str, Any]:
+        """What an affinity file records of how it was scored."""
+        return {"proxy": self.proxy, "group_unit": self.group_unit, "rho": self.rho, "extra_edges": delay >= 2}
+
+
+# the affinity proxies (docs/design.md §2): the paper's first-order fo/add score, a KV group scored
+# as one unit, the exact RMSNorm Jacobian, leave-one-out ablation
+PROXY_OPTIONS: dict[str, ScoreOptions] = {"first-order": ScoreOptions(), "group-unit": ScoreOptions(group_unit=True),
+                                          "exact-jacobian": ScoreOptions(rho="jacobian"),
+                                          "ablation": ScoreOptions(rho="ablation")}
+assert set(PROXY_OPTIONS) == set(PROXIES), "every proxy name has its score options"
 
 
 def silu_grad(g: torch.Tensor) -> torch.Tensor:
@@ -105,7 +114,7 @@ class Target:
 class EdgeScorer:
     """Accumulates S_ab of one edge (a, b) over token chunks (see the module docstring)."""
 
-    def __init__(self, s: ModelShape, w_src: torch.Tensor, tgt: Layer, a: int, b: int, opts: ScoreOptions,
+    def __init__(self, s: ModelShape, w_src: torch.Tensor, tgt: LayerWeights, a: int, b: int, opts: ScoreOptions,
                  chunk: int | None = None):
         """w_src: module a's output weight (o_proj or down_proj, [D, cols]); tgt: module b's layer."""
         self.shape, self.opts, self.a, self.b = s, opts, a, b
@@ -120,7 +129,7 @@ class EdgeScorer:
                 else (s.heads, s.head_dim)
             # [U, rows, w]: W_b diag(γ) W_o[:, unit u's columns] (a strided view of one matmul)
             self.fold = (w_tgt @ gw_src).view(self.rows, self.n_src, self.width).transpose(0, 1)
-            if opts.ablation:
+            if opts.rho == "ablation":
                 wu = self.w_src.view(s.hidden, self.n_src, self.width).permute(1, 0, 2)  # [U, D, w]
                 self.gram = wu.transpose(1, 2) @ wu  # [U, w, w]: ‖c_u‖² = o_uᵀ Gram_u o_u
         else:
@@ -142,7 +151,7 @@ class EdgeScorer:
             self.fold = self.fold if blocked else self.fold.contiguous()
             per_token = (1 if blocked else self.n_src) * step * dst_rows
         else:
-            per_token = self.n_src * (s.neurons if self.to_ffn and opts.ablation else 1)
+            per_token = self.n_src * (s.neurons if self.to_ffn and opts.rho == "ablation" else 1)
             if not self.to_ffn:  # [N, G] ‖W_g(γ⊙W_down[:, n])‖²
                 self.v2 = self.fold.view(self.n_src, s.kv_groups, -1).pow(2).sum(-1)
         budget = CHUNK_ELEMENTS.get(device, CHUNK_ELEMENTS["cpu"])
@@ -152,15 +161,15 @@ class EdgeScorer:
 
     # -- per-token coefficients: δn_u = α·γ⊙x + β·γ⊙c_u ----------------------------------------
     def _coefficients(self, src: torch.Tensor, t: Target) -> tuple[torch.Tensor | None, torch.Tensor]:
-        mode, D = self.opts.mode, self.shape.hidden
-        if mode == "first_order":
+        rho, D = self.opts.rho, self.shape.hidden
+        if rho == "held":
             return None, 1 / t.rho  # [T, 1]
         y = t.x @ self.w_src  # [T, cols]
         if self.heads:
             s = (y.view(-1, self.n_src, self.width) * src).sum(-1)  # [T, U] x·c_u
         else:
             s = src * y  # [T, N] x·c_n = act_n (x·W_down[:, n])
-        if mode == "exact":
+        if rho == "jacobian":
             return -s / (D * t.rho ** 3), 1 / t.rho
         if self.heads:
             cn2 = torch.einsum("tuv,tuv->tu", torch.einsum("tuw,uwv->tuv", src, self.gram), src)
@@ -202,11 +211,11 @@ class EdgeScorer:
     def _ffn_side(self, t: Target) -> dict[str, torch.Tensor]:
         """Target-side [N, T] arrays of an FFN target (token axis last)."""
         g, u, rho = t.g.T, t.u.T, t.rho.T  # [N, T], [N, T], [1, T]
-        if self.opts.ablation:
+        if self.opts.rho == "ablation":
             return {"g": g.contiguous(), "u": u.contiguous(), "act": t.act.T.contiguous(), "rho": rho}
         a, bs = silu_grad(g) * u, F.silu(g)  # a = silu'(g)u, b = silu(g); β = 1/ρ (per token)
         side = {"a": (a / rho).contiguous(), "b": (bs / rho).contiguous(), "rho": rho}
-        if self.opts.exact_jacobian:
+        if self.opts.rho == "jacobian":
             side["e"] = (a * g + bs * u).contiguous()
         return side
 
@@ -217,7 +226,7 @@ class EdgeScorer:
         v0, v1 = vs.start or 0, min(vs.stop or n, n)
         zg = torch.matmul(self.fold[us, v0:v1], o)  # [u, nb, T] W_gate(γ⊙c)
         zu = torch.matmul(self.fold[us, n + v0:n + v1], o)  # W_up(γ⊙c)
-        if self.opts.ablation:  # g' = g − Δg, Δg = β zg + α ρ g (and u alike); d = act − silu(g')u'
+        if self.opts.rho == "ablation":  # g' = g − Δg, Δg = β zg + α ρ g (and u alike); d = act − silu(g')u'
             keep = 1 - alpha * side["rho"]  # [u, 1, T]
             g2 = torch.addcmul(side["g"][vs] * keep, beta, zg, value=-1)
             u2 = torch.addcmul(side["u"][vs] * keep, beta, zu, value=-1)
@@ -255,7 +264,7 @@ class EdgeScorer:
         fg, fu = self.fold[:, :n], self.fold[:, n:]  # [N_src, N_dst] W_gate/up(γ⊙W_down[:, n])
         if mu is not None:
             mu = mu * t.rho  # coefficient of the target's own g·ρ, u·ρ
-        if self.opts.ablation:  # Δg[t, n, m] = μ g_m + λ_n fg[n, m]; materialised
+        if self.opts.rho == "ablation":  # Δg[t, n, m] = μ g_m + λ_n fg[n, m]; materialised
             dg = lam[:, :, None] * fg + mu[:, :, None] * t.g[:, None, :]
             du = lam[:, :, None] * fu + mu[:, :, None] * t.u[:, None, :]
             d = t.act[:, None, :] - F.silu(t.g[:, None, :] - dg) * (t.u[:, None, :] - du)
@@ -282,7 +291,7 @@ class EdgeScorer:
         return s.clamp_min(0).cpu().numpy()
 
 
-def output_weight(layer: Layer, module: int) -> torch.Tensor:
+def output_weight(layer: LayerWeights, module: int) -> torch.Tensor:
     """The weight through which module's units write to the residual: o_proj or down_proj, [D, cols]."""
     return layer.o_w if module % 2 == 0 else layer.down
 
@@ -322,14 +331,14 @@ def compute_affinity(model: DenseModel, blocks: torch.Tensor, delay: float = 1, 
             x_all.write(b0, table[where[b0:b0 + micro_batch]])
         del table
         for b in range(M):
-            layer = model.layers[b // 2]
+            layer = model.weights(b // 2)
             scorers = {a: EdgeScorer(s, sources[a][0], layer, a, b, opts, chunk) for a in into[b]}
             keep = None
             for b0 in steps:
                 x = x_all.read(b0, b0 + micro_batch)  # a view in memory; updated after the scores
                 if b % 2 == 0:
                     r = model.attention(b // 2, x)
-                    w = r.qkv * r.rho[..., None] if into[b] and opts.mode != "first_order" else None
+                    w = r.qkv * r.rho[..., None] if into[b] and opts.rho != "held" else None
                     src, tgt = r.o, Target(x, r.rho, w=w)
                 else:
                     r = model.ffn(b // 2, x)

@@ -2,7 +2,7 @@
 
 A permutation is keyed by its module m, as everywhere in dtpshard (m = 2i: layer i's attention,
 whose units are KV groups; m = 2i + 1: layer i's FFN, whose units are neurons): `perm(m)`,
-`device(m)`, `units(model, m)`. Position p after permutation holds original unit perm[p]; device
+`device(m)`, `model.units(m)`. Position p after permutation holds original unit perm[p]; device
 d holds positions [d·units/L, (d+1)·units/L). A layout is plain data and is saved as JSON
 (`dtpshard.layout/1`, per layer a kv_perm and an ffn_perm); `kv_perms`/`ffn_perms` are the same
 permutations by layer.
@@ -19,10 +19,9 @@ import numpy as np
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_write_text
-from dtpshard.core.shape import check_devices
+from dtpshard.core.shape import UNIT_FIELDS, UnitShape, check_devices
 
 FORMAT = "dtpshard.layout/1"
-SHAPE_KEYS = ("layers", "kv_groups", "heads_per_group", "neurons")
 
 
 @dataclass
@@ -30,7 +29,7 @@ class Layout:
     devices: int
     delay: float
     kind: str
-    model: dict[str, int]  # layers, kv_groups, heads_per_group, neurons
+    model: UnitShape
     kv_perms: list[np.ndarray]  # per layer, [G] ints
     ffn_perms: list[np.ndarray]  # per layer, [N] ints
     seed: int | None = None
@@ -38,31 +37,30 @@ class Layout:
 
     # -- construction --------------------------------------------------------------------
     @classmethod
-    def contiguous(cls, model: dict[str, int], devices: int, delay: float = 1) -> "Layout":
+    def contiguous(cls, model: UnitShape, devices: int, delay: float = 1) -> "Layout":
         check_devices(model, devices)
-        n, g, nn_ = model["layers"], model["kv_groups"], model["neurons"]
-        return cls(devices, delay, "contiguous", dict(model),
-                   [np.arange(g) for _ in range(n)], [np.arange(nn_) for _ in range(n)])
+        n = model.layers
+        return cls(devices, delay, "contiguous", model.unit_shape(),
+                   [np.arange(model.kv_groups) for _ in range(n)], [np.arange(model.neurons) for _ in range(n)])
 
     @classmethod
-    def random(cls, model: dict[str, int], devices: int, delay: float = 1, seed: int = 0) -> "Layout":
+    def random(cls, model: UnitShape, devices: int, delay: float = 1, seed: int = 0) -> "Layout":
         check_devices(model, devices)
         rng = np.random.default_rng(seed)
-        n, g, nn_ = model["layers"], model["kv_groups"], model["neurons"]
-        kv = [rng.permutation(g) for _ in range(n)]
-        ffn = [rng.permutation(nn_) for _ in range(n)]
-        return cls(devices, delay, "random", dict(model), kv, ffn, seed=seed)
+        kv = [rng.permutation(model.kv_groups) for _ in range(model.layers)]
+        ffn = [rng.permutation(model.neurons) for _ in range(model.layers)]
+        return cls(devices, delay, "random", model.unit_shape(), kv, ffn, seed=seed)
 
     @classmethod
-    def from_module_perms(cls, model: dict[str, int], devices: int, delay: float, kind: str,
+    def from_module_perms(cls, model: UnitShape, devices: int, delay: float, kind: str,
                           perms: list[np.ndarray], seed: int | None = None) -> "Layout":
         """From perms[m], one per module (2 per layer)."""
-        return cls(devices, delay, kind, dict(model), list(perms[0::2]), list(perms[1::2]), seed=seed)
+        return cls(devices, delay, kind, model.unit_shape(), list(perms[0::2]), list(perms[1::2]), seed=seed)
 
     # -- queries -------------------------------------------------------------------------
     @property
     def layers(self) -> int:
-        return self.model["layers"]
+        return self.model.layers
 
     def perm(self, m: int) -> np.ndarray:
         """Module m's permutation of its units (KV groups for even m, neurons for odd m)."""
@@ -110,7 +108,7 @@ class Layout:
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT, "devices": self.devices, "delay": self.delay, "kind": self.kind,
-            "seed": self.seed, "model": dict(self.model),
+            "seed": self.seed, "model": self.model.to_json(),
             "layers": [{"kv_perm": [int(i) for i in k], "ffn_perm": [int(i) for i in f]}
                        for k, f in zip(self.kv_perms, self.ffn_perms)],
             "score": self.score,
@@ -128,10 +126,7 @@ class Layout:
         for key in ("devices", "delay", "model", "layers"):
             if key not in obj:
                 raise UserError(f"{where}: missing field {key!r}")
-        model = obj["model"]
-        if not isinstance(model, dict) or any(not _is_int(model.get(k)) or model[k] < 1 for k in SHAPE_KEYS):
-            raise UserError(f"{where}: model must give positive integer {', '.join(SHAPE_KEYS)}")
-        model = dict(model)
+        model = UnitShape.from_json(obj["model"], where)
         devices, delay = obj["devices"], obj["delay"]
         if not _is_int(devices) or devices < 1:
             raise UserError(f"{where}: devices={devices!r} must be a positive integer")
@@ -143,15 +138,15 @@ class Layout:
             raise UserError(f"{where}: score must be an object, not {type(score).__name__}")
         check_devices(model, devices, where)
         layers = obj["layers"]
-        if not isinstance(layers, list) or len(layers) != model["layers"]:
+        if not isinstance(layers, list) or len(layers) != model.layers:
             got = len(layers) if isinstance(layers, list) else type(layers).__name__
-            raise UserError(f"{where}: {got} layers listed, model has {model['layers']}")
+            raise UserError(f"{where}: {got} layers listed, model has {model.layers}")
         kv, ffn = [], []
         for i, entry in enumerate(layers):
             if not isinstance(entry, dict):
                 raise UserError(f"{where}: layer {i} is not an object")
-            kv.append(_check_perm(entry.get("kv_perm"), model["kv_groups"], f"{where}: layer {i} kv_perm"))
-            ffn.append(_check_perm(entry.get("ffn_perm"), model["neurons"], f"{where}: layer {i} ffn_perm"))
+            kv.append(_check_perm(entry.get("kv_perm"), model.kv_groups, f"{where}: layer {i} kv_perm"))
+            ffn.append(_check_perm(entry.get("ffn_perm"), model.neurons, f"{where}: layer {i} ffn_perm"))
         seed = obj.get("seed")
         return cls(devices, delay, str(obj.get("kind", "unknown")), model, kv, ffn,
                    seed=seed if _is_int(seed) else None, score=dict(score))
@@ -173,22 +168,17 @@ class Layout:
             raise UserError(f"layout {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
         return cls.from_json(obj, where=f"layout {path}")
 
-    def check_model(self, model: dict[str, int], where: str = "layout", other: str = "the model") -> None:
+    def check_model(self, model: UnitShape, where: str = "layout", other: str = "the model") -> None:
         """Refuse a layout made for another model shape."""
-        for key in SHAPE_KEYS:
-            if self.model.get(key) != model.get(key):
-                raise UserError(f"{where}: {key}={self.model.get(key)} but {other} has {key}={model.get(key)}")
+        for key in UNIT_FIELDS:
+            if getattr(self.model, key) != getattr(model, key):
+                raise UserError(f"{where}: {key}={getattr(self.model, key)} but {other} has {key}={getattr(model, key)}")
 
 
 def as_layout(layout: "Layout | str | Path | None") -> "Layout | None":
     if layout is None or isinstance(layout, Layout):
         return layout
     return Layout.load(layout)
-
-
-def units(model: dict[str, int], m: int) -> int:
-    """How many units module m has: KV groups (attention, even m) or neurons (FFN, odd m)."""
-    return model["kv_groups"] if m % 2 == 0 else model["neurons"]
 
 
 def _is_int(v: Any) -> bool:

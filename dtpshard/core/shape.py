@@ -6,32 +6,26 @@ as in its reference implementation); everything the DTP code uses is copied into
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from dtpshard.core.errors import UserError
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+UNIT_FIELDS = ("layers", "kv_groups", "heads_per_group", "neurons")  # what a layout or an affinity file records
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    family: str
-    layers: int  # n
-    hidden: int  # D
-    heads: int  # H query heads
-    kv_groups: int  # G KV heads
-    head_dim: int
-    neurons: int  # N FFN neurons
-    vocab: int
-    rms_eps: float
-    tied: bool
-    qkv_bias: bool  # Qwen2
-    qk_norm: bool  # Qwen3
+class UnitShape:
+    """The units a layout permutes: n layers, each with G KV groups of r query heads and N neurons.
 
-    @property
-    def heads_per_group(self) -> int:  # r
-        return self.heads // self.kv_groups
+    A layout or an affinity file knows only this much of a model; `ModelShape` is a UnitShape with
+    the rest of the checkpoint's shape, so every function that needs units takes either."""
+
+    layers: int  # n
+    kv_groups: int  # G KV heads
+    heads_per_group: int  # r
+    neurons: int  # N FFN neurons
 
     @property
     def modules(self) -> int:  # M = 2n
@@ -41,12 +35,67 @@ class ModelShape:
         """Units of module m: KV groups for attention (even m), neurons for FFNs (odd m)."""
         return self.kv_groups if module % 2 == 0 else self.neurons
 
-    def summary(self) -> dict[str, int]:
-        return {"layers": self.layers, "kv_groups": self.kv_groups,
-                "heads_per_group": self.heads_per_group, "neurons": self.neurons}
+    def unit_shape(self) -> "UnitShape":
+        return UnitShape(self.layers, self.kv_groups, self.heads_per_group, self.neurons)
+
+    def same_units(self, other: "UnitShape") -> bool:
+        return self.unit_shape() == other.unit_shape()
+
+    def differences(self, other: "UnitShape") -> list[str]:
+        """'field=A vs B' for every field of this shape that differs in `other`."""
+        return [f"{f.name}={getattr(self, f.name)} vs {getattr(other, f.name, None)}" for f in fields(self)
+                if getattr(self, f.name) != getattr(other, f.name, None)]
+
+    def to_json(self) -> dict[str, int]:
+        return {k: int(getattr(self, k)) for k in UNIT_FIELDS}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> "UnitShape":
+        """A file's `model` object, refused in one line unless it gives four positive integers."""
+        ok = isinstance(obj, dict) and all(isinstance(obj.get(k), int) and not isinstance(obj.get(k), bool)
+                                           and obj[k] >= 1 for k in UNIT_FIELDS)
+        if not ok:
+            raise UserError(f"{where}: model must give positive integer {', '.join(UNIT_FIELDS)}")
+        return cls(*(obj[k] for k in UNIT_FIELDS))
+
+
+@dataclass(frozen=True)
+class ModelShape(UnitShape):
+    """A checkpoint's shape: the units, and what the forward pass needs besides."""
+
+    family: str
+    hidden: int  # D
+    head_dim: int
+    vocab: int
+    rms_eps: float
+    tied: bool
+    qkv_bias: bool  # Qwen2
+    qk_norm: bool  # Qwen3
+
+    @property
+    def heads(self) -> int:  # H query heads
+        return self.kv_groups * self.heads_per_group
+
+    def shard(self, devices: int) -> "ModelShape":
+        """The shape of one device's share: G/L KV groups (with their heads) and N/L neurons."""
+        check_devices(self, devices)
+        return replace(self, kv_groups=self.kv_groups // devices, neurons=self.neurons // devices)
+
+    def layer_params(self) -> int:
+        """Weights of one decoder layer's projections (norm gains are negligible)."""
+        attention = self.hidden * (self.heads + 2 * self.kv_groups) * self.head_dim + self.heads * self.head_dim * self.hidden
+        return attention + 3 * self.neurons * self.hidden
+
+    def params(self) -> int:
+        """Every weight: the layers, the embedding and (untied) the LM head."""
+        return self.layers * self.layer_params() + self.vocab * self.hidden * (1 if self.tied else 2)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """As recorded in a run's config.json (the field set of earlier versions)."""
+        return {"family": self.family, "layers": self.layers, "hidden": self.hidden, "heads": self.heads,
+                "kv_groups": self.kv_groups, "head_dim": self.head_dim, "neurons": self.neurons,
+                "vocab": self.vocab, "rms_eps": self.rms_eps, "tied": self.tied, "qkv_bias": self.qkv_bias,
+                "qk_norm": self.qk_norm}
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -81,33 +130,30 @@ def shape_from_hf_config(cfg: Any) -> ModelShape:
         raise UserError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
     head_dim = _get(cfg, "head_dim") or cfg.hidden_size // heads
     return ModelShape(
-        family=family, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=heads,
+        family=family, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads_per_group=heads // kv,
         kv_groups=kv, head_dim=head_dim, neurons=cfg.intermediate_size, vocab=cfg.vocab_size,
         rms_eps=float(_get(cfg, "rms_norm_eps", 1e-6)), tied=bool(_get(cfg, "tie_word_embeddings", False)),
         qkv_bias=family == "qwen2", qk_norm=family == "qwen3")
 
 
-def check_devices(shape: "ModelShape | dict[str, int]", devices: int, where: str | None = None) -> None:
-    """L must be at least 1 and divide the KV groups and the neurons (docs/design.md §1). `shape`
-    is a checkpoint's ModelShape (named as in config.json) or a layout/affinity file's model dict."""
+def check_devices(shape: UnitShape, devices: int, where: str | None = None) -> None:
+    """L must be at least 1 and divide the KV groups and the neurons (docs/design.md §1). Named as
+    config.json names them for a checkpoint's shape, as the file does for a layout's or affinity's."""
     prefix = f"{where}: " if where else ""
     if devices < 1:
         raise UserError(f"{prefix}devices={devices} must be at least 1")
-    units = ({"kv_groups": shape["kv_groups"], "neurons": shape["neurons"]} if isinstance(shape, dict)
-             else {"num_key_value_heads": shape.kv_groups, "intermediate_size": shape.neurons})
-    for name, n in units.items():
+    names = ("num_key_value_heads", "intermediate_size") if isinstance(shape, ModelShape) else ("kv_groups", "neurons")
+    for name, n in zip(names, (shape.kv_groups, shape.neurons)):
         if n % devices:
             raise UserError(f"{prefix}devices={devices} does not divide {name}={n}")
 
 
-def check_delay(shape: "ModelShape | dict[str, int] | None", delay: float) -> None:
-    """δ must be finite, >= 0 and at most the number of modules M (when a shape is given: a
-    ModelShape or a layout/affinity file's model dict)."""
+def check_delay(shape: UnitShape | None, delay: float) -> None:
+    """δ must be finite, >= 0 and at most the number of modules M (when a shape is given)."""
     if not math.isfinite(delay) or delay < 0:
         raise UserError(f"delay={delay}: must be a finite number >= 0")
-    modules = None if shape is None else 2 * shape["layers"] if isinstance(shape, dict) else shape.modules
-    if modules is not None and delay > modules:
-        raise UserError(f"delay={delay} exceeds the number of modules M={modules}")
+    if shape is not None and delay > shape.modules:
+        raise UserError(f"delay={delay} exceeds the number of modules M={shape.modules}")
 
 
 def check_context(hf_config: Any, prompt_tokens: int, max_new_tokens: int) -> None:

@@ -12,15 +12,15 @@ from typing import Any
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import check_output_file, refuse_overwriting
 from dtpshard.core.layout import Layout
-from dtpshard.core.shape import check_delay, check_devices
+from dtpshard.core.shape import UnitShape, check_delay, check_devices
 from dtpshard.core.vocab import (FIXED_KINDS, LAYOUT_KINDS, OPTIMISING_KINDS, Count, Delay, KvSearch, LayoutKind,
                                  Seed)
 
 
-def _shape_of_model_dir(path: Path) -> dict[str, int]:
+def _shape_of_model_dir(path: Path) -> UnitShape:
     from dtpshard.model.checkpoint import read_shape
 
-    return read_shape(path).summary()
+    return read_shape(path)
 
 
 def _describe(layout: Layout) -> str:
@@ -34,7 +34,7 @@ def _describe(layout: Layout) -> str:
             f"{s['seconds']:.2f} s{sweeps}")
 
 
-def make_layout(model: dict[str, int], devices: int, delay: float, kind: str, *, affinity: Any = None,
+def make_layout(model: UnitShape, devices: int, delay: float, kind: str, *, affinity: Any = None,
                 layers: int | None = None, restarts: int = 1, seed: int = 0, kv_search: str = "assignment",
                 max_sweeps: int = 20) -> Layout:
     """A layout of any family: contiguous and random ones here (scored when an affinity is given),
@@ -99,7 +99,7 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = 4, delay: Delay = 1.
 
         affinity = Affinity.load(source, delay=delay)
         model = affinity.model
-        if not edges_for_delay(2 * model["layers"], delay):
+        if not edges_for_delay(model.modules, delay):
             raise UserError(f"--delay {delay}: no edges at δ < 1 (every module sees all partials); J is defined "
                             f"from δ = 1, and {source} scores edges up to δ = {affinity.delay}")
     check_devices(model, devices, where=str(source))

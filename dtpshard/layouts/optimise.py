@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dtpshard.affinity.file import Affinity, units
+from dtpshard.affinity.file import Affinity
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout
-from dtpshard.core.shape import check_delay, check_devices
+from dtpshard.core.shape import UnitShape, check_delay, check_devices
 from dtpshard.core.vocab import KV_SEARCHES, OPTIMISING_KINDS, KvSearch
 from dtpshard.layouts.assignment import balanced_assignment
 from dtpshard.layouts.score import (Edge, Edges, blas_threads, normalised_edges, one_hot, perm_from_devices,
@@ -77,7 +77,7 @@ def exhaustive_assignment(gain: np.ndarray, devices: int, start: np.ndarray | No
 @dataclass
 class Problem:
     """Normalised edges, and for each module the edges it is an end of (which end, partner)."""
-    model: dict[str, int]
+    model: UnitShape
     devices: int
     delay: float
     edges: Edges
@@ -93,11 +93,11 @@ class Problem:
         for (a, b), e in edges.items():  # both ends see the edge: a through rows, b through columns
             partners.setdefault(a, []).append((True, b, e))
             partners.setdefault(b, []).append((False, a, e))
-        return cls(dict(affinity.model), devices, delay, edges, partners)
+        return cls(affinity.model, devices, delay, edges, partners)
 
     @property
     def modules(self) -> int:
-        return 2 * self.model["layers"]
+        return self.model.modules
 
     def _mass(self, e: Edge, is_source: bool, partner_dev: np.ndarray) -> np.ndarray:
         """e.towards(partner_dev) (is_source) or e.back(partner_dev), kept between calls.
@@ -129,13 +129,13 @@ class Problem:
 
     def block_gain(self, devs: list[np.ndarray], m: int) -> np.ndarray:
         """gain[u, d]: J gained by unit u of module m being on device d, all else fixed."""
-        g = np.zeros((units(self.model, m), self.devices))
+        g = np.zeros((self.model.units(m), self.devices))
         for is_source, other, e in self.partners.get(m, []):
             g += self._mass(e, is_source, devs[other])
         return g
 
     def contiguous(self) -> list[np.ndarray]:
-        return [np.arange(units(self.model, m)) // (units(self.model, m) // self.devices)
+        return [np.arange(self.model.units(m)) // (self.model.units(m) // self.devices)
                 for m in range(self.modules)]
 
     def j(self, devs: list[np.ndarray]) -> float:
@@ -217,10 +217,10 @@ def optimise_layout(affinity: Affinity, devices: int, delay: float, kind: str = 
     check_delay(affinity.model, delay)
     t0 = time.perf_counter()
     problem = Problem.build(affinity, devices, delay)
-    n = problem.model["layers"]
+    n = problem.model.layers
     chosen = evenly_spaced_layers(n, layers) if layers is not None else None
     if kv_search == "exhaustive" and kind in ("optimised", "anti", "heads-only"):
-        labelled_partitions(problem.model["kv_groups"], devices)  # refuse a too-large search up front
+        labelled_partitions(problem.model.kv_groups, devices)  # refuse a too-large search up front
     blocks = family_blocks(kind, n, chosen)
     maximise = kind != "anti"
     rng = np.random.default_rng(seed)
@@ -241,7 +241,7 @@ def optimise_layout(affinity: Affinity, devices: int, delay: float, kind: str = 
 def score_record(problem: Problem, devs: Any, kind: str, seconds: float, history: list[float], restarts: int,
                  best_restart: int | None, kv_search: str, chosen: list[int] | None) -> dict[str, Any]:
     """A layout file's `score`: J, its parts, the random expectation and how it was found."""
-    n = problem.model["layers"]
+    n = problem.model.layers
     score = score_devices(problem.edges, devs, problem.devices, n)
     return {
         "J": score["J"], "n_edges": score["n_edges"], "random_expectation": score["random_expectation"],

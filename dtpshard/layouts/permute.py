@@ -63,7 +63,7 @@ def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False,
         raise UserError(f"--tolerance {tolerance}: must be a positive number")
     ckpt = open_checkpoint(model)
     lay = Layout.load(layout_path)
-    lay.check_model(ckpt.shape.summary(), where=f"layout {layout_path} (model {model})")
+    lay.check_model(ckpt.shape, where=f"layout {layout_path} (model {model})")
     if out.resolve() == model.resolve():
         raise UserError(f"--out {out} is the source model directory (write elsewhere)")
     if out.exists() and not (force and out.is_dir()):  # refuse before the (long) read of the weights

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dtpshard.affinity.file import Affinity, units
+from dtpshard.affinity.file import Affinity
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout
 
@@ -53,7 +53,7 @@ def normalised_edges(affinity: Affinity, delay: float) -> Edges:
     out: Edges = {}
     for a, b in affinity.require_edges(delay):
         s = np.asarray(affinity.edges[(a, b)], dtype=np.float64)
-        want = (units(affinity.model, a), units(affinity.model, b))
+        want = (affinity.model.units(a), affinity.model.units(b))
         if s.shape != want:
             raise UserError(f"affinity edge.{a}.{b} has shape {list(s.shape)}, expected {list(want)}")
         # reductions, not elementwise masks (an N x N bool is 0.8 GB at 70B, δ = 2): a finite

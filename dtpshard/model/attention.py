@@ -1,6 +1,11 @@
-"""The attention core shared by the single-process model (dtp.py) and the runtime's ranks
-(dtpshard.runtime.ranks): append the new keys and values to a KV cache, expand the KV groups to
-their query heads (on the CPU, sdpa's enable_gqa does it without copies), and scaled dot-product attention, causal over cache + new positions."""
+"""The attention core and the KV cache it appends to.
+
+`attend` is the one call every forward makes (the simulator over all devices at once, a rank on
+its own KV groups, calibration at L = 1): append the new keys and values to the cache, expand the
+KV groups to their query heads, and scaled dot-product attention, causal over cache + new
+positions. A cache is anything with `start`, `append` and `advance`: `KVCache` grows with
+each call; the runtime's CUDA-graph decoder uses a fixed-size one (runtime/graphs.py).
+"""
 from __future__ import annotations
 
 import torch
@@ -11,36 +16,54 @@ import torch.nn.functional as F
 _CPU_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 9)
 
 
-def _gqa(on: bool) -> dict:
-    return {"enable_gqa": True} if on else {}
+class KVCache:
+    """Per layer (k, v), each [L*B, G/L, T, hd]: every device keeps only its own KV groups."""
+
+    def __init__(self, layers: int):
+        self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.kv[0] is None else self.kv[0][0].shape[2]
+
+    def start(self) -> int:
+        """The position of the next token appended (an int here; a fixed-size cache's is a tensor)."""
+        return self.length
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """-> the layer's keys and values so far and no mask (the causal rule over them holds)."""
+        past = self.kv[layer]
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        self.kv[layer] = (k, v)
+        return k, v, None
+
+    def advance(self, length: int) -> None:
+        """Called once a forward has appended `length` tokens to every layer (nothing to do here)."""
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_per_group: int,
-           past: "tuple[torch.Tensor, torch.Tensor] | None" = None,
-           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
-    """q [N, H, T, hd], k and v [N, G, T, hd] (rotary already applied), past (k, v) [N, G, P, hd]
-    or None -> (o [N, H, T, hd], the cache entry (k, v) [N, G, P + T, hd]). Query t sees the
-    P cached positions and new positions up to t; H = G · heads_per_group. `mask` (boolean,
-    broadcastable to [N, H, T, P + T], True = attend) replaces that causal rule, e.g. for left
-    padding; the caller builds it causal."""
-    cached = 0
-    if past is not None:
-        cached = past[0].shape[2]
-        k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_per_group: int, cache=None,  # noqa: ANN001
+           layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, H, T, hd], k and v [N, G, T, hd] (rotary already applied) -> o [N, H, T, hd], with
+    H = G · heads_per_group. With a cache, k and v are appended to layer `layer`'s entry first and
+    query t sees the P cached positions and new positions up to t. `mask` (boolean, broadcastable
+    to [N, H, T, P + T], True = attend) replaces that causal rule, e.g. for left padding; the caller
+    builds it causal. A cache may give its own mask (a fixed-size cache: the positions filled)."""
+    if cache is not None:
+        k, v, visible = cache.append(layer, k, v)
+        mask = visible if mask is None else mask
+    T = q.shape[2]
+    cached = k.shape[2] - T
     # On the CPU, sdpa attends grouped queries without copying k and v per query head; on CUDA
     # enable_gqa is not supported by every kernel (a math fallback would cost more than the copy).
     # enable_gqa is passed only when True, so older torch (no such argument) keeps working.
-    T = q.shape[2]
     r = heads_per_group
     gqa = r > 1 and q.device.type == "cpu" and _CPU_GQA
-    kv = (k, v)
     if r > 1 and not gqa:
         k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-    if mask is not None:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **_gqa(gqa))
-    elif cached == 0 or T == 1:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=cached == 0 and T > 1, **_gqa(gqa))
-    else:  # a chunk appended to a cache: query t sees keys up to cached + t
+    extra = {"enable_gqa": True} if gqa else {}
+    if mask is None and cached and T > 1:  # a chunk appended to a cache: query t sees keys up to cached + t
         mask = torch.ones(T, cached + T, dtype=torch.bool, device=q.device).tril(cached)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **_gqa(gqa))
-    return o, kv
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **extra)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=cached == 0 and T > 1, **extra)

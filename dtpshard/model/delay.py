@@ -3,14 +3,18 @@
 Update at module m, for integer δ:  x_l ← x_l + s_m·p_l^m + Σ_{j≠l} p_j^{m-δ}.
 Fractional δ = d + a: module m's broadcast lands with weight (1-a) after module m+d and a after
 m+d+1, and s_m is interpolated the same way, so the forward is continuous in δ.
-Shared by the single-process simulator (model.py) and the multi-process runtime.
+The schedule is data; an exchange carries it out. `LocalExchange` is the simulator's, with every
+device's partials on this machine (the leading axis of [L, B, T, D]); the runtime's `Link`
+(runtime/ranks.py) posts each partial to the other processes and waits where the schedule lands it.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from dtpshard.core.vocab import STAGE3
+import torch
+
+from dtpshard.model.ops import residual_update
 
 
 def _own_scale_int(m: int, modules: int, devices: int, delay: int, stage3: str) -> float:
@@ -28,8 +32,7 @@ class Step:
 
 
 def schedule(modules: int, devices: int, delay: float, stage3: str = "sqrt") -> list[Step]:
-    if stage3 not in STAGE3:
-        raise ValueError(f"stage3={stage3!r}, expected one of {STAGE3}")
+    """Per module m: s_m and the arrivals (settings checked by core.settings.resolve_dtp)."""
     d = math.floor(delay)
     a = delay - d
     steps = []
@@ -46,3 +49,23 @@ def schedule(modules: int, devices: int, delay: float, stage3: str = "sqrt") -> 
 def horizon(delay: float) -> int:
     """How many past modules' partials must be kept: the oldest arrival is m - ceil(δ)."""
     return math.ceil(delay)
+
+
+class LocalExchange:
+    """The simulator's transfers: device l's share of what arrives is Σ_j p_j^k - p_l^k, all of it
+    at hand, so a module's partials are kept for ⌈δ⌉ modules and then dropped."""
+
+    def __init__(self, delay: float):
+        self.keep = horizon(delay)
+        self.recent: dict[int, torch.Tensor] = {}  # module -> its partials [L, B, T, D]
+
+    def update(self, m: int, x: torch.Tensor, p: torch.Tensor, step: Step) -> torch.Tensor:
+        """x_l ← x_l + s_m·p_l^m + Σ_(k, w) w·Σ_{j≠l} p_j^k, for every device l at once."""
+        self.recent[m] = p
+        x = residual_update(x, p, step.own_scale, [(self.recent[k], w) for k, w in step.arrivals])
+        self.recent.pop(m - self.keep, None)
+        return x
+
+    def mean(self, h: torch.Tensor) -> torch.Tensor:
+        """[L, B, T, D] -> the mean over devices [B, T, D]."""
+        return h.mean(0)

@@ -1,9 +1,8 @@
-"""The dense model, module by module, over a Hugging Face state dict, exposing what affinity needs.
+"""The dense model, module by module, exposing what affinity needs: the DTP modules at L = 1, δ = 0.
 
-`DenseModel` runs the same function as transformers' LlamaForCausalLM / MistralForCausalLM /
-Qwen2ForCausalLM / Qwen3ForCausalLM (pre-norm RMSNorm blocks, GQA attention with RoPE from the
-family's own transformers rotary class, Qwen2 q/k/v biases, Qwen3 per-head q/k RMSNorm, SwiGLU
-FFN), but one module at a time and with the intermediates the affinity scores are made of:
+`DenseModel` holds the same decoder layers as DTPModel (model/modules.py) with the whole weights,
+runs each module as the single device of an L = 1 model (where its partial is the dense module
+output), and asks it for the intermediates the affinity scores are made of (its `trace`):
 
 - `attention(i, x)`: the module output, the per-query-head attention outputs o_h (before
   o_proj; head h's contribution to the residual is c_h = W_o[:, h·hd:(h+1)·hd] o_h, and the
@@ -11,12 +10,13 @@ FFN), but one module at a time and with the intermediates the affinity scores ar
   normalised input stacked per KV group (bias excluded), i.e. W_g (γ ⊙ x / ρ).
 - `ffn(i, x)`: the module output, the neuron outputs act = silu(g)·u, the gate/up
   pre-activations g, u and ρ.
+- `weights(i)`: layer i's matrices in the form the scorer folds (`LayerWeights`).
 
 `StreamedDense` is the same model over the checkpoint's files, one decoder layer held at a time
 (calibration of models bigger than memory).
 
 KV group g owns query heads g·r .. g·r+r-1 (transformers' repeat_kv order), so the o_proj columns
-and q rows of a group are contiguous. Weights are kept as [out, in] matrices like nn.Linear.
+and q rows of a group are contiguous.
 """
 from __future__ import annotations
 
@@ -25,15 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from dtpshard.model.checkpoint import Checkpoint
 from dtpshard.core.shape import ModelShape
-from dtpshard.model.dtp import rotary_for, rotate_half
-
-def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """ρ = sqrt(mean(x²) + ε) over the last axis, keepdim: [..., D] -> [..., 1]."""
-    return torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+from dtpshard.model.checkpoint import Checkpoint
+from dtpshard.model.decoder import rotary_for
+from dtpshard.model.delay import LocalExchange, schedule
+from dtpshard.model.hf import recorded_dtp, warn_if_student
+from dtpshard.model.modules import Layer
+from dtpshard.model.ops import inv_rms, rms_norm
 
 
 @dataclass
@@ -54,38 +53,39 @@ class FFNOut:
 
 
 @dataclass
-class Layer:
+class LayerWeights:
+    """A decoder layer's matrices as the affinity scorer folds them (views of the layer's, but qkv_w)."""
+
     ln1: torch.Tensor  # [D] attention pre-norm gain γ
     qkv_w: torch.Tensor  # [G, (r+2)·hd, D] q/k/v rows stacked per KV group
-    qkv_b: torch.Tensor | None  # [G, (r+2)·hd] (Qwen2)
-    q_norm: torch.Tensor | None  # [hd] (Qwen3)
-    k_norm: torch.Tensor | None  # [hd]
     o_w: torch.Tensor  # [D, H·hd]
     ln2: torch.Tensor  # [D] FFN pre-norm gain γ
     gate: torch.Tensor  # [N, D]
     up: torch.Tensor  # [N, D]
     down: torch.Tensor  # [D, N]
 
+    @classmethod
+    def of(cls, layer: Layer, s: ModelShape) -> "LayerWeights":
+        a, f = layer.self_attn, layer.mlp
+        r, hd, g = s.heads_per_group, s.head_dim, s.kv_groups
+        qkv_w = torch.cat([a.q_proj.weight.view(g, r * hd, s.hidden), a.k_proj.weight.view(g, hd, s.hidden),
+                           a.v_proj.weight.view(g, hd, s.hidden)], dim=1)
+        return cls(layer.input_layernorm.weight, qkv_w, a.o_proj.weight, layer.post_attention_layernorm.weight,
+                   f.gate_proj.weight, f.up_proj.weight, f.down_proj.weight)
+
+
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """ρ = sqrt(mean(x²) + ε) over the last axis, keepdim: [..., D] -> [..., 1]."""
+    return 1 / inv_rms(x, eps)
+
 
 def load_layer(get: Callable[[str], torch.Tensor], s: ModelShape, i: int) -> Layer:
     """Decoder layer i from `get(HF tensor name)` (already in the compute dtype and device)."""
-    r, hd, g = s.heads_per_group, s.head_dim, s.kv_groups
-    p = f"model.layers.{i}."
-    qkv_w = torch.cat([get(p + "self_attn.q_proj.weight").view(g, r * hd, s.hidden),
-                       get(p + "self_attn.k_proj.weight").view(g, hd, s.hidden),
-                       get(p + "self_attn.v_proj.weight").view(g, hd, s.hidden)], dim=1)
-    qkv_b = None
-    if s.qkv_bias:
-        qkv_b = torch.cat([get(p + "self_attn.q_proj.bias").view(g, r * hd),
-                           get(p + "self_attn.k_proj.bias").view(g, hd),
-                           get(p + "self_attn.v_proj.bias").view(g, hd)], dim=1)
-    return Layer(
-        ln1=get(p + "input_layernorm.weight"), qkv_w=qkv_w.contiguous(), qkv_b=qkv_b,
-        q_norm=get(p + "self_attn.q_norm.weight") if s.qk_norm else None,
-        k_norm=get(p + "self_attn.k_norm.weight") if s.qk_norm else None,
-        o_w=get(p + "self_attn.o_proj.weight"), ln2=get(p + "post_attention_layernorm.weight"),
-        gate=get(p + "mlp.gate_proj.weight"), up=get(p + "mlp.up_proj.weight"),
-        down=get(p + "mlp.down_proj.weight"))
+    prefix = f"model.layers.{i}."
+    with torch.device("meta"):
+        layer = Layer(s)
+    layer.load_state_dict({k: get(prefix + k) for k in layer.state_dict()}, strict=True, assign=True)
+    return layer.requires_grad_(False)
 
 
 class DenseModel:
@@ -108,19 +108,20 @@ class DenseModel:
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> "DenseModel":
-        from dtpshard.model.hf import recorded_dtp, warn_if_student
-
         warn_if_student(ckpt.path, recorded_dtp(ckpt.hf_config), devices=1, delay=0)
         return cls(ckpt.shape, ckpt.hf_config, ckpt.state_dict(), dtype, device)
 
     # -- pieces ----------------------------------------------------------------------------------
     def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, hd] for positions 0..T-1, from transformers' rotary class."""
+        """cos, sin [1, 1, T, hd] for positions 0..T-1, from transformers' rotary class."""
         if seq_len not in self._rope:
             pos = torch.arange(seq_len, device=self.device)[None]
             cos, sin = self.rotary(torch.zeros(1, dtype=self.dtype, device=self.device), pos)
-            self._rope[seq_len] = (cos[0].to(self.dtype), sin[0].to(self.dtype))
+            self._rope[seq_len] = (cos[:, None].to(self.dtype), sin[:, None].to(self.dtype))
         return self._rope[seq_len]
+
+    def weights(self, i: int) -> LayerWeights:
+        return LayerWeights.of(self.layers[i], self.shape)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[B, T] token ids -> [B, T, D] residual stream."""
@@ -128,55 +129,40 @@ class DenseModel:
 
     def attention(self, i: int, x: torch.Tensor) -> AttentionOut:
         """Attention of layer i on residual x [B, T, D]."""
-        s, L = self.shape, self.layers[i]
-        B, T, D = x.shape
-        H, G, r, hd = s.heads, s.kv_groups, s.heads_per_group, s.head_dim
-        rho = rms(x, s.rms_eps)
-        h = x / rho * L.ln1
-        qkv = (h @ L.qkv_w.view(-1, D).T).view(B, T, G, (r + 2) * hd)
-        pre = qkv if L.qkv_b is None else qkv + L.qkv_b
-        q = pre[..., :r * hd].reshape(B, T, H, hd)
-        k = pre[..., r * hd:(r + 1) * hd]  # [B, T, G, hd]
-        v = pre[..., (r + 1) * hd:]
-        if L.q_norm is not None:
-            q = q / rms(q, s.rms_eps) * L.q_norm
-            k = k / rms(k, s.rms_eps) * L.k_norm
-        cos, sin = self.rope(T)
-        cos, sin = cos[:, None], sin[:, None]  # [T, 1, hd]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, enable_gqa=True)  # [B, H, T, hd]
-        o = a.transpose(1, 2)  # [B, T, H, hd]
-        out = o.reshape(B, T, H * hd) @ L.o_w.T
-        return AttentionOut(out, o, rho, qkv)
+        s = self.shape
+        B, T, _ = x.shape
+        trace: dict[str, torch.Tensor] = {}
+        out = self.layers[i].partials(True, x[None], *self.rope(T), trace=trace)[0]
+        r, hd, G = s.heads_per_group, s.head_dim, s.kv_groups
+        qkv = torch.cat([trace["q"][0].view(B, T, G, r * hd), trace["k"][0].view(B, T, G, hd),
+                         trace["v"][0].view(B, T, G, hd)], dim=-1)
+        o = trace["o"].transpose(1, 2)  # [B, H, T, hd] -> [B, T, H, hd]
+        return AttentionOut(out, o, rms(x, s.rms_eps), qkv)
 
     def ffn(self, i: int, x: torch.Tensor) -> FFNOut:
         """SwiGLU FFN of layer i on residual x [B, T, D]."""
-        L = self.layers[i]
-        rho = rms(x, self.shape.rms_eps)
-        h = x / rho * L.ln2
-        g, u = h @ L.gate.T, h @ L.up.T
-        act = F.silu(g) * u
-        return FFNOut(act @ L.down.T, act, g, u, rho)
+        trace: dict[str, torch.Tensor] = {}
+        out = self.layers[i].partials(False, x[None], None, None, trace=trace)[0]
+        return FFNOut(out, trace["act"][0], trace["gate"][0], trace["up"][0], rms(x, self.shape.rms_eps))
 
     def head_contributions(self, i: int, o: torch.Tensor) -> torch.Tensor:
         """c_h: [B, T, H, hd] head outputs -> [B, T, H, D] their contributions to the residual."""
         s = self.shape
-        w = self.layers[i].o_w.view(s.hidden, s.heads, s.head_dim)  # [D, H, hd]
+        w = self.layers[i].self_attn.o_proj.weight.view(s.hidden, s.heads, s.head_dim)  # [D, H, hd]
         return torch.einsum("bthk,dhk->bthd", o, w)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return (x / rms(x, self.shape.rms_eps) * self.norm_w) @ self.lm_head.T
+        return rms_norm(x, self.norm_w, self.shape.rms_eps) @ self.lm_head.T
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """[B, T] token ids -> [B, T, V] logits (the dense model)."""
-        x = self.embed(ids)
-        for i in range(self.shape.layers):
-            x = x + self.attention(i, x).out
-            x = x + self.ffn(i, x).out
-        return self.logits(x)
+        """[B, T] token ids -> [B, T, V] logits: the L = 1, δ = 0 schedule over these modules."""
+        x = self.embed(ids)[None]  # [1, B, T, D]
+        exchange = LocalExchange(0)
+        cos, sin = self.rope(ids.shape[1])
+        for m, step in enumerate(schedule(self.shape.modules, 1, 0)):
+            x = exchange.update(m, x, self.layers[m // 2].partials(m % 2 == 0, x, cos, sin), step)
+        return self.logits(x[0])
 
 
 EMBED_BLOCK_BYTES = 64 << 20  # embedding rows read at once by StreamedDense

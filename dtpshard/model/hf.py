@@ -1,8 +1,7 @@
-"""What makes `DTPModel` look like a transformers causal LM: padding masks and positions, the loss,
-the output object, `dtype="auto"`, and the DTP block a student records in its config.json."""
+"""What makes `DTPModel` look like a transformers causal LM: the loss, the output object,
+`dtype="auto"`, loading and saving, and the DTP block a student records in its config.json."""
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import read_json_object
+from dtpshard.core.settings import read_record
 
 log = logging.getLogger("dtpshard")
 
@@ -36,24 +36,6 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=-100)
 
 
-def positions_from_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
-    """Position ids [B, length] of the last `length` tokens, counted over real tokens only, as
-    transformers' generate does for left padding (padding positions get 1, never read)."""
-    pos = attention_mask.long().cumsum(-1) - 1
-    return pos.masked_fill(attention_mask == 0, 1)[:, -length:]
-
-
-def padding_attn_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
-    """Boolean SDPA mask [B, 1, T, S] for the last T = `length` queries over S = mask width keys:
-    causal and no padding key. A padding query also sees itself, so no row is empty (an all-False
-    row makes SDPA return NaN); its output is never read by a real token."""
-    S = attention_mask.shape[1]
-    q = torch.arange(S - length, S, device=attention_mask.device)[:, None]  # [T, 1] absolute position
-    k = torch.arange(S, device=attention_mask.device)[None]  # [1, S]
-    allowed = (k <= q)[None] & attention_mask.bool()[:, None, :]  # [B, T, S]
-    return (allowed | (k == q)[None])[:, None]
-
-
 def resolve_dtype(dtype: Any, hf_config: Any, stored: torch.dtype | None) -> torch.dtype:
     """`dtype="auto"` (transformers' rule): the config's dtype, else the stored weights' dtype."""
     if isinstance(dtype, torch.dtype):
@@ -74,6 +56,15 @@ def recorded_dtp(hf_config: Any) -> dict[str, Any] | None:
     """The DTP settings a student recorded in its config.json, or None for a dense checkpoint."""
     block = getattr(hf_config, DTP_KEY, None)
     return dict(block) if isinstance(block, dict) else None
+
+
+def student_record(path: Path, hf_config: Any) -> dict[str, Any] | None:
+    """What a distilled student at `path` recorded about itself (checked), None for a dense model:
+    the `dtp` block of its config.json, or the dtp.json of students saved before that block."""
+    record = read_record(getattr(hf_config, DTP_KEY, None), str(path / "config.json"))
+    if record is None and (path / DTP_JSON).is_file():
+        record = read_record(read_json_object(path / DTP_JSON, "DTP settings"), str(path / DTP_JSON))
+    return record
 
 
 def warn_if_student(where: Any, block: dict[str, Any] | None, devices: int, delay: float) -> None:
@@ -119,7 +110,8 @@ class PretrainedMixin:
                             pad_id=pad_token_id)
 
     @classmethod
-    def from_hf(cls, hf_model: torch.nn.Module, devices: int = 4, delay: float = 1, **kw: Any) -> "DTPModel":
+    def from_hf(cls, hf_model: torch.nn.Module, devices: int | None = None, delay: float | None = None,
+                **kw: Any) -> "DTPModel":
         """From an in-memory transformers model (e.g. one dequantised from GGUF)."""
         sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
         return cls.from_state_dict(hf_model.config, sd, devices, delay, **kw)
@@ -128,29 +120,16 @@ class PretrainedMixin:
     def from_pretrained(cls, path: str | Path, devices: int | None = None, delay: float | None = None,
                         dtype: torch.dtype | str = "auto", layout: Any = None, stage3: str | None = None,
                         device: str | torch.device = "cpu") -> "DTPModel":
-        """Load a local HF checkpoint directory. A distilled student runs with the settings it
-        recorded (the `dtp` block of its config.json, or its dtp.json) unless told otherwise; a
-        dense checkpoint with devices from the layout or 4, delay=1, stage3='sqrt'. dtype "auto"
-        keeps the checkpoint's (a bf16 checkpoint loads as bf16), as transformers does."""
-        from dtpshard.core.layout import as_layout
-        from dtpshard.core.shape import check_devices
+        """Load a local HF checkpoint directory. L, δ and stage3: the arguments, else what a distilled
+        student recorded (the `dtp` block of its config.json, or its dtp.json), else the layout's,
+        else 4, 1, 'sqrt' (core.settings.resolve_dtp). dtype "auto" keeps the checkpoint's (a bf16
+        checkpoint loads as bf16), as transformers does."""
         from dtpshard.model.checkpoint import open_checkpoint
 
         ckpt = open_checkpoint(path)
-        saved = checked_dtp(recorded_dtp(ckpt.hf_config), Path(path) / "config.json")
-        if saved is None and (Path(path) / DTP_JSON).is_file():  # students saved before the config block
-            saved = checked_dtp(read_json_object(Path(path) / DTP_JSON, "DTP settings"), Path(path) / DTP_JSON)
-        settings = saved or {}
-        layout = as_layout(layout)
-        if devices is None:  # a student's own setting, else the layout's, else 4
-            devices = settings.get("devices", layout.devices if layout is not None else 4)
-        delay = settings.get("delay", 1) if delay is None else delay
-        stage3 = settings.get("stage3", "sqrt") if stage3 is None else stage3
-        check_devices(ckpt.shape, devices)
-        warn_if_student(path, saved, devices, delay)
-        model = cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), devices, delay, stage3, layout, dtype)
-        if layout is None:
-            model.layout_sha256 = settings.get("layout_sha256")
+        record = student_record(Path(path), ckpt.hf_config)
+        model = cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), devices, delay, stage3, layout, dtype, record)
+        warn_if_student(path, record, model.devices, model.delay)
         model.source_path = Path(path)
         return model.to(device)
 
@@ -172,17 +151,3 @@ class PretrainedMixin:
         sd = self.state_dict() if state_dict is None else state_dict
         save_checkpoint(Path(out_dir), config, sd, source or getattr(self, "source_path", None),
                         extra_json={DTP_JSON: self.dtp_block()})
-
-
-def checked_dtp(saved: Any, where: Path) -> dict[str, Any] | None:
-    """A student's recorded devices/delay/stage3, each checked (a hand-edited file names itself)."""
-    if saved is None:
-        return None
-    if not isinstance(saved, dict):
-        raise UserError(f"{where}: the DTP settings must be a JSON object")
-    for key, ok in (("devices", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1),
-                    ("delay", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e9),
-                    ("stage3", lambda v: v in ("sqrt", "one"))):
-        if key in saved and not ok(saved[key]):
-            raise UserError(f"{where}: {key} = {json.dumps(saved[key])} is not a valid DTP setting")
-    return saved

@@ -62,16 +62,12 @@ from pathlib import Path
 from typing import Any
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.vocab import PROXIES
 from dtpshard.studies.config import FORMAT, OPTIMISING, check_config, load_config, resolve_model  # noqa: F401
 from dtpshard.core.io import atomic_write_text, read_json, read_json_object
 from dtpshard.studies.provenance import (LAYOUT_DIR, PROVENANCE, RUNS, SCORES, TIMINGS, ZEROSHOT, timed as _timed,
                                         write_provenance)
 
 AFFINITY, TEACHER_CACHE = "affinity.safetensors", "teacher-cache"
-PROXY_OPTIONS = {"first-order": {}, "group-unit": {"group_unit": True}, "exact-jacobian": {"exact_jacobian": True},
-                 "ablation": {"ablation": True}}
-assert set(PROXY_OPTIONS) == set(PROXIES), "every proxy the study file accepts has its affinity options"
 
 
 def affinity_name(cfg: dict[str, Any], proxy: str) -> str:
@@ -155,15 +151,17 @@ def _affinity(cfg: dict[str, Any], model: Path, out: Path) -> dict[str, Path]:
         if path.is_file():
             _say(f"affinity ({proxy}): {path} (done before)")
             continue
-        from dtpshard.affinity.calibrate import affinity_cmd
+        from dtpshard.affinity.calibrate import CalibrationData, PassSettings, calibrate
 
         cal = cfg["calibration"]
         _say(f"affinity ({proxy}): {cal['blocks']} blocks x {cal['seq_len']} tokens")
+        data = CalibrationData(cal["text"], cal["dataset"], cfg["text_field"],
+                               None if cfg["tokenizer"] is None else Path(cfg["tokenizer"]), cal["blocks"],
+                               cal["seq_len"], cal["seed"])
         with _timed(out, f"affinity {proxy}"):
-            affinity_cmd(model, out=path, text=cal["text"], dataset=cal["dataset"], text_field=cfg["text_field"],
-                         tokenizer=cfg["tokenizer"], blocks=cal["blocks"], seq_len=cal["seq_len"],
-                         delay=cfg["delay"], seed=cal["seed"], micro_batch=cal["micro_batch"], device=cfg["device"],
-                         progress=cfg["training"].get("progress", True), **PROXY_OPTIONS[proxy])
+            calibrate(model, path, data, delay=cfg["delay"], proxy=proxy,
+                      run=PassSettings(micro_batch=cal["micro_batch"], device=cfg["device"]),
+                      progress=cfg["training"].get("progress", True))
     return paths
 
 

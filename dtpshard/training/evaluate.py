@@ -138,7 +138,7 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
         dense = DTPModel.from_pretrained(teacher, devices=1, delay=0, dtype=torch.float32, device=dev)
         if dense.shape != student.shape:
             raise UserError(f"teacher {teacher} has another shape than {model}: "
-                            f"{dense.shape.summary()} vs {student.shape.summary()}")
+                            f"{'; '.join(dense.shape.differences(student.shape))}")
     from dtpshard.model.checkpoint import load_tokenizer
 
     ev, source = eval_blocks_for(Path(model), text=text, dataset=dataset, blocks=blocks, seq_len=seq_len,

@@ -251,17 +251,19 @@ def train_blocks_for(cfg: DistillConfig, world: int, tokenizer: Any) -> tuple[to
 
 
 def resolve(cfg: DistillConfig) -> DistillConfig:
-    """Defaults that depend on inputs (devices/delay from the layout), absolute paths."""
+    """Defaults that depend on inputs (L, δ and stage3 by core.settings.resolve_dtp: the flags,
+    else the layout's, else the defaults), absolute paths."""
     from dtpshard.core.layout import Layout
+    from dtpshard.core.settings import resolve_dtp
 
     layout = Layout.load(cfg.layout) if cfg.layout is not None else None
-    devices = cfg.devices if cfg.devices is not None else (layout.devices if layout else 4)
-    delay = cfg.delay if cfg.delay is not None else (layout.delay if layout else 1)
-    delay = int(delay) if float(delay).is_integer() else float(delay)
+    dtp = resolve_dtp(None, devices=cfg.devices, delay=cfg.delay, stage3=cfg.stage3, layout=layout,
+                      where=f"layout {cfg.layout}")
     absolute = lambda p: None if p is None else str(Path(p).absolute())  # noqa: E731
     return dataclasses.replace(
         cfg, teacher=Path(cfg.teacher).absolute(), out=Path(cfg.out).absolute(),
-        layout=None if cfg.layout is None else Path(cfg.layout).absolute(), devices=devices, delay=delay,
+        layout=None if cfg.layout is None else Path(cfg.layout).absolute(), devices=dtp.devices, delay=dtp.delay,
+        stage3=dtp.stage3,
         tokenizer=None if cfg.tokenizer is None else Path(cfg.tokenizer).absolute(),
         tensorboard=None if cfg.tensorboard is None else Path(cfg.tensorboard).absolute(),
         teacher_cache=None if cfg.teacher_cache is None else Path(cfg.teacher_cache).absolute(),
@@ -278,7 +280,7 @@ def run_config(cfg: DistillConfig, shape: Any, layout: Any, world: int, device: 
     out.update({
         "format": FORMAT, "model": shape.to_dict(),
         "layout_kind": "contiguous (no layout file)" if layout is None else layout.kind,
-        "layout_sha256": None if cfg.layout is None else _sha(Path(cfg.layout).read_bytes()),
+        "layout_sha256": None if layout is None else layout.content_sha256(),
         "world_size": world, "global_batch": G, "tokens_per_step": G * cfg.seq_len,
         "device_type": torch.device(device).type,
         "train_data": train_src, "train_blocks": int(train.shape[0]), "train_data_sha256": _sha(train.numpy().tobytes()),

@@ -59,16 +59,15 @@ def _patch_fsdp(mod):
 
 def _patch_ranks(mod):
     cls = mod.RankModel
+    method = cls.module_partials
 
-    def dying(method, odd):
-        def wrapped(self, i, *args, **kwargs):
-            kill = os.environ.get("DTPSHARD_TEST_KILL", "")
-            if kill and int(kill.split(":")[0]) == self.rank and int(kill.split(":")[1]) == 2 * i + odd:
-                os._exit(3)  # dies mid-forward without a word
-            return method(self, i, *args, **kwargs)
-        return wrapped
+    def dying(self, m, *args, **kwargs):
+        kill = os.environ.get("DTPSHARD_TEST_KILL", "")
+        if kill and int(kill.split(":")[0]) == self.rank and int(kill.split(":")[1]) == m:
+            os._exit(3)  # dies mid-forward without a word
+        return method(self, m, *args, **kwargs)
 
-    cls._attention, cls._ffn = dying(cls._attention, 0), dying(cls._ffn, 1)
+    cls.module_partials = dying
 
 
 PATCHES = {"dtpshard.training.loop": _patch_loop, "dtpshard.training.rundir": _patch_rundir,

@@ -1,0 +1,83 @@
+"""A run's DTP settings (L devices, delay δ, the stage-3 scale), resolved and checked in one place.
+
+Every command and loader that runs a DTP model asks `resolve_dtp`, in one order of precedence:
+what the user said (flags, arguments), then what a distilled student recorded about itself, then
+the layout (made for some L and δ), then the defaults (L = 4, δ = 1, stage3 = sqrt: the paper's).
+`read_record` is the one reader of a student's record, wherever it is stored.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dtpshard.core.errors import UserError
+from dtpshard.core.shape import UnitShape, check_delay, check_devices
+from dtpshard.core.vocab import STAGE3
+
+
+@dataclass(frozen=True)
+class DTPSettings:
+    devices: int  # L
+    delay: float  # δ, in modules (an int when whole)
+    stage3: str  # own-partial scale of the last δ modules: "sqrt" (√L, the paper's) or "one"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+DEFAULT = DTPSettings(devices=4, delay=1, stage3="sqrt")
+
+
+def check_stage3(stage3: Any, where: str = "stage3") -> str:
+    if stage3 not in STAGE3:
+        raise UserError(f"{where}={stage3!r}: must be one of {', '.join(STAGE3)}")
+    return stage3
+
+
+def plain_delay(delay: float) -> float:
+    """δ as recorded: 2 rather than 2.0 when whole, so files and messages say what was typed."""
+    return int(delay) if float(delay).is_integer() else float(delay)
+
+
+def resolve_dtp(shape: UnitShape | None = None, *, devices: int | None = None, delay: float | None = None,
+                stage3: str | None = None, record: dict[str, Any] | None = None, layout: Any = None,
+                where: str = "layout") -> DTPSettings:
+    """Each setting from the first that gives it: the arguments, the student's `record`
+    (read_record), the `layout` (a core.layout.Layout: its devices and delay), DEFAULT. Checked
+    against `shape` (L divides G and N, δ <= M); a layout made for another L is refused, naming
+    `where` (its file)."""
+    record = record or {}
+
+    def pick(name: str, given: Any) -> Any:
+        for value in (given, record.get(name), None if layout is None else getattr(layout, name, None)):
+            if value is not None:
+                return value
+        return getattr(DEFAULT, name)
+
+    out = DTPSettings(int(pick("devices", devices)), plain_delay(pick("delay", delay)),
+                      check_stage3(pick("stage3", stage3)))
+    if shape is not None:
+        check_devices(shape, out.devices)
+    check_delay(shape, out.delay)
+    if layout is not None and layout.devices != out.devices:
+        raise UserError(f"{where} was made for devices={layout.devices}, the model runs devices={out.devices}")
+    return out
+
+
+def read_record(saved: Any, where: str) -> dict[str, Any] | None:
+    """A student's recorded settings (devices, delay, stage3, layout_sha256, ...), each checked so
+    that a hand-edited file names itself; None when there is no record."""
+    if saved is None:
+        return None
+    if not isinstance(saved, dict):
+        raise UserError(f"{where}: the DTP settings must be a JSON object")
+    checks = {"devices": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+              "delay": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+              and 0 <= v < 1e9,
+              "stage3": lambda v: v in STAGE3}
+    for key, ok in checks.items():
+        if key in saved and not ok(saved[key]):
+            raise UserError(f"{where}: {key} = {json.dumps(saved[key])} is not a valid DTP setting")
+    return dict(saved)

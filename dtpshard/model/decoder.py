@@ -1,0 +1,127 @@
+"""The decoder both DTP forwards share: embedding, layers, final norm and LM head with transformers'
+parameter names, and the loop over the delay schedule.
+
+The loop is written once: every device's residual stream starts as the token embedding, each
+module's partials are computed from the streams (modules.Layer.partials) and handed to an
+exchange, which adds them as the schedule says (model/delay.py): the simulator's LocalExchange
+over the devices axis, or a rank's Link over torch.distributed (runtime/ranks.py). A rank is the
+same decoder built for one device's shard of the shape, run with L = 1.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dtpshard.core.errors import UserError
+from dtpshard.core.shape import ModelShape
+from dtpshard.model.attention import KVCache
+from dtpshard.model.delay import Step
+from dtpshard.model.modules import Layer
+from dtpshard.model.ops import Norm, Proj
+
+_ROTARY = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+
+
+def rotary_for(hf_config: Any) -> nn.Module:
+    """The family's own transformers rotary class (rope scaling and theta exactly as transformers)."""
+    family = hf_config.model_type
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    return getattr(mod, _ROTARY[family] + "RotaryEmbedding")(config=hf_config)
+
+
+def positions_from_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """Position ids [B, length] of the last `length` tokens, counted over real tokens only, as
+    transformers' generate does for left padding (padding positions get 1, never read)."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.masked_fill(attention_mask == 0, 1)[:, -length:]
+
+
+def padding_attn_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """Boolean SDPA mask [B, 1, T, S] for the last T = `length` queries over S = mask width keys:
+    causal and no padding key. A padding query also sees itself, so no row is empty (an all-False
+    row makes SDPA return NaN); its output is never read by a real token."""
+    S = attention_mask.shape[1]
+    q = torch.arange(S - length, S, device=attention_mask.device)[:, None]  # [T, 1] absolute position
+    k = torch.arange(S, device=attention_mask.device)[None]  # [1, S]
+    allowed = (k <= q)[None] & attention_mask.bool()[:, None, :]  # [B, T, S]
+    return (allowed | (k == q)[None])[:, None]
+
+
+class Decoder(nn.Module):
+    """The parameters of a Llama-family decoder of shape `shape` (a rank's: its shard), and its forward
+    over a delay schedule and an exchange."""
+
+    def __init__(self, hf_config: Any, shape: ModelShape):
+        super().__init__()
+        self.hf_config, self.shape = hf_config, shape
+        s = shape
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(s.vocab, s.hidden)
+        self.model.layers = nn.ModuleList(Layer(s) for _ in range(s.layers))
+        self.model.norm = Norm(s.hidden, s.rms_eps)
+        self.lm_head = None if s.tied else Proj(s.vocab, s.hidden)
+        self.rotary = rotary_for(hf_config)
+        self.gradient_checkpointing = False
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:  # [V, D]
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.shape.layers)
+
+    def rebuild_buffers(self) -> None:
+        """The rotary tables are buffers computed from the config, not weights: after a load onto
+        the meta device (or to_empty) they are made again."""
+        self.rotary = rotary_for(self.hf_config).to(self.lm_head_weight.device)
+
+    def module_partials(self, m: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        cache: Any = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Partials p^m [L, B, T, D] of module m (2i: attention i, 2i+1: FFN i) from the streams x."""
+        return self.model.layers[m // 2].partials(m % 2 == 0, x, cos, sin, cache, m // 2, mask)
+
+    def rope(self, x: torch.Tensor, start: int | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, 1, length, hd] of positions start .. start + length - 1."""
+        cos, sin = self.rotary(x, torch.arange(length, device=x.device)[None] + start)  # [1, T, hd]
+        return cos[:, None], sin[:, None]
+
+    def _rope(self, emb: torch.Tensor, devices: int, cache: Any,
+              attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(cos, sin, mask) for the new tokens: [1, 1, T, hd] and no mask, or for a left-padded batch
+        [L*B, 1, T, hd] and its mask, repeated over the devices in the heads' device-major order."""
+        B, T = emb.shape[:2]
+        if attention_mask is None:
+            return (*self.rope(emb, 0 if cache is None else cache.start(), T), None)
+        past = 0 if cache is None else cache.length
+        if tuple(attention_mask.shape) != (B, past + T):
+            raise UserError(f"attention_mask has shape {list(attention_mask.shape)}, expected [{B}, {past + T}] "
+                            "(batch, cached + new tokens)")
+        attention_mask = attention_mask.to(emb.device)
+        cos, sin = self.rotary(emb, positions_from_mask(attention_mask, T))  # [B, T, hd]
+        return (cos[:, None].repeat(devices, 1, 1, 1), sin[:, None].repeat(devices, 1, 1, 1),
+                padding_attn_mask(attention_mask, T).repeat(devices, 1, 1, 1))
+
+    def run_streams(self, input_ids: torch.Tensor, devices: int, steps: list[Step], exchange: Any, cache: Any = None,
+                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> the devices' final residual streams x [devices, B, T, D]."""
+        emb = self.model.embed_tokens(input_ids)  # [B, T, D]
+        cos, sin, mask = self._rope(emb, devices, cache, attention_mask)
+        x = emb.unsqueeze(0).expand(devices, *emb.shape)  # every device starts from the embedding
+        ckpt = self.gradient_checkpointing and torch.is_grad_enabled() and cache is None
+        for m, step in enumerate(steps):
+            if ckpt:
+                p = checkpoint(self.module_partials, m, x, cos, sin, None, mask, use_reentrant=False)
+            else:
+                p = self.module_partials(m, x, cos, sin, cache, mask)
+            x = exchange.update(m, x, p, step)
+        if cache is not None:
+            cache.advance(input_ids.shape[1])
+        return x
+
+    def head_input(self, x: torch.Tensor, exchange: Any) -> torch.Tensor:
+        """h = mean_l FinalNorm(x_l): [B, T, D], the LM head's input."""
+        return exchange.mean(self.model.norm(x))

@@ -1,0 +1,97 @@
+"""One decoder layer's two modules, computed per device: the one definition of a partial.
+
+Device l's partial of an attention is its pre-norm input through its own heads (q/k/v rows with
+their biases, q/k-norm, RoPE, attention over its KV groups, its o_proj columns); of an FFN, its own
+neurons (gate/up rows, SwiGLU, its down_proj columns). The inputs carry the devices axis
+[L, B, T, D] and the weights are the dense ones, read as per-device views (ops.device_matmul), so:
+
+- the simulator (`DTPModel`) holds the dense weights and runs all L devices at once;
+- a rank of the runtime holds only its own slice (a shape `ModelShape.shard(L)`) and runs L = 1;
+- calibration runs the dense model, L = 1 on the whole weights, and asks for the intermediates the
+  affinity scores are made of through `trace`.
+
+Parameter names are transformers' (q_proj, o_proj, gate_proj, ...), so a state dict is a plain HF one.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtpshard.core.shape import ModelShape
+from dtpshard.model.attention import attend
+from dtpshard.model.ops import Norm, Proj, device_matmul, rotary
+
+Trace = dict[str, torch.Tensor]  # what a module computed on the way, when asked (calibration)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.s = s
+        self.q_proj = Proj(s.heads * s.head_dim, s.hidden, s.qkv_bias)
+        self.k_proj = Proj(s.kv_groups * s.head_dim, s.hidden, s.qkv_bias)
+        self.v_proj = Proj(s.kv_groups * s.head_dim, s.hidden, s.qkv_bias)
+        self.o_proj = Proj(s.hidden, s.heads * s.head_dim)
+        if s.qk_norm:
+            self.q_norm = Norm(s.head_dim, s.rms_eps)
+            self.k_norm = Norm(s.head_dim, s.rms_eps)
+
+    def _heads(self, name: str, h: torch.Tensor, trace: Trace | None) -> torch.Tensor:
+        """[L, B, T, D] -> [L*B, heads/L, T, hd] for this device's rows of the q, k or v projection."""
+        proj = getattr(self, f"{name}_proj")
+        y = device_matmul(h, proj)  # [L, B, T, E]
+        if trace is not None:
+            trace[name] = y  # before the bias: W (γ ⊙ x / ρ)
+        L, B, T, E = y.shape
+        if proj.bias is not None:
+            y = y + proj.bias.view(L, 1, 1, -1)
+        # a strided view, no copy: q/k-norm and RoPE write new tensors anyway
+        return y.view(L * B, T, E // self.s.head_dim, self.s.head_dim).transpose(1, 2)
+
+    def partials(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, layer: int = 0,  # noqa: ANN001
+                 mask: torch.Tensor | None = None, trace: Trace | None = None) -> torch.Tensor:
+        """h [L, B, T, D] (each device's normed stream) -> partials [L, B, T, D]. cos/sin [1, 1, T, hd]
+        (or [L*B, 1, T, hd] for a padded batch, with `mask` a boolean [L*B, 1, T, past + T]); the
+        new keys and values go into `cache` (layer `layer`)."""
+        L, B, T, _ = h.shape
+        q, k, v = (self._heads(n, h, trace) for n in "qkv")
+        if self.s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        o = attend(rotary(q, cos, sin), rotary(k, cos, sin), v, self.s.heads_per_group, cache, layer, mask)
+        if trace is not None:
+            trace["o"] = o  # [L*B, H/L, T, hd], the o_proj input per head
+        o = o.transpose(1, 2).reshape(L, B, T, -1)  # [L*B, Hl, T, hd] -> [L, B, T, Hl*hd]
+        return device_matmul(o, self.o_proj, cols=True)
+
+
+class FFN(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.gate_proj = Proj(s.neurons, s.hidden)
+        self.up_proj = Proj(s.neurons, s.hidden)
+        self.down_proj = Proj(s.hidden, s.neurons)
+
+    def partials(self, h: torch.Tensor, trace: Trace | None = None) -> torch.Tensor:
+        """h [L, B, T, D] -> partials [L, B, T, D]: device l's neurons through its down_proj columns."""
+        g, u = device_matmul(h, self.gate_proj), device_matmul(h, self.up_proj)
+        act = F.silu(g) * u
+        if trace is not None:
+            trace.update(gate=g, up=u, act=act)
+        return device_matmul(act, self.down_proj, cols=True)
+
+
+class Layer(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.input_layernorm = Norm(s.hidden, s.rms_eps)
+        self.self_attn = Attention(s)
+        self.post_attention_layernorm = Norm(s.hidden, s.rms_eps)
+        self.mlp = FFN(s)
+
+    def partials(self, attention: bool, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,  # noqa: ANN001
+                 layer: int = 0, mask: torch.Tensor | None = None, trace: Trace | None = None) -> torch.Tensor:
+        """The partials [L, B, T, D] of this layer's attention (or FFN) on the streams x [L, B, T, D]."""
+        if attention:
+            return self.self_attn.partials(self.input_layernorm(x), cos, sin, cache, layer, mask, trace)
+        return self.mlp.partials(self.post_attention_layernorm(x), trace)

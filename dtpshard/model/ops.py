@@ -1,0 +1,196 @@
+"""The DTP forward's kernels, each with the hand-written backward that the benchmarks showed pays:
+RMSNorm, the per-device matmul over views of a dense weight, rotary embedding, and the residual
+update of docs/design.md §1 over the devices axis.
+
+Every tensor with a devices axis is [L, B, T, ·]. A rank of the multi-process runtime runs the
+same code with L = 1 on its own slice of each weight.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _up(t: torch.Tensor) -> torch.Tensor:  # norms compute in at least fp32
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1/ρ = rsqrt(mean(x²) + ε) over the last axis, keepdim: [..., D] -> [..., 1]."""
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as transformers' LlamaRMSNorm, so fp32 logits agree to rounding.
+    x32 = _up(x)
+    return weight * (x32 * inv_rms(x32, eps)).to(x.dtype)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """rms_norm with a hand-written backward that saves only x and 1/rms.
+
+    Autograd would also keep the normalised x and the output, each [L, B, T, D]: with L
+    residual streams that is what pushes DTP's activation memory over the dense model's. Every
+    pass over [L, B, T, D] counts here (the norms are most of DTP's extra elementwise work), so
+    the backward reuses two buffers in place, and 1/rms comes from vector_norm, which squares
+    without a temporary (equal to rms_norm's to float rounding).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x32 = _up(x)
+        r = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()  # [..., 1]
+        ctx.save_for_backward(x, weight, r)
+        y = x32 * r
+        return y.mul_(weight) if y.dtype == x.dtype == weight.dtype else weight * y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        # n = x·r, y = w·n: dw = Σ dy·n, dx = r·(dn - n·mean(dn·n)) with dn = dy·w
+        x, weight, r = ctx.saved_tensors
+        x32 = _up(x)
+        g = _up(dy) * r  # dy·r (a new buffer even for fp32 dy: it is updated in place below)
+        # t is made contiguous whatever dy's strides: dynamo refuses out= into a strided tensor (the
+        # q/k-norms' inputs are transposed views), and a graph break would split the compiled
+        # model at every norm
+        t = torch.mul(g, x32, out=torch.empty_like(g, memory_format=torch.contiguous_format))  # dy·n
+        dw = t.reshape(-1, t.shape[-1]).sum(0)
+        g.mul_(_up(weight))  # dn·r
+        s = torch.mul(g, x32, out=t).mean(-1, keepdim=True).mul_(r).mul_(r)  # r²·mean(dn·n)
+        dx = g.addcmul_(x32, s, value=-1)  # r·dn - x·r²·mean(dn·n)
+        return dx.to(x.dtype), dw.to(weight.dtype), None
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormFn.apply(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [N, heads, T, hd] with cos/sin broadcastable to it (transformers' apply_rotary_pos_emb)."""
+    return x * cos + rotate_half(x) * sin
+
+
+# -- the residual update over the devices axis ------------------------------------------------
+def residual_update(x: torch.Tensor, p: torch.Tensor, own: float,
+                    arrivals: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
+    """x_l + own·p_l + Σ_k w_k·(Σ_j p_j^k - p_l^k) for every device l at once, x and p [L, B, T, D].
+
+    One new tensor, updated in place, instead of a temporary per term; with gradients, a
+    hand-written backward (_ResidualUpdate) that saves nothing and makes one buffer per arrival.
+    """
+    if torch.is_grad_enabled() and (x.requires_grad or p.requires_grad or any(q.requires_grad for q, _ in arrivals)):
+        return _ResidualUpdate.apply(x, p, own, [w for _, w in arrivals], *[q for q, _ in arrivals])
+    return _residual_sum(x, p, own, [w for _, w in arrivals], [q for q, _ in arrivals])
+
+
+def _residual_sum(x: torch.Tensor, p: torch.Tensor, own: float, weights: list[float], qs: list[torch.Tensor]):
+    out = torch.add(x, p, alpha=own)
+    for q, w in zip(qs, weights):
+        out.add_(q.sum(0, keepdim=True), alpha=w).sub_(q, alpha=w)
+    return out
+
+
+class _ResidualUpdate(torch.autograd.Function):
+    """residual_update's gradients: dx = dout, dp = own·dout, dq_k = w_k·(Σ_l dout_l - dout):
+    what autograd would get through sum/add_/sub_ with an expand, a negation and an add less."""
+
+    @staticmethod
+    def forward(ctx, x, p, own, weights, *qs):
+        ctx.own, ctx.weights = own, weights
+        return _residual_sum(x, p, own, weights, list(qs))
+
+    @staticmethod
+    def backward(ctx, dout):
+        dp = dout if ctx.own == 1 else dout * ctx.own
+        dqs = []
+        if ctx.weights:
+            total = dout.sum(0, keepdim=True)  # [1, B, T, D]
+            for w in ctx.weights:
+                dq = torch.sub(total, dout)
+                dqs.append(dq if w == 1 else dq.mul_(w))
+        return (dout, dp, None, None, *dqs)
+
+
+# -- each device's rows or columns of a dense weight ---------------------------------------------
+class Proj(nn.Module):
+    """A bare weight (and bias) with nn.Linear's names; the DTP code reads per-device views of it."""
+
+    def __init__(self, out_features: int, in_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    kind = t.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else t.dtype
+
+
+def _device_weights(weight: torch.Tensor, devices: int, cols: bool) -> torch.Tensor:
+    """Each device's share of a dense [out, in] weight as an [L, in_l, out_l] view (W_l^T): its rows
+    ([L, in, out/L]: q/k/v, gate/up) or its columns ([L, in/L, out]: o_proj, down_proj)."""
+    out, inp = weight.shape
+    if cols:
+        return weight.view(out, devices, inp // devices).permute(1, 2, 0)
+    return weight.view(devices, out // devices, inp).transpose(1, 2)
+
+
+class _DeviceMatmul(torch.autograd.Function):
+    """y[l] = x[l] @ W_l^T for every device l at once, W_l its rows or columns of a dense weight.
+
+    Autograd through the per-device view copies dW into the weight's layout in the view's
+    backward (rows) or hands the weight a column-major dW that AccumulateGrad then copies or adds
+    element by element (columns). Here dW = dy^T x leaves the backward in the weight's own
+    row-major layout: a view for rows, one copy of whole rows for columns. It is autograd's GEMM
+    with its operands swapped, so the values are autograd's up to float rounding (on the CPU equal
+    bit for bit at the SmolLM2-135M and Qwen3-0.6B widths, not at every shape). Follows autocast
+    by hand: compute in the autocast dtype, gradients in the inputs' dtypes.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, devices, cols):  # x [L, N, in_l] -> [L, N, out_l]
+        dt = _compute_dtype(x)
+        xc = x.to(dt)
+        ctx.save_for_backward(xc, weight)
+        ctx.devices, ctx.cols, ctx.x_dtype = devices, cols, x.dtype
+        return torch.bmm(xc, _device_weights(weight.to(dt), devices, cols))
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, weight = ctx.saved_tensors
+        dy = dy.to(xc.dtype)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            w = _device_weights(weight.to(xc.dtype), ctx.devices, ctx.cols)
+            dx = torch.bmm(dy, w.transpose(1, 2)).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = torch.bmm(dy.transpose(1, 2), xc)  # [L, out_l, in_l]
+            if ctx.cols:  # [L, out, in/L] -> [out, L, in/L]: a copy of whole rows (autograd's own
+                dw = dw.permute(1, 0, 2)  # GEMM, [L, in/L, out], would need a transposing one)
+            dw = dw.reshape(weight.shape).to(weight.dtype)
+        return dx, dw, None, None
+
+
+def device_matmul(x: torch.Tensor, proj: Proj, cols: bool = False) -> torch.Tensor:
+    """x [L, B, T, in_l] times each device's rows (-> [L, B, T, out/L]) or columns (x [L, B, T, in/L]
+    -> partials [L, B, T, out]) of proj."""
+    L, B, T, _ = x.shape
+    flat = x.reshape(L, B * T, -1)
+    if torch.is_grad_enabled() and (x.requires_grad or proj.weight.requires_grad):
+        y = _DeviceMatmul.apply(flat, proj.weight, L, cols)
+    else:  # no backward to shape: plain bmm (which autocasts by itself)
+        y = torch.bmm(flat, _device_weights(proj.weight, L, cols))
+    return y.view(L, B, T, -1)

@@ -1,0 +1,161 @@
+"""`dtpshard run`: greedy generation with the model run as DTP across processes.
+
+The command checks everything a user can get wrong before any rank starts (`plan_run`), then
+either starts L local ranks (`--nproc L`, core.launch.launch_local) or, under torchrun, is one rank
+itself. A rank (`serve_rank`) never goes back through the command: it joins the process group,
+loads its shard (runtime/ranks.py) and generates; rank 0 prints.
+
+Start: `torchrun --nproc-per-node L -m dtpshard run MODEL --prompt TEXT --delay D`, or
+`dtpshard run MODEL ... --nproc L`, which spawns L local gloo processes itself.
+"""
+from __future__ import annotations
+
+import json as _json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dtpshard.core.devices import DTYPES, pick_device
+from dtpshard.core.errors import UserError
+from dtpshard.core.launch import RankExit, RankFailure, launch_local, process_group, root_cause, set_threads, world_from_env
+from dtpshard.core.settings import DTPSettings, resolve_dtp
+from dtpshard.core.shape import check_context
+from dtpshard.core.vocab import Count, Delay, Device, DType, NonNegativeInt, NonNegativeNumber, Seconds, Stage3
+from dtpshard.model.checkpoint import load_tokenizer
+from dtpshard.model.decode import generate_ids
+from dtpshard.model.hf import log, student_record
+from dtpshard.runtime.ranks import RankModel, check_world
+
+
+@dataclass(frozen=True)
+class RunJob:
+    """Everything a rank needs, resolved and checked by the command before any rank starts."""
+
+    model: Path
+    prompt: str
+    settings: DTPSettings  # devices = the world size
+    layout: Path | None
+    max_new_tokens: int
+    timeout: float
+    latency: float  # seconds added to every transfer (link emulation)
+    dtype: str
+    device: str  # "cpu" or "cuda" (each rank takes cuda:LOCAL_RANK)
+    threads: int
+    tokenizer: Path | None
+    json: bool
+    cuda_graphs: bool
+
+
+def prompt_ids(model: Path, prompt: str, tokenizer: Path | None, hf_config: Any, max_new_tokens: int) -> tuple:
+    """(tokenizer, ids [1, T]) of the prompt; refuses one that encodes to nothing or would run past the
+    model's context."""
+    tok = load_tokenizer(tokenizer or model)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        raise UserError("the prompt encodes to no tokens")
+    check_context(hf_config, ids.shape[1], max_new_tokens)
+    return tok, ids
+
+
+def plan_run(model: Path, prompt: str, world: int, *, delay: float | None, stage3: str | None, layout: Path | None,
+             max_new_tokens: int, timeout: float, latency_ms: float, dtype: str, device: str, threads: int,
+             tokenizer: Path | None, json: bool, cuda_graphs: bool) -> RunJob:
+    """The checked job for `world` ranks: δ and stage3 from the flags, else a student's record,
+    else the layout's, else the defaults (core.settings.resolve_dtp)."""
+    if device.startswith("cuda:"):
+        raise UserError(f"--device {device}: each rank uses cuda:LOCAL_RANK; give --device cuda")
+    device = pick_device(device)
+    if cuda_graphs and device != "cuda":
+        raise UserError("--cuda-graphs: only with --device cuda")
+    if device == "cuda" and latency_ms:
+        raise UserError("latency_ms emulates a link with host-side waits: only with device=cpu")
+    if latency_ms / 1000 >= timeout:
+        raise UserError(f"--latency-ms {latency_ms:g}: every transfer would outlast --timeout {timeout:g} s")
+    ckpt, lay = check_world(model, world, layout, 0 if delay is None else delay)
+    record = student_record(Path(model), ckpt.hf_config)
+    settings = resolve_dtp(ckpt.shape, devices=world, delay=delay, stage3=stage3, record=record, layout=lay,
+                           where=f"layout {layout}")
+    if record is not None and (world, settings.delay) != (record.get("devices"), record.get("delay")) \
+            and os.environ.get("RANK", "0") == "0":
+        log.warning(f"warning: {model} is a DTP student distilled for devices={record.get('devices')}, "
+                    f"delay={record.get('delay')}; running it with {world} ranks, delay={settings.delay} computes "
+                    "another function")
+    prompt_ids(model, prompt, tokenizer, ckpt.hf_config, max_new_tokens)
+    return RunJob(Path(model), prompt, settings, layout, max_new_tokens, timeout, latency_ms / 1000, dtype, device,
+                  threads, tokenizer, json, cuda_graphs)
+
+
+def serve_rank(job: RunJob) -> int:
+    """One rank of the run (torchrun's environment, or launch_local's): join, load, generate; rank 0
+    prints the text (or one JSON object)."""
+    rank, world = world_from_env()
+    ckpt, lay = check_world(job.model, world, job.layout, job.settings.delay)  # before any collective
+    tok, ids = prompt_ids(job.model, job.prompt, job.tokenizer, ckpt.hf_config, job.max_new_tokens)
+    set_threads(job.threads)
+    dev = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if job.device == "cuda" else "cpu"
+    s = job.settings
+    with process_group(job.timeout, "nccl" if job.device == "cuda" else "gloo") as (rank, world):
+        net = RankModel(ckpt, rank, world, lay, s.delay, s.stage3, DTYPES[job.dtype], job.timeout, job.latency, dev)
+        decoder = net
+        if job.cuda_graphs:
+            from dtpshard.runtime.graphs import GraphDecoder  # CUDA only: not imported on a CPU run
+
+            decoder = GraphDecoder(net, ids.shape[0], ids.shape[1] + job.max_new_tokens)
+        try:
+            out = generate_ids(decoder, ids.to(dev), job.max_new_tokens, eos_id=tok.eos_token_id)
+        finally:
+            net.link.close()
+        if rank == 0:
+            new = out[0, ids.shape[1]:]
+            completion = tok.decode(new, skip_special_tokens=True)
+            if job.json:
+                print(_json.dumps({"model": str(job.model), "devices": world, "delay": s.delay, "stage3": s.stage3,
+                                   "prompt": job.prompt, "completion": completion, "text": job.prompt + completion,
+                                   "prompt_ids": ids[0].tolist(), "new_token_ids": new.tolist()}), flush=True)
+            else:
+                print(job.prompt + completion, flush=True)
+    return 0
+
+
+def run_cmd(model: Path, *, prompt: str, delay: Delay | None = None, layout: Path | None = None,
+            max_new_tokens: Count = 40, timeout: Seconds = 600, stage3: Stage3 | None = None,
+            latency_ms: NonNegativeNumber = 0, dtype: DType = "float32", device: Device = "auto", nproc: Count = 1,
+            threads: NonNegativeInt = 0, tokenizer: Path | None = None, json: bool = False,
+            cuda_graphs: bool = False) -> int:
+    """Greedy continuation of PROMPT with MODEL run as DTP across processes, one rank per device
+    (start it with torchrun --nproc-per-node L, or pass --nproc L). Rank 0 prints the text.
+
+    Args:
+        model: Hugging Face checkpoint directory (the world size L must divide its KV groups and neurons)
+        prompt: the text to continue
+        delay: δ in modules (fractional allowed); 0 is tensor parallelism with a blocking all-reduce; default a student's recorded δ, else the layout's, else 1
+        layout: a layout JSON made for L devices, applied while each rank reads its slices
+        max_new_tokens: how many tokens to generate
+        timeout: seconds to wait for the ranks to join and for any one transfer before giving up
+        stage3: own-partial scale for the last δ modules: sqrt (√L, the paper's) or one; default a student's, else sqrt
+        latency_ms: extra latency per transfer, emulating a slower link
+        dtype: weights and activations
+        device: auto (cuda if available, else cpu), cpu (gloo) or cuda (NCCL, one GPU per rank: cuda:LOCAL_RANK)
+        nproc: spawn this many local ranks; 1: this process is one rank of a torchrun
+        threads: torch threads per rank (0: the cores divided by the local ranks, less two for the transfers)
+        tokenizer: tokenizer directory, where MODEL has no tokenizer files
+        json: rank 0 prints one JSON object {text, completion, new_token_ids, ...} instead of the text
+        cuda_graphs: decode each token as one CUDA-graph replay (device cuda; runtime/graphs.py)
+    """
+    if nproc > 1 and "RANK" in os.environ:
+        raise UserError(f"--nproc {nproc} under torchrun: torchrun has started the ranks already; drop --nproc")
+    world = nproc if nproc > 1 else world_from_env()[1]
+    job = plan_run(model, prompt, world, delay=delay, stage3=stage3, layout=layout, max_new_tokens=max_new_tokens,
+                   timeout=timeout, latency_ms=latency_ms, dtype=dtype, device=device, threads=threads,
+                   tokenizer=tokenizer, json=json, cuda_graphs=cuda_graphs)
+    if nproc == 1:
+        return serve_rank(job)
+    exits = launch_local(nproc, serve_rank, (job,), grace=timeout, who="dtpshard run")
+    if any(e.said or e.traceback for e in exits):  # a rank raised: say that one (ranks that lost a
+        # collective have already said so themselves)
+        raise RankFailure(root_cause([e if e.said or e.traceback else RankExit(e.rank, 0) for e in exits]))
+    bad = [f"rank {e.rank} exit {e.code}" for e in exits if e.code]
+    if bad:
+        raise RankFailure(f"the run failed ({', '.join(bad)})")
+    return 0
