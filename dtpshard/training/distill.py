@@ -12,50 +12,48 @@ from dtpshard.core.errors import UserError
 from dtpshard.training.recipe import (FROZEN, OPERATIONAL, DistillConfig, Student, Teacher,  # noqa: F401
                                       check_config, lr_factor, resolve, train_blocks_for)
 
-__all__ = ["DistillConfig", "distill", "distill_cmd", "check_config", "lr_factor", "resolve", "train_blocks_for",
-           "FROZEN", "OPERATIONAL", "Student", "Teacher"]
+__all__ = ["DistillConfig", "distill", "distill_cmd", "train_rank", "check_config", "lr_factor", "resolve",
+           "train_blocks_for", "FROZEN", "OPERATIONAL", "Student", "Teacher"]
 
 
-def _rank(cfg: DistillConfig) -> int:
-    """One local rank of `--nproc K` (the launcher set RANK, WORLD_SIZE, ...)."""
+def train_rank(cfg: DistillConfig) -> int:
+    """One local rank of `--nproc K` (launch_local set RANK, WORLD_SIZE, ...): it trains, and never
+    goes back through `distill`, whose launcher holds the run's lock for all of them."""
+    import torch
+
+    from dtpshard.training.ddp import run_distributed
+    from dtpshard.training.loop import train
+
     if "OMP_NUM_THREADS" not in os.environ:  # K processes share the cores, as under torchrun
-        import torch
-
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.nproc))
-    distill(cfg)
+    run_distributed(cfg, train)
     return 0
 
 
 def distill(cfg: DistillConfig) -> Path:
-    """Run (or resume, or finish) the distillation into cfg.out; returns the run directory."""
-    from dtpshard.training.ddp import run_distributed
-    from dtpshard.training.loop import train
-
+    """Run (or resume, or finish) the distillation into cfg.out; returns the run directory. One
+    process owns RUN while it runs: this one (which, with --nproc K, starts the K ranks), or under
+    torchrun rank 0."""
     from contextlib import nullcontext
 
-    from dtpshard.training.rundir import LOCKED_ENV, locked
+    from dtpshard.core.io import refuse_overwriting
+    from dtpshard.training.ddp import run_distributed
+    from dtpshard.training.loop import train
+    from dtpshard.training.rundir import locked, refuse_foreign, refuse_unrelated
 
     check_config(cfg)
-    from dtpshard.core.io import refuse_overwriting
-
     # --force starts a run over by removing its files, config.json among them: never the teacher's
     refuse_overwriting(cfg.out, the_teacher_directory=cfg.teacher, the_tokenizer_directory=cfg.tokenizer,
                        the_teacher_cache=cfg.teacher_cache)
-    from dtpshard.training.rundir import refuse_foreign, refuse_unrelated
-
     refuse_foreign(Path(cfg.out))  # before any model is read: a model's or an experiment's directory,
     refuse_unrelated(Path(cfg.out), cfg.force)  # or unrelated files
-    # One process owns RUN: this one, or the launcher of a data-parallel group (for its ranks).
+    under_torchrun = "WORLD_SIZE" in os.environ  # each process is a rank already (ddp.setup checks --nproc)
     owner = int(os.environ.get("RANK", "0")) == 0
     with locked(cfg.out) if owner else nullcontext():
-        if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        if cfg.nproc > 1 and not under_torchrun:
             from dtpshard.core.launch import launch_local, root_cause
 
-            os.environ[LOCKED_ENV] = str(Path(cfg.out).absolute())  # the ranks inherit it
-            try:
-                exits = launch_local(cfg.nproc, _rank, (cfg,), grace=cfg.timeout, who="dtpshard distill")
-            finally:
-                os.environ.pop(LOCKED_ENV, None)
+            exits = launch_local(cfg.nproc, train_rank, (cfg,), grace=cfg.timeout, who="dtpshard distill")
             line = root_cause(exits)
             if line is not None:
                 raise UserError(line if " failed: " in line else f"{line}; the run stopped (rerun the same "

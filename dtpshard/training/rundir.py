@@ -36,7 +36,6 @@ FINAL = "final"
 DONE = "DONE"
 LOCK = ".lock"
 OWNED = (CONFIG, METRICS, CHECKPOINT, SHARDED_CHECKPOINT, FINAL, DONE)
-LOCKED_ENV = "DTPSHARD_RUN_LOCKED"  # set by a launcher holding the lock for the processes it starts
 
 
 @contextlib.contextmanager
@@ -46,9 +45,6 @@ def locked(run: Path, flag: str = "--out") -> Iterator[None]:
     that RUN can be written, made before any expensive work. A RUN this call created that holds
     nothing afterwards (a refused start) is removed again."""
     run = Path(run).absolute()
-    if os.environ.get(LOCKED_ENV) == str(run):  # a rank under our own launcher: it holds the lock
-        yield
-        return
     if run.exists() and not run.is_dir():
         raise UserError(f"{flag} {run}: exists and is not a directory")
     created = not run.exists()
