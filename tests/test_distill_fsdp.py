@@ -75,25 +75,25 @@ def _shard_sizes(teacher, out):
     """One rank: build the sharded models, take one optimizer step, write the local byte counts."""
     import torch.distributed as dist
 
+    from dtpshard.model.checkpoint import open_checkpoint
     from dtpshard.training import fsdp
-    from dtpshard.training.recipe import DistillConfig, resolve
     from dtpshard.training.ddp import Dist
     from dtpshard.training.loop import _evaluate, _optimizer, accumulate
+    from dtpshard.training.recipe import DistillConfig, resolve
+    from dtpshard.training.strategy import Sharded
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = resolve(DistillConfig(teacher=teacher, out=out, devices=2, delay=1, seq_len=8, micro_batch=1, grad_accum=1,
                                 fsdp=True))
-    mesh = fsdp.mesh_for("cpu", world)
-    from dtpshard.training.recipe import build_models
-
-    t_net, s_net, _ = build_models(cfg, "cpu", lambda net, frozen: fsdp.shard(net, mesh, frozen))
+    strategy = Sharded(Dist(rank, world), "fp32")
+    t_net, s_net = strategy.build(cfg, open_checkpoint(teacher), None)
     # 3 blocks on 2 ranks: rank 1 scores one block and makes a second, uncounted forward in lockstep
     ev = torch.randint(0, s_net.model.shape.vocab, (3, 9), generator=torch.Generator().manual_seed(1))
-    scores = _evaluate(s_net, t_net, ev, dataclasses.replace(cfg, eval_micro_batch=1), Dist(rank, world), True)
+    scores = _evaluate(s_net, t_net, ev, dataclasses.replace(cfg, eval_micro_batch=1), Dist(rank, world), strategy)
     named, opt, _ = _optimizer(cfg, s_net.model)
     batch = torch.randint(0, s_net.model.shape.vocab, (1, 9), generator=torch.Generator().manual_seed(0))
-    accumulate(s_net, None, t_net, [batch], cfg, "cpu")
+    accumulate(s_net, strategy, t_net, [batch], cfg, "cpu")
     opt.step()
     sizes = {"student": fsdp.local_bytes(s_net.parameters()), "teacher": fsdp.local_bytes(t_net.parameters()),
              "trained": fsdp.local_bytes(p for _, p in named),

@@ -88,13 +88,14 @@ def test_distill_never_writes_beside_unrelated_files(model, tmp_path, capsys, mo
     args = ["distill", str(model), "--out", str(busy), "--text", str(text), "--steps", "1", "--devices", "2",
             "--seq-len", "8", "--micro-batch", "1", "--grad-accum", "1", "--eval-blocks", "1", "--device", "cpu",
             "--no-progress"]
-    import dtpshard.training.loop as loop
+    from dtpshard.training.strategy import Replicated, Sharded
 
     def no_model(*a, **k):
         raise AssertionError("a model was read before the refusal")
 
     with monkeypatch.context() as m:
-        m.setattr(loop, "build_models", no_model)
+        m.setattr(Replicated, "build", no_model)
+        m.setattr(Sharded, "build", no_model)
         refused(capsys, args, f"--out {busy}: not empty and not a dtpshard run (holds data and 1 more)")
     assert snapshot(busy) == before and sorted(p.name for p in busy.iterdir()) == ["data", "notes.txt"]
     assert main(args + ["--force"]) == 0  # the user's explicit choice: the run goes beside them

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from dtpshard.core.shape import ModelShape, shape_from_hf_config
 from dtpshard.core.errors import UserError, naming
-from dtpshard.core.io import share
+from dtpshard.model.shards import DEFAULT_MAX_SHARD_SIZE, INDEX, Weights, parse_size, write_weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
@@ -52,7 +53,6 @@ def read_shape(path: str | Path) -> ModelShape:
     return shape_from_hf_config(load_hf_config(path))
 
 
-INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
@@ -87,9 +87,12 @@ class TensorFiles:
             raise UserError(f"{path}: missing weight file {missing[0]}")
         self.alias = {canonical(k): k for k in self.where}
         self.shapes: dict[str, list[int]] = {}  # every header read now: a damaged file is refused before any work
+        self.dtypes: dict[str, str] = {}  # safetensors' names: F32, BF16, ...
         for f in self.files:
             with naming(f), safe_open(str(f), framework="pt") as st:
-                self.shapes.update({k: list(st.get_slice(k).get_shape()) for k in st.keys()})
+                for k in st.keys():
+                    sl = st.get_slice(k)
+                    self.shapes[k], self.dtypes[k] = list(sl.get_shape()), sl.get_dtype()
         absent = [k for k in self.where if k not in self.shapes]
         if absent:
             raise UserError(f"{self.where[absent[0]]}: has no tensor {absent[0]!r} (named in {INDEX})")
@@ -99,11 +102,28 @@ class TensorFiles:
         """The weight files, each once, in the order the index first names them."""
         return list(dict.fromkeys(self.where.values()))
 
+    def stored_dtype(self) -> torch.dtype | None:
+        """The dtype the weights are stored in (of the first floating tensor), from the headers."""
+        names = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+        return next((names[d] for d in self.dtypes.values() if d in names), None)
+
     def keys(self) -> list[str]:
         return list(self.alias)
 
     def shape(self, name: str) -> list[int]:
         return self.shapes[self.alias[name]]
+
+    def get_units(self, name: str, idx: "np.ndarray", axis: int) -> torch.Tensor:
+        """Rows (axis 0) or columns (axis 1) `idx` of tensor `name`, read run by run from the file
+        (a run of consecutive indices is one slice), so only those are read."""
+        from safetensors import safe_open
+
+        breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+        runs = [slice(int(r[0]), int(r[-1]) + 1) for r in np.split(idx, breaks)]
+        key = self.alias[name]
+        with naming(self.where[key]), safe_open(str(self.where[key]), framework="pt") as st:
+            sl = st.get_slice(key)
+            return torch.cat([sl[r] if axis == 0 else sl[:, r] for r in runs], axis)
 
     def get(self, name: str, rows: slice | None = None) -> torch.Tensor:
         """Tensor `name` (canonical HF name), or only its `rows` (a slice of dim 0: the streamed
@@ -211,20 +231,22 @@ def load_tokenizer(path: str | Path) -> Any:
         raise UserError(f"{path}: no usable tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
 
-def save_checkpoint(out_dir: Path, hf_config: Any, state_dict: dict[str, torch.Tensor], source: Path | None = None,
-                    extra_json: dict[str, Any] | None = None) -> None:
-    """Write a transformers-loadable directory (into an already-temporary `out_dir`)."""
+def save_checkpoint(out_dir: Path, hf_config: Any, weights: Weights, source: Path | None = None,
+                    extra_json: dict[str, Any] | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                    write: bool = True) -> None:
+    """Write a transformers-loadable directory (into an already-temporary `out_dir`): config, the
+    weights in safetensors shards (model/shards.py), the tokenizer files of `source`, extra JSON
+    files. write=False: only ask for the weights in turn (the other ranks of a sharded save)."""
     import shutil
 
-    from safetensors.torch import save_file
-
+    if hf_config.tie_word_embeddings:
+        weights = weights.without({"lm_head.weight"})
+    if not write:
+        write_weights(out_dir, weights.specs, weights.produce, parse_size(max_shard_size), write=False)
+        return
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(str(out_dir))
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    if hf_config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    share(out_dir / "model.safetensors", 0o666)  # safetensors writes 0600
+    write_weights(out_dir, weights.specs, weights.produce, parse_size(max_shard_size))
     if source is not None:
         for name in TOKENIZER_FILES:
             if (source / name).is_file():

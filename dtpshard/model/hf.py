@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import read_json_object
 from dtpshard.core.settings import read_record
+from dtpshard.model.checkpoint import save_checkpoint
+from dtpshard.model.shards import DEFAULT_MAX_SHARD_SIZE, Weights
 
 log = logging.getLogger("dtpshard")
 
@@ -137,17 +139,18 @@ class PretrainedMixin:
         """What a student records (config.json's `dtp` block and dtp.json): the settings it runs with."""
         return {**self.dtp_settings(), "layout_sha256": self.layout_sha256}
 
-    def save_pretrained(self, out_dir: Path, source: Path | None = None,
-                        state_dict: dict[str, Any] | None = None) -> None:
-        """Write weights (state_dict, default this model's own: a sharded model passes its gathered
-        one), HF config (with the `dtp` block), tokenizer files (copied from `source`) and dtp.json."""
+    def save_pretrained(self, out_dir: Path, source: Path | None = None, weights: Weights | None = None,
+                        dtype: torch.dtype | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                        write: bool = True) -> None:
+        """Write the weights (`weights`, default this model's own; a sharded model passes the gathering
+        ones) in safetensors shards of at most `max_shard_size`, in `dtype` (default the model's),
+        the HF config (with the `dtp` block), tokenizer files (copied from `source`) and dtp.json."""
         import copy
 
-        from dtpshard.model.checkpoint import save_checkpoint
-
+        dtype = dtype or self.dtype
         config = copy.deepcopy(self.hf_config)  # the teacher may share this object
         setattr(config, DTP_KEY, self.dtp_block())
-        config.dtype = self.dtype  # what dtype="auto" will load: the weights as saved
-        sd = self.state_dict() if state_dict is None else state_dict
-        save_checkpoint(Path(out_dir), config, sd, source or getattr(self, "source_path", None),
-                        extra_json={DTP_JSON: self.dtp_block()})
+        config.dtype = dtype  # what dtype="auto" will load: the weights as saved
+        weights = weights or Weights.of(self.state_dict(), dtype)
+        save_checkpoint(Path(out_dir), config, weights, source or getattr(self, "source_path", None),
+                        extra_json={DTP_JSON: self.dtp_block()}, max_shard_size=max_shard_size, write=write)

@@ -136,6 +136,8 @@ class Proj(nn.Module):
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     kind = t.device.type
+    if kind == "meta":  # no autocast there (the memory plan traces the model on meta: training/memory.py)
+        return t.dtype
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else t.dtype
 
 

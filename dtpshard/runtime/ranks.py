@@ -55,23 +55,6 @@ def check_world(model: Path, world: int, layout: Path | Layout | None = None,
 
 
 # -- reading only this rank's slices ---------------------------------------------------------
-def _runs(idx: np.ndarray) -> list[slice]:
-    """Consecutive runs of an index list as slices, in order: [3, 4, 5, 9] -> [3:6, 9:10]."""
-    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-    return [slice(int(r[0]), int(r[-1]) + 1) for r in np.split(idx, breaks)]
-
-
-def read_units(ckpt: Checkpoint, name: str, idx: np.ndarray, axis: int) -> torch.Tensor:
-    """Rows (axis 0) or columns (axis 1) `idx` of tensor `name`, read run by run from the file."""
-    from safetensors import safe_open
-
-    key = ckpt.files.alias[name]
-    with safe_open(str(ckpt.files.where[key]), framework="pt") as st:
-        sl = st.get_slice(key)
-        parts = [sl[r] if axis == 0 else sl[:, r] for r in _runs(idx)]
-    return torch.cat(parts, axis)
-
-
 def load_shard(ckpt: Checkpoint, rank: int, world: int, layout: Layout | None,
                dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Rank `rank`'s state dict: its 1/world of every sharded tensor (after the layout's permutation:
@@ -89,7 +72,7 @@ def load_shard(ckpt: Checkpoint, rank: int, world: int, layout: Layout | None,
         n = s.units(m)
         perm = np.arange(n) if layout is None else np.asarray(layout.perm(m))
         own = perm[rank * n // world:(rank + 1) * n // world]
-        out[name] = read_units(ckpt, name, unit_index(own, rows).numpy(), axis).to(dtype)
+        out[name] = ckpt.files.get_units(name, unit_index(own, rows).numpy(), axis).to(dtype)
     return out
 
 

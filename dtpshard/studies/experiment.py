@@ -264,12 +264,12 @@ def _zero_shot(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: 
     blocks, _ = eval_blocks_for(model, ev["text"], ev["dataset"], ev["blocks"], seq_len,
                                 load_tokenizer(cfg["tokenizer"] or model), cfg["text_field"])
     micro = ev["micro_batch"] or cfg["training"].get("micro_batch", 4)
-    autocast = cfg["training"].get("autocast", True)
+    precision = cfg["training"].get("precision", "auto")
     for name in todo:
         with _timed(out, "zero-shot"):
             student = DTPModel.from_state_dict(ckpt.hf_config, sd, cfg["devices"], cfg["delay"], cfg["stage3"],
                                                Layout.load(layouts[name])).to(dev)
-            done[name] = evaluate(student, teacher, blocks, micro, autocast)
+            done[name] = evaluate(student, teacher, blocks, micro, precision)
             del student
             atomic_write_text(path, json.dumps(done, indent=1) + "\n")
         _say(f"zero-shot {name}: KL {done[name]['kl']:.4f}, ppl {done[name]['ppl']:.2f}")
@@ -291,7 +291,7 @@ def _teacher_cache(cfg: dict[str, Any], model: Path, out: Path, runs: list[tuple
                           t["text"], t["dataset"], cfg["text_field"], tokenizer)
     with _timed(out, "teacher cache"):
         return build_cache(model, blocks, out / TEACHER_CACHE, cfg["teacher_cache_k"], micro_batch=t["micro_batch"],
-                           device=pick_device(cfg["device"]), autocast=t["autocast"], progress=t["progress"],
+                           device=pick_device(cfg["device"]), precision=t["precision"], progress=t["progress"],
                            tokenizer=tokenizer)
 
 

@@ -61,13 +61,14 @@ def smollm2_checkpoint(cache: Path | None = None) -> Path:
         msg = str(e).strip().splitlines()
         raise UserError(f"cannot read {source}: {type(e).__name__}: {msg[0] if msg else ''}") from None
     from dtpshard.model.checkpoint import save_checkpoint
+    from dtpshard.model.shards import Weights
 
     config = model.config
     if hasattr(config, "quantization_config"):  # the weights are float32 now, not GGUF blocks
         del config.quantization_config
     with atomic_dir(target, force=True) as tmp:
         # transformers refuses save_pretrained on a model read from GGUF, so write the plain parts
-        save_checkpoint(tmp, config, model.state_dict())
+        save_checkpoint(tmp, config, Weights.of(model.state_dict()))
         tokenizer.save_pretrained(str(tmp))
     return target
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json as _json
 import math
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 from dtpshard.core.errors import UserError
 from dtpshard.core.vocab import Count, Delay, Device, Stage3
 from dtpshard.training.losses import kl_ce_sums
+from dtpshard.training.precision import Precision, autocast_for
 
 
 def hidden_and_head(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,16 +26,9 @@ def hidden_and_head(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Te
     return model.model(ids).last_hidden_state, model.get_output_embeddings().weight
 
 
-def autocast_for(device: torch.device | str, enabled: bool = True):
-    """bf16 autocast on CUDA (fp32 master weights); on CPU everything stays fp32."""
-    if enabled and torch.device(device).type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return nullcontext()
-
-
 @torch.no_grad()
 def eval_sums(student: torch.nn.Module, teacher: torch.nn.Module | None, blocks: torch.Tensor,
-              micro_batch: int, autocast: bool = True) -> torch.Tensor:
+              micro_batch: int, precision: str = "auto") -> torch.Tensor:
     """[kl_sum, ce_sum, positions] in float64 over blocks [n, seq_len + 1] (summable across ranks)."""
     dev = next(student.parameters()).device
     sums = torch.zeros(3, dtype=torch.float64)
@@ -45,7 +38,7 @@ def eval_sums(student: torch.nn.Module, teacher: torch.nn.Module | None, blocks:
         for a in range(0, blocks.shape[0], micro_batch):
             b = blocks[a:a + micro_batch].to(dev)
             ids, tgt = b[:, :-1], b[:, 1:]
-            with autocast_for(dev, autocast):
+            with autocast_for(dev, precision):
                 h_s, w_s = hidden_and_head(student, ids)
                 h_t, w_t = hidden_and_head(teacher, ids) if teacher is not None else (None, None)
                 _, kl, ce = kl_ce_sums(h_s, w_s, h_t, w_t, tgt, ce_weight=0.0)
@@ -63,13 +56,13 @@ def summarise(sums: torch.Tensor, with_teacher: bool) -> dict[str, Any]:
 
 
 def evaluate(student: torch.nn.Module, teacher: torch.nn.Module | None, blocks: torch.Tensor,
-             micro_batch: int = 4, autocast: bool = True) -> dict[str, Any]:
+             micro_batch: int = 4, precision: str = "auto") -> dict[str, Any]:
     """{"kl": nats/token or None without a teacher, "ppl": exp(mean CE), "tokens": positions}."""
     if blocks.ndim != 2 or blocks.shape[1] < 2:
         raise UserError(f"evaluation blocks must be [n, seq_len + 1] with seq_len >= 1, got {list(blocks.shape)}")
     if micro_batch < 1:
         raise UserError(f"micro_batch={micro_batch}: must be at least 1")
-    return summarise(eval_sums(student, teacher, blocks, micro_batch, autocast), teacher is not None)
+    return summarise(eval_sums(student, teacher, blocks, micro_batch, precision), teacher is not None)
 
 
 def source_blocks(tok: Any, text: list[str] | None, dataset: str | None, role: str, seq_len: int, n: int,
@@ -98,7 +91,7 @@ def eval_blocks_for(model: Path, text: list[str] | None = None, dataset: str | N
 def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None = None, layout: Path | None = None,
              teacher: Path | None = None, text: list[str] | None = None, dataset: str | None = None,
              text_field: str = "text", tokenizer: Path | None = None, blocks: Count = 16, seq_len: Count = 1024,
-             micro_batch: Count = 4, stage3: Stage3 | None = None, device: Device = "auto", autocast: bool = True,
+             micro_batch: Count = 4, stage3: Stage3 | None = None, device: Device = "auto", precision: Precision = "auto",
              compile: bool = False, json: bool = False) -> int:
     """Perplexity of MODEL run as L devices with delay δ and, with --teacher, KL(teacher ‖ model) in
     nats per token, on held-out evaluation blocks (never the calibration or training blocks).
@@ -118,7 +111,7 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
         micro_batch: blocks per forward pass
         stage3: own-partial scale of the last δ modules: sqrt (√L, the paper's) or one
         device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
-        autocast: bf16 autocast on CUDA (ignored on CPU)
+        precision: fp32, or bf16-mixed (bf16 autocast); auto: bf16-mixed on CUDA, fp32 on the CPU
         compile: torch.compile the models' forward passes (pays a compile; worth it for many blocks)
         json: print one JSON object {kl, ppl, tokens, ...} instead of text
     """
@@ -130,7 +123,7 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
     if layout is not None and (Path(model) / "distill.json").is_file():
         raise UserError(f"{model} is a distilled student whose weights are already permuted: drop --layout")
     dev = pick_device(device)
-    # fp32 weights whatever the checkpoint's dtype: CUDA runs under bf16 autocast, the CPU in fp32
+    # fp32 weights whatever the checkpoint's dtype: bf16-mixed runs under autocast
     student = DTPModel.from_pretrained(model, devices, delay, dtype=torch.float32, layout=layout, stage3=stage3,
                                        device=dev)
     dense = None
@@ -147,7 +140,7 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
         for net in (student, dense):
             if net is not None:  # evaluation reads h, the LM head's input, so compile that
                 net.hidden = torch.compile(net.hidden)
-    result = evaluate(student, dense, ev, micro_batch, autocast)
+    result = evaluate(student, dense, ev, micro_batch, precision)
     result.update({"model": str(model), **student.dtp_settings(), "layout": None if layout is None else str(layout),
                    "teacher": None if teacher is None else str(teacher), "blocks": int(ev.shape[0]),
                    "seq_len": int(ev.shape[1] - 1), "data": source})

@@ -17,7 +17,8 @@ untied LM head is never used (the loss uses the student's, the same frozen tenso
 a group of its own that is never gathered.
 
 Frozen tensors (embedding, LM head) are sharded with requires_grad False: no gradient, no
-optimizer state. Parameters stay fp32 (no MixedPrecisionPolicy), so the numbers match DDP's.
+optimizer state. Under --precision fp32 parameters stay fp32, so the numbers match DDP's; under
+bf16-mixed a MixedPrecisionPolicy computes in bf16 and reduces gradients in fp32 (`policy`).
 
 Checkpoint: RUN/checkpoint.dcp/ holds step directories written by `torch.distributed.checkpoint`
 (every rank writes its own shards) and LATEST naming the complete one: a step is written under a
@@ -51,10 +52,22 @@ def mesh_for(device: str, world: int) -> Any:
     return init_device_mesh(torch.device(device).type, (world,))
 
 
-def shard(net: nn.Module, mesh: Any, frozen: bool) -> None:
+def policy(precision: str) -> Any:
+    """bf16-mixed: bf16 weights in forward and backward, fp32 master weights and fp32 gradient
+    reduction (FSDP2's MixedPrecisionPolicy); fp32: None (everything fp32)."""
+    if precision != "bf16-mixed":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def shard(net: nn.Module, mesh: Any, frozen: bool, mp_policy: Any = None) -> None:
     """fully_shard a Student/Teacher wrapper (net.model a DTPModel) in place: one group per DTP
     module, the rest in the root. frozen: a forward-only model (the teacher)."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    kw = {} if mp_policy is None else {"mp_policy": mp_policy}
 
     # FSDP warns that a view returned by a module would lose its pre-backward hook to an in-place
     # op; the schedule only ever adds partials out of place (x = x + p), so the warning is noise
@@ -62,13 +75,13 @@ def shard(net: nn.Module, mesh: Any, frozen: bool) -> None:
     model = net.model
     for layer in model.model.layers:
         for part in (layer.self_attn, layer.mlp):
-            fully_shard(part, mesh=mesh)
+            fully_shard(part, mesh=mesh, **kw)
             register_fsdp_forward_method(part, "partials")
     if frozen and model.lm_head is not None:
-        fully_shard(model.lm_head, mesh=mesh)  # never called: stays sharded
+        fully_shard(model.lm_head, mesh=mesh, **kw)  # never called: stays sharded
     # a forward-only root frees its gathered weights after each forward; the student's root keeps
     # them for the backward that follows (FSDP's default for the root)
-    fully_shard(net, mesh=mesh, reshard_after_forward=True if frozen else None)
+    fully_shard(net, mesh=mesh, reshard_after_forward=True if frozen else None, **kw)
 
 
 def local_bytes(tensors: Any) -> int:
@@ -159,6 +172,7 @@ def publish(run: Path, tmp: Path, final: Path) -> None:
 def load(run: Path, net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any] | None:
     """Collective: restore the student and AdamW state in place -> rank 0's extras, or None."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = latest(run)
@@ -169,17 +183,10 @@ def load(run: Path, net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any
         model_sd, optim_sd = get_state_dict(net, opt)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
-    except Exception as e:  # noqa: BLE001 - a corrupt or foreign checkpoint fails in many ways
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a corrupt or foreign checkpoint fails in many
+        # ways, and torch.distributed.checkpoint's own error is a BaseException, not an Exception
         raise UserError(f"{path}: unreadable sharded checkpoint ({type(e).__name__}: "
                         f"{str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}); "
                         "use --force to start over") from None
     set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return extra
-
-
-def gather(net: nn.Module) -> dict[str, torch.Tensor]:
-    """Collective: the student's full HF state dict on rank 0's CPU (empty on the other ranks)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    sd = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k.removeprefix("model."): v for k, v in sd.items()}

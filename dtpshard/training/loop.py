@@ -1,9 +1,11 @@
-"""The distillation loop: one process, or one rank of a data-parallel group (ddp.Dist), its
-model replicated (DDP) or sharded (--fsdp, fsdp.py).
+"""The distillation loop: one process, or one rank of a data-parallel group (ddp.Dist), its models
+replicated or sharded as its strategy says (strategy.py); the loop never asks which.
 
 Order of work per optimizer step k (1-based): train row → eval row (every eval_every steps and
 at the end) → checkpoint (every checkpoint_every steps, every checkpoint_minutes, and at the
-end). A checkpoint therefore covers every metrics row written before it.
+end). A checkpoint therefore covers every metrics row written before it. A step whose loss or
+gradient norm is not finite stops the run before its update: the last checkpoint stays, no
+final/ is written.
 
 Global data order: step s takes training blocks [s·G, (s+1)·G), G = micro × accum × ranks;
 micro-batch a of rank r is rows s·G + (a·ranks + r)·micro ... + micro. Each micro-batch's summed
@@ -13,22 +15,27 @@ reduce-scattered as soon as its backward ends, so no rank ever holds a whole gra
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dtpshard.training import fsdp, rundir
-from dtpshard.training.recipe import (DistillConfig, build_models, compared_keys, lr_factor, resolve, rng_state,
-                                      run_config, set_rng_state, train_blocks_for)
-from dtpshard.training.ddp import Dist
 from dtpshard.core.errors import UserError
-from dtpshard.training.evaluate import autocast_for, eval_blocks_for, summarise
+from dtpshard.core.layout import as_layout
+from dtpshard.model.checkpoint import load_tokenizer, open_checkpoint
+from dtpshard.training import memory, rundir
+from dtpshard.training.ddp import Dist
+from dtpshard.training.evaluate import eval_blocks_for, summarise
+from dtpshard.training.fsdp import full_norm
+from dtpshard.training.precision import resolve_precision
+from dtpshard.training.recipe import (DistillConfig, compared_keys, lr_factor, resolve, rng_state, run_config,
+                                      save_dtype, set_rng_state, train_blocks_for)
+from dtpshard.training.strategy import Replicated, strategy_for
 
 
 def _optimizer(cfg: DistillConfig, student: torch.nn.Module):
@@ -42,10 +49,10 @@ def _optimizer(cfg: DistillConfig, student: torch.nn.Module):
     return named, opt, sched
 
 
-def accumulate(net, ddp, teacher, batches: list[torch.Tensor], cfg: DistillConfig, device: str,
+def accumulate(net, strategy: Replicated, teacher, batches: list[torch.Tensor], cfg: DistillConfig, device: str,
                cache: Any = None) -> torch.Tensor:
     """Forward/backward of this rank's micro-batches [micro, seq_len + 1] of one optimizer step
-    (net: a distill.Student, teacher: a distill.Teacher; gradients accumulate, DDP reduces after
+    (net: a recipe.Student, teacher: a recipe.Teacher; gradients accumulate, DDP reduces after
     the last one). Returns [loss, kl, ce] sums (float64, on the device: no host sync per
     micro-batch). With a teacher cache (anything with `lookup(blocks)`, teacher_cache.TeacherCache)
     the teacher is not run: the loss is the top-k KL + tail."""
@@ -56,11 +63,10 @@ def accumulate(net, ddp, teacher, batches: list[torch.Tensor], cfg: DistillConfi
         ids, tgt = b[:, :-1], b[:, 1:]
         h_t = None
         if top is None:
-            with torch.no_grad(), autocast_for(device, cfg.autocast):
+            with torch.no_grad(), strategy.autocast():
                 h_t = teacher(ids)
-        sync = ddp.no_sync() if ddp is not None and a < len(batches) - 1 else nullcontext()
-        with sync:
-            with autocast_for(device, cfg.autocast):
+        with strategy.no_sync(last=a == len(batches) - 1):
+            with strategy.autocast():
                 loss, kl, ce = net(ids, h_t, tgt, cfg.ce_weight, top)
             (loss / (cfg.micro_batch * cfg.grad_accum * cfg.seq_len)).backward()
         sums += torch.stack([loss.detach(), kl, ce]).double()
@@ -68,13 +74,13 @@ def accumulate(net, ddp, teacher, batches: list[torch.Tensor], cfg: DistillConfi
 
 
 @torch.no_grad()
-def _evaluate(student, teacher, ev: torch.Tensor, cfg: DistillConfig, d: Dist, lockstep: bool) -> dict[str, Any]:
-    """Each rank scores every world-th block; the sums are added across ranks. lockstep (sharded):
+def _evaluate(student, teacher, ev: torch.Tensor, cfg: DistillConfig, d: Dist, strategy: Replicated) -> dict[str, Any]:
+    """Each rank scores every world-th block; the sums are added across ranks. In lockstep (sharded)
     every forward is a collective, so each rank makes as many as the busiest rank, scoring a
     repeated block it does not count when it runs out."""
     mb = cfg.eval_micro_batch or cfg.micro_batch
     mine = ev[d.rank::d.world]
-    calls = math.ceil(math.ceil(ev.shape[0] / d.world) / mb) if lockstep else math.ceil(mine.shape[0] / mb)
+    calls = math.ceil(math.ceil(ev.shape[0] / d.world) / mb) if strategy.lockstep else math.ceil(mine.shape[0] / mb)
     sums = torch.zeros(3, dtype=torch.float64)
     was = student.training
     student.eval()
@@ -84,69 +90,78 @@ def _evaluate(student, teacher, ev: torch.Tensor, cfg: DistillConfig, d: Dist, l
             counted = b.shape[0] > 0
             b = (b if counted else ev[:1]).to(d.device)
             ids, tgt = b[:, :-1], b[:, 1:]
-            with autocast_for(d.device, cfg.autocast):
+            with strategy.autocast():
                 _, kl, ce = student(ids, teacher(ids), tgt, 0.0)
             if counted:
                 sums += torch.tensor([kl.item(), ce.item(), tgt.numel()], dtype=torch.float64)
     finally:
         student.train(was)
-        if lockstep:  # FSDP keeps a root's weights gathered after forward (for the backward, none here):
-            student.reshard()  # free them, and give named_parameters() the sharded ones back
+        strategy.after_eval(student)
     return summarise(d.sum(sums), True)
 
 
+def plan_for(cfg: DistillConfig, world: int, device: str) -> memory.MemoryPlan:
+    """The memory plan of this run per process, from config.json alone (cfg resolved)."""
+    from dtpshard.model.checkpoint import load_hf_config
+    from dtpshard.model.shards import parse_size
+
+    hf_config = load_hf_config(cfg.teacher)
+    from dtpshard.core.shape import shape_from_hf_config
+
+    precision = resolve_precision(cfg.precision, device)
+    setup = memory.Setup(world, cfg.fsdp and world > 1, precision, cfg.grad_checkpointing, cfg.micro_batch,
+                         cfg.seq_len, torch.device(device).type)
+    given = None if cfg.plan_memory is None else parse_size(cfg.plan_memory, "--plan-memory")
+    return memory.plan_memory(shape_from_hf_config(hf_config), hf_config, setup, devices=cfg.devices,
+                              delay=cfg.delay, stage3=cfg.stage3,
+                              available=memory.available_bytes(device, memory.local_ranks(), given),
+                              runtime=memory.process_bytes(device))
+
+
 def train(cfg: DistillConfig, d: Dist) -> Path:
-    from dtpshard.model.checkpoint import load_tokenizer
-
-    cfg = resolve(cfg)
+    precision = resolve_precision(cfg.precision, d.device)
+    cfg = dataclasses.replace(resolve(cfg), precision=precision)  # config.json records what ran
     run = Path(cfg.out)
-    sharded = cfg.fsdp and d.world > 1  # one process holds everything whatever the flag
-    if sharded:
-        mesh = fsdp.mesh_for(d.device, d.world)
-        teacher, net0, layout = build_models(cfg, d.device, lambda net, frozen: fsdp.shard(net, mesh, frozen))
-    else:
-        teacher, net0, layout = build_models(cfg, d.device)
-    student = net0.model
-    tok = load_tokenizer(cfg.tokenizer or cfg.teacher)
-    train_data, train_src = train_blocks_for(cfg, d.world, tok)
-    ev, eval_src = eval_blocks_for(cfg.teacher, cfg.eval_text, cfg.eval_dataset, cfg.eval_blocks, cfg.seq_len, tok,
-                                   cfg.text_field)
-    cache = None
-    if cfg.teacher_cache is not None:
-        from dtpshard.training.teacher_cache import TeacherCache
+    plan = plan_for(cfg, d.world, d.device)
+    memory.refuse_unless_fits(plan)  # every rank alike, before anything is loaded
+    peaks = memory.PhasePeaks(d.device)
+    strategy = strategy_for(cfg, d, precision)
+    with peaks.phase("setup"):
+        ckpt, layout = open_checkpoint(cfg.teacher), as_layout(cfg.layout)
+        tok = load_tokenizer(cfg.tokenizer or cfg.teacher)
+        train_data, train_src = train_blocks_for(cfg, d.world, tok)
+        ev, eval_src = eval_blocks_for(cfg.teacher, cfg.eval_text, cfg.eval_dataset, cfg.eval_blocks, cfg.seq_len,
+                                       tok, cfg.text_field)
+        cache = None
+        if cfg.teacher_cache is not None:
+            from dtpshard.training.teacher_cache import TeacherCache
 
-        cache = TeacherCache(cfg.teacher_cache)
-        cache.check(cfg.teacher, train_data, cfg.tokenizer)  # before anything is written
-    config = run_config(cfg, student.shape, layout, d.world, d.device, train_data, train_src, ev, eval_src, cache)
-    # every rank refuses alike; runs from before --fsdp existed were not sharded
-    resuming = rundir.check_run(run, config, compared_keys(), cfg.force, added={"fsdp": False})
-    d.barrier()
-    if d.main:
-        if not resuming:
-            rundir.start_over(run)
-            rundir.write_config(run, config)
-        rundir.clean_temporaries(run)
-        fsdp.clean(run)
-    d.barrier()
-    if rundir.is_done(run):
+            cache = TeacherCache(cfg.teacher_cache)
+            cache.check(cfg.teacher, train_data, cfg.tokenizer)  # before anything is written
+        config = run_config(cfg, ckpt.shape, layout, d.world, d.device, train_data, train_src, ev, eval_src, cache)
+        # every rank refuses alike; runs from before --fsdp (--precision) existed were not sharded (the default)
+        resuming = rundir.check_run(run, config, compared_keys(), cfg.force,
+                                    added={"fsdp": False, "precision": precision})
+        d.barrier()
         if d.main:
-            rundir.remove_checkpoint(run)  # in case a kill came between DONE and its removal
-            print(f"{run}: already finished ({rundir.DONE} present)", file=sys.stderr)
-        return run
+            if not resuming:
+                rundir.start_over(run)
+                rundir.write_config(run, config)
+            rundir.clean_temporaries(run)
+            from dtpshard.training.fsdp import clean
 
-    named, opt, sched = _optimizer(cfg, student)
-    if sharded:
-        state = fsdp.load(run, net0, opt)  # the shards in place; `state` holds the rest
-    else:
-        state = rundir.load_checkpoint(run)
-        if state is not None:
-            missing = [n for n, _ in named if n not in state["student"]]
-            if missing:
-                raise UserError(f"{run / rundir.CHECKPOINT}: has no tensor {missing[0]!r}; use --force to start over")
-            with torch.no_grad():
-                for n, p in named:
-                    p.copy_(state["student"][n])
-            opt.load_state_dict(state["optimizer"])
+            clean(run)
+        d.barrier()
+        if rundir.is_done(run):
+            if d.main:
+                rundir.remove_checkpoint(run)  # in case a kill came between DONE and its removal
+                print(f"{run}: already finished ({rundir.DONE} present)", file=sys.stderr)
+            return run
+        teacher, net0 = strategy.build(cfg, ckpt, layout)
+        student = net0.model
+        student.source_path = Path(cfg.teacher)
+        named, opt, sched = _optimizer(cfg, student)
+        state = strategy.restore(run, net0, named, opt)
     start, wall0 = 0, 0.0
     if state is not None:
         sched.load_state_dict(state["scheduler"])
@@ -160,74 +175,74 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
     d.barrier()
 
     student.gradient_checkpointing = cfg.grad_checkpointing
-    net: torch.nn.Module = net0
-    ddp = None
-    if d.world > 1 and not sharded:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        net = ddp = DDP(net0, device_ids=[d.local_rank] if d.device.startswith("cuda") else None)
-    from dtpshard.model.compiled import compile_module, want_compile
-
-    if not sharded and want_compile(cfg.compile, d.device, cfg.steps - start):
-        net = compile_module(net)
+    net = strategy.wrap(net0, cfg, cfg.steps - start)
     t0 = time.perf_counter()
     wall = lambda: wall0 + time.perf_counter() - t0  # noqa: E731 - training seconds, summed over resumes
     G, T = cfg.micro_batch * cfg.grad_accum * d.world, cfg.seq_len
 
     def eval_row(step: int) -> dict[str, Any]:
-        r = _evaluate(net0, teacher, ev, cfg, d, sharded)
+        r = _evaluate(net0, teacher, ev, cfg, d, strategy)
         return {"kind": "eval", "step": step, "tokens": step * G * T, "eval_kl": r["kl"], "eval_ppl": r["ppl"],
                 "wall": wall()}
 
-    if start == 0:
-        row = eval_row(0)
-        if d.main:
-            metrics.append(row)
-    bar = _progress(cfg, d, start)
-    last_ckpt = time.perf_counter()
-    for step in range(start, cfg.steps):
-        lr = sched.get_last_lr()[0]
-        opt.zero_grad(set_to_none=True)
-        rows = [step * G + (a * d.world + d.rank) * cfg.micro_batch for a in range(cfg.grad_accum)]
-        sums = accumulate(net, ddp, teacher, [train_data[r:r + cfg.micro_batch] for r in rows], cfg, d.device,
-                          cache)
-        params = [p for _, p in named]
-        grad_norm = fsdp.full_norm(torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf))
-        opt.step()
-        sched.step()
-        sums = d.sum(sums) / (G * T)
-        done = step + 1
-        row = {"kind": "train", "step": done, "tokens": done * G * T, "loss": float(sums[0]), "kl": float(sums[1]),
-               "ce": float(sums[2]), "lr": lr, "grad_norm": grad_norm, "wall": wall()}
-        if d.main:
-            metrics.append(row)
-        if done % cfg.eval_every == 0 or done == cfg.steps:
-            erow = eval_row(done)
+    with peaks.phase("training"):
+        if start == 0:
+            row = eval_row(0)
             if d.main:
-                metrics.append(erow)
-            bar.set_postfix_str(f"kl {row['kl']:.4f} eval_kl {erow['eval_kl']:.4f} ppl {erow['eval_ppl']:.2f}")
-        else:
-            bar.set_postfix_str(f"kl {row['kl']:.4f} ce {row['ce']:.3f} lr {lr:.2e}")
-        bar.update(1)
-        due = done % cfg.checkpoint_every == 0 or time.perf_counter() - last_ckpt > 60 * cfg.checkpoint_minutes
-        if sharded:  # saving is collective: rank 0's clock decides for all
-            due = bool(d.sum(torch.tensor([float(due and d.main)]))[0] > 0)
-        if due or done == cfg.steps:
-            extra = {"step": done, "wall": wall(), "metrics_bytes": metrics.size(), "rng": rng_state(),
-                     "scheduler": sched.state_dict(), "config": config}
-            if sharded:
-                fsdp.save(run, done, net0, opt, extra, d.main, d.barrier)
-            elif d.main:
-                extra.update({"student": {n: p.detach() for n, p in named}, "optimizer": opt.state_dict()})
-                rundir.save_checkpoint(run, extra)
-            last_ckpt = time.perf_counter()
-    bar.close()
-    metrics.close()
-    full = fsdp.gather(net0) if sharded else None  # collective
+                metrics.append(row)
+        bar = _progress(cfg, d, start)
+        last_ckpt = time.perf_counter()
+        for step in range(start, cfg.steps):
+            lr = sched.get_last_lr()[0]
+            opt.zero_grad(set_to_none=True)
+            rows = [step * G + (a * d.world + d.rank) * cfg.micro_batch for a in range(cfg.grad_accum)]
+            sums = accumulate(net, strategy, teacher, [train_data[r:r + cfg.micro_batch] for r in rows], cfg,
+                              d.device, cache)
+            params = [p for _, p in named]
+            grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf))
+            sums = d.sum(sums) / (G * T)
+            done = step + 1
+            _stop_if_diverged(done, float(sums[0]), grad_norm, start)
+            opt.step()
+            sched.step()
+            row = {"kind": "train", "step": done, "tokens": done * G * T, "loss": float(sums[0]),
+                   "kl": float(sums[1]), "ce": float(sums[2]), "lr": lr, "grad_norm": grad_norm, "wall": wall()}
+            if d.main:
+                metrics.append(row)
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                erow = eval_row(done)
+                if d.main:
+                    metrics.append(erow)
+                bar.set_postfix_str(f"kl {row['kl']:.4f} eval_kl {erow['eval_kl']:.4f} ppl {erow['eval_ppl']:.2f}")
+            else:
+                bar.set_postfix_str(f"kl {row['kl']:.4f} ce {row['ce']:.3f} lr {lr:.2e}")
+            bar.update(1)
+            due = done % cfg.checkpoint_every == 0 or time.perf_counter() - last_ckpt > 60 * cfg.checkpoint_minutes
+            if strategy.checkpoint_due(due) or done == cfg.steps:
+                extra = {"step": done, "wall": wall(), "metrics_bytes": metrics.size(), "rng": rng_state(),
+                         "scheduler": sched.state_dict(), "config": config}
+                strategy.save(run, done, net0, named, opt, extra)
+                last_ckpt = time.perf_counter()
+        bar.close()
+        metrics.close()
+    with peaks.phase("saving"):
+        _save_student(run, student, strategy, cfg, config, save_dtype(cfg, ckpt))
+    _record_memory(run, plan, peaks, d)
     if d.main:
-        _finish(run, student, cfg, config, full)
+        _mark_done(run, cfg)
     d.barrier()
     return run
+
+
+def _stop_if_diverged(step: int, loss: float, grad_norm: float, start: int) -> None:
+    """A non-finite loss or gradient norm ends the run before its update, every rank alike."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    what = "loss" if not math.isfinite(loss) else "gradient norm"
+    value = loss if not math.isfinite(loss) else grad_norm
+    kept = f"the checkpoint after step {start} is kept" if start else "no checkpoint was written yet"
+    raise UserError(f"step {step}: the {what} is {value} (the run diverged; try a lower --lr); {kept}, "
+                    "no student was written")
 
 
 def _progress(cfg: DistillConfig, d: Dist, start: int):
@@ -241,17 +256,45 @@ def _progress(cfg: DistillConfig, d: Dist, start: int):
                 disable=not (cfg.progress and d.main))
 
 
-def _finish(run: Path, student: torch.nn.Module, cfg: DistillConfig, config: dict[str, Any],
-            state_dict: dict[str, torch.Tensor] | None = None) -> None:
-    """final/ (atomically), then DONE, then drop the checkpoint: a kill anywhere here is resumable.
-    state_dict: the gathered weights of a sharded student."""
+def _save_student(run: Path, student: torch.nn.Module, strategy: Replicated, cfg: DistillConfig,
+                  config: dict[str, Any], dtype: torch.dtype) -> None:
+    """final/, atomically, written by rank 0; under --fsdp every rank gathers each tensor in turn."""
     from dtpshard.core.io import atomic_dir
 
+    weights = strategy.weights(student, dtype)
+    source = Path(cfg.tokenizer or cfg.teacher)
+    if not strategy.d.main:
+        student.save_pretrained(Path("."), source, weights, dtype, cfg.max_shard_size, write=False)
+        return
     with atomic_dir(run / rundir.FINAL, force=True) as tmp:
-        student.save_pretrained(tmp, source=Path(cfg.tokenizer or cfg.teacher), state_dict=state_dict)
+        student.save_pretrained(tmp, source, weights, dtype, cfg.max_shard_size)
         provenance = {k: config[k] for k in ("teacher", "layout", "layout_kind", "layout_sha256", "steps", "seed",
                                               "train_data", "eval_data")}
         (tmp / "distill.json").write_text(json.dumps(provenance, indent=1) + "\n")
+
+
+def _record_memory(run: Path, plan: memory.MemoryPlan, peaks: memory.PhasePeaks, d: Dist) -> None:
+    """RUN/memory.json: the plan per process and every rank's measured peak per phase."""
+    from dtpshard.core.io import atomic_write_text
+
+    phases = ("setup", "training", "saving")
+    mine = torch.tensor([float(peaks.peaks.get(p, -1)) for p in phases], dtype=torch.float64)
+    every = torch.zeros(d.world, len(phases), dtype=torch.float64)
+    every[d.rank] = mine
+    every = d.sum(every)  # each rank fills its own row
+    if not d.main:
+        return
+    measured = {p: [None if v < 0 else int(v) for v in every[:, i].tolist()] for i, p in enumerate(phases)}
+    peak = max((v for vals in measured.values() for v in vals if v is not None), default=None)
+    record = {"plan": plan.to_json(), "measured": measured, "unit": "bytes",
+              "how": "peak resident set per phase (VmHWM)" if plan.setup.device_type == "cpu"
+              else "peak allocated by torch per phase, plus the CUDA runtime",
+              "measured_over_planned": None if peak is None else peak / plan.total}
+    atomic_write_text(run / rundir.MEMORY, json.dumps(record, indent=1) + "\n")
+
+
+def _mark_done(run: Path, cfg: DistillConfig) -> None:
+    """DONE, then drop the checkpoint: a kill anywhere here is resumable."""
     rows = rundir.read_metrics(run)
     last_eval = next((r for r in reversed(rows) if r["kind"] == "eval"), {})
     rundir.mark_done(run, {"steps": cfg.steps, "eval_kl": last_eval.get("eval_kl"),

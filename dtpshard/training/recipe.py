@@ -21,7 +21,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -29,13 +29,17 @@ import torch
 from dtpshard.core.errors import UserError
 from dtpshard.core.vocab import (Beta, CompileMode, Count, Delay, Device, Fraction, NonNegativeInt, NonNegativeNumber,
                                  PositiveNumber, Seconds, Seed, Stage3)
+from dtpshard.training.precision import Precision
+
+SaveDType = Literal["auto", "float32", "bfloat16", "float16"]
 
 FORMAT = "dtpshard.distill/1"
 FROZEN = ("model.embed_tokens.weight", "lm_head.weight")
 # Settings that do not change what is computed: a resumed run may change them.
 OPERATIONAL = ("out", "force", "progress", "checkpoint_every", "checkpoint_minutes", "nproc", "timeout",
                "eval_micro_batch", "grad_checkpointing", "compile", "device", "text", "eval_text", "layout",
-               "text_field", "tokenizer", "tensorboard", "teacher_cache")  # data changes show in the data hashes
+               "text_field", "tokenizer", "tensorboard", "teacher_cache", "max_shard_size", "save_dtype", "plan",
+               "plan_world", "plan_memory")  # data changes show in the data hashes
 DERIVED_COMPARED = ("model", "layout_sha256", "world_size", "device_type", "train_data_sha256", "eval_data_sha256",
                     "teacher_cache_id")  # a cached teacher is recorded by what it holds, not where
 
@@ -78,7 +82,7 @@ class DistillConfig:
         grad_checkpointing: recompute each module's activations in backward (less memory)
         compile: torch.compile the student: on, off, or auto (on CUDA, and on CPU for runs of 200+ steps; never with --fsdp)
         teacher_cache: a `dtpshard teacher-cache` directory: train on its top-k KL + tail instead of running the teacher
-        autocast: bf16 autocast on CUDA with fp32 master weights (ignored on CPU)
+        precision: fp32, or bf16-mixed (bf16 forward and backward, fp32 master weights and gradient reduction); auto: bf16-mixed on CUDA, fp32 on the CPU
         device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         checkpoint_every: write a checkpoint every this many steps
         checkpoint_minutes: and whenever this many minutes passed since the last one
@@ -88,6 +92,11 @@ class DistillConfig:
         progress: show a progress bar with ETA
         tensorboard: also write the metrics as TensorBoard events to this directory (metrics.jsonl stays the record)
         force: start the run directory over (its checkpoint, metrics and student are deleted)
+        max_shard_size: the student's safetensors files are at most this large (5GB, 500MB, 2GiB, or bytes), as transformers' save_pretrained
+        save_dtype: the student's saved weights: auto (the teacher's dtype), float32, bfloat16 or float16
+        plan: print the memory plan per process (from config.json alone) and exit; refused in one line if the run cannot fit
+        plan_world: --plan for this many processes (default: --nproc, or torchrun's WORLD_SIZE)
+        plan_memory: --plan against this much memory per process (e.g. 80GB; default: this machine's GPU memory or RAM share)
     """
 
     teacher: Path
@@ -121,7 +130,7 @@ class DistillConfig:
     grad_checkpointing: bool = False
     compile: CompileMode = "auto"  # model/compiled.py: auto compiles where it pays
     teacher_cache: Path | None = None  # train on a teacher cache's top k (teacher_cache.py), not the teacher
-    autocast: bool = True
+    precision: Precision = "auto"
     device: Device = "auto"
     checkpoint_every: Count = 100
     checkpoint_minutes: PositiveNumber = 30.0
@@ -131,6 +140,11 @@ class DistillConfig:
     progress: bool = True
     tensorboard: Path | None = None
     force: bool = False
+    max_shard_size: str = "5GB"
+    save_dtype: SaveDType = "auto"
+    plan: bool = False
+    plan_world: Count | None = None
+    plan_memory: str | None = None
 
 
 def check_config(cfg: DistillConfig) -> None:
@@ -151,8 +165,6 @@ def check_config(cfg: DistillConfig) -> None:
             raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be in [0, 1)")
     if cfg.eval_micro_batch is not None and cfg.eval_micro_batch < 1:
         raise UserError(f"--eval-micro-batch {cfg.eval_micro_batch}: must be at least 1")
-    if cfg.stage3 not in ("sqrt", "one"):
-        raise UserError(f"--stage3 {cfg.stage3!r}: must be sqrt or one")
     if cfg.compile not in ("auto", "on", "off", True, False):  # bools: the Python API's older flag
         raise UserError(f"--compile {cfg.compile!r}: must be auto, on or off")
     if cfg.fsdp and cfg.compile in ("on", True):  # auto stays eager under --fsdp
@@ -208,33 +220,14 @@ class Teacher(torch.nn.Module):
         return self.model.hidden(ids)
 
 
-def build_models(cfg: DistillConfig, device: str, shard: Any = None):
-    """(Teacher, Student, layout or None) on `device`. The frozen embedding/head tensors are shared;
-    with shard(net, frozen) (FSDP) the teacher is sharded before the student is built, and the
-    student takes the loaded tensors without a copy: one full model in memory at a time."""
-    from dtpshard.model.checkpoint import open_checkpoint
-    from dtpshard.core.layout import as_layout
-    from dtpshard.model.dtp import DTPModel
+def save_dtype(cfg: DistillConfig, ckpt: Any) -> torch.dtype:
+    """The dtype the student is saved in: --save-dtype, or (auto) the teacher's, as transformers'
+    dtype="auto" reads it (a bf16 teacher gives a bf16 student)."""
+    from dtpshard.model.hf import DTYPE_NAMES, resolve_dtype
 
-    ckpt = open_checkpoint(cfg.teacher)
-    layout = as_layout(cfg.layout)
-    sd = ckpt.state_dict(torch.float32)
-    teacher = DTPModel.from_state_dict(ckpt.hf_config, sd, devices=1, delay=0)
-    teacher.requires_grad_(False).eval()
-    teacher_net = Teacher(teacher.to(device))
-    if shard is not None:
-        shard(teacher_net, True)  # its shards are copies: sd's tensors are free for the student
-    own = {k: v if k in FROZEN or shard is not None else v.clone() for k, v in sd.items()}
-    del sd
-    student = DTPModel.from_state_dict(ckpt.hf_config, own, cfg.devices, cfg.delay, cfg.stage3, layout)
-    del own
-    student.source_path = Path(cfg.teacher)
-    for name, p in student.named_parameters():
-        p.requires_grad_(name not in FROZEN)
-    student_net = Student(student.to(device))
-    if shard is not None:
-        shard(student_net, False)
-    return teacher_net, student_net, layout
+    if cfg.save_dtype != "auto":
+        return DTYPE_NAMES[cfg.save_dtype]
+    return resolve_dtype("auto", ckpt.hf_config, ckpt.files.stored_dtype())
 
 
 def train_blocks_for(cfg: DistillConfig, world: int, tokenizer: Any) -> tuple[torch.Tensor, str]:
@@ -255,9 +248,13 @@ def resolve(cfg: DistillConfig) -> DistillConfig:
     else the layout's, else the defaults), absolute paths."""
     from dtpshard.core.layout import Layout
     from dtpshard.core.settings import resolve_dtp
+    from dtpshard.model.checkpoint import read_shape
 
+    shape = read_shape(cfg.teacher)  # config.json alone
     layout = Layout.load(cfg.layout) if cfg.layout is not None else None
-    dtp = resolve_dtp(None, devices=cfg.devices, delay=cfg.delay, stage3=cfg.stage3, layout=layout,
+    if layout is not None:
+        layout.check_model(shape, where=f"layout {cfg.layout}")
+    dtp = resolve_dtp(shape, devices=cfg.devices, delay=cfg.delay, stage3=cfg.stage3, layout=layout,
                       where=f"layout {cfg.layout}")
     absolute = lambda p: None if p is None else str(Path(p).absolute())  # noqa: E731
     return dataclasses.replace(

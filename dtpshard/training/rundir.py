@@ -5,6 +5,7 @@
     RUN/checkpoint.pt   the last good checkpoint (one file, replaced atomically by rename)
     RUN/checkpoint.dcp/ instead, with --fsdp: each rank's shards (fsdp.py)
     RUN/final/          the student (DTPModel.save_pretrained), written when training ends
+    RUN/memory.json     the memory plan per process and each rank's measured peak per phase
     RUN/DONE            written last, atomically
     RUN/.lock           flock'ed by the one process that owns the run (released when it dies)
 
@@ -34,8 +35,9 @@ CHECKPOINT = "checkpoint.pt"
 SHARDED_CHECKPOINT = "checkpoint.dcp"
 FINAL = "final"
 DONE = "DONE"
+MEMORY = "memory.json"
 LOCK = ".lock"
-OWNED = (CONFIG, METRICS, CHECKPOINT, SHARDED_CHECKPOINT, FINAL, DONE)
+OWNED = (CONFIG, METRICS, CHECKPOINT, SHARDED_CHECKPOINT, FINAL, MEMORY, DONE)
 
 
 @contextlib.contextmanager

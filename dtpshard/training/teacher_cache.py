@@ -89,13 +89,13 @@ def teacher_targets(teacher: Any, ids: torch.Tensor, k: int) -> tuple[torch.Tens
 
 
 def build_cache(teacher_dir: Path, blocks: torch.Tensor, out: Path, k: int = 64, dtype: str = "float16",
-                micro_batch: int = 4, device: str = "cpu", autocast: bool = True, progress: bool = True,
+                micro_batch: int = 4, device: str = "cpu", precision: str = "auto", progress: bool = True,
                 force: bool = False, tokenizer: Path | None = None) -> Path:
     """Write (or finish, or keep) the cache of `blocks` [n, seq_len + 1] under `out`."""
     from tqdm import tqdm
 
     from dtpshard.model.dtp import DTPModel
-    from dtpshard.training.evaluate import autocast_for
+    from dtpshard.training.precision import autocast_for
 
     if k < 1:
         raise UserError(f"--k {k}: must be at least 1")
@@ -129,7 +129,7 @@ def build_cache(teacher_dir: Path, blocks: torch.Tensor, out: Path, k: int = 64,
         shards.append({"file": name, "blocks": int(part.shape[0])})
         if not (out / name).is_file():  # shards are written whole (rename), so a present one is good
             _write_shard(out / name, teacher, part, k, DTYPES[dtype], micro_batch, device,
-                         lambda: autocast_for(device, autocast))
+                         lambda: autocast_for(device, precision))
         bar.update(int(part.shape[0]))
     bar.close()
     atomic_write_text(out / MANIFEST, json.dumps({**plan, "k": k, "shards": shards}, indent=1) + "\n")
@@ -233,7 +233,7 @@ def teacher_cache_cmd(teacher: Path, *, out: Path, k: Count = 64, dtype: Literal
     refuse_overwriting(out, the_teacher_directory=Path(teacher))
     blocks = cache_blocks(teacher, seeds or [0], steps, seq_len, micro_batch, grad_accum, nproc, text, dataset,
                           text_field, tokenizer)
-    path = build_cache(Path(teacher), blocks, Path(out), k, dtype, micro_batch, pick_device(device), True, progress,
+    path = build_cache(Path(teacher), blocks, Path(out), k, dtype, micro_batch, pick_device(device), "auto", progress,
                        force, tokenizer)
     print(f"teacher cache: {path} ({len(unique_blocks(blocks))} blocks, k={k})")
     return 0

@@ -1,0 +1,271 @@
+"""Memory per process: planned from config.json before anything is loaded, measured while a run runs.
+
+`plan_memory` adds up, per process, the parts of a distillation: the teacher's and the student's
+weights, the gradients, AdamW's two moments, the activations of one micro-batch, the collectives'
+buffers and the process itself. Weights, gradients and optimizer state follow from the shape and
+the strategy (replicated: all of them on every process; --fsdp: 1/K, plus the FSDP groups gathered
+at a time). The activations are not a hand-kept formula: the student's forward is traced on fake
+tensors (no memory, no data) and what autograd saves for backward is added up, with and without
+gradient checkpointing, so the plan follows the model code. A run that cannot fit is refused
+before loading, with what would make it fit (`advice`).
+
+`PhasePeaks` measures each phase's peak (setup, training, saving): the peak resident set on the
+CPU (Linux's VmHWM, reset between phases), the allocator's peak on CUDA. Every run writes both to
+RUN/memory.json.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtpshard.core.errors import UserError
+from dtpshard.core.shape import ModelShape
+from dtpshard.training.losses import chunk_tokens
+from dtpshard.training.precision import param_dtype
+
+GiB = 1 << 30
+CUDA_RUNTIME = 1 << 30  # the CUDA context and the allocator's slack, not in any tensor
+LOSS_BUFFERS = 6  # [chunk, V] fp32 buffers alive at once in the fused loss (teacher and student logits, ...)
+
+
+@dataclass
+class Setup:
+    """What the plan depends on."""
+
+    world: int
+    sharded: bool
+    precision: str  # fp32 | bf16-mixed
+    grad_checkpointing: bool
+    micro_batch: int
+    seq_len: int
+    device_type: str  # cpu | cuda
+
+
+@dataclass
+class MemoryPlan:
+    setup: Setup
+    parts: dict[str, int]  # bytes per process
+    available: int  # bytes per process
+    activations_other: int = 0  # the activations with the other gradient-checkpointing setting
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.available
+
+    def to_json(self) -> dict[str, Any]:
+        return {"setup": dataclasses.asdict(self.setup), "parts": self.parts, "total": self.total,
+                "available": self.available, "fits": self.fits,
+                "activations_with_checkpointing" if not self.setup.grad_checkpointing
+                else "activations_without_checkpointing": self.activations_other, "advice": self.advice}
+
+    def describe(self) -> str:
+        s = self.setup
+        how = (f"{s.world} process(es), {'--fsdp' if s.sharded else 'replicated'}, {s.precision}, "
+               f"micro-batch {s.micro_batch} x {s.seq_len} tokens"
+               f"{', gradient checkpointing' if s.grad_checkpointing else ''}")
+        lines = [f"memory per process ({how}):"]
+        lines += [f"  {k:<16}{_gib(v):>12}" for k, v in self.parts.items()]
+        other = "with" if not s.grad_checkpointing else "without"
+        lines.append(f"  {'total':<16}{_gib(self.total):>12}  of {_gib(self.available)} available"
+                     f" ({'fits' if self.fits else 'does not fit'}; activations {other} checkpointing: "
+                     f"{_gib(self.activations_other)})")
+        return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
+
+
+_TRACED: dict[tuple, int] = {}
+
+
+def saved_bytes(hf_config: Any, devices: int, delay: float, stage3: str, micro_batch: int, seq_len: int,
+                dtype: torch.dtype, grad_checkpointing: bool) -> int:
+    """Bytes autograd saves for backward over the student's forward of one micro-batch, traced on
+    fake tensors (nothing allocated); each setting traced once per process."""
+    key = (id(hf_config), devices, delay, stage3, micro_batch, seq_len, dtype, grad_checkpointing)
+    if key not in _TRACED:
+        _TRACED[key] = _trace(hf_config, devices, delay, stage3, micro_batch, seq_len, dtype, grad_checkpointing)
+    return _TRACED[key]
+
+
+def _trace(hf_config: Any, devices: int, delay: float, stage3: str, micro_batch: int, seq_len: int,
+           dtype: torch.dtype, grad_checkpointing: bool) -> int:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dtpshard.model.dtp import DTPModel
+    from dtpshard.training.recipe import FROZEN
+
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter):
+            st = t.untyped_storage()
+            seen[st._cdata] = st.nbytes()
+        return t
+
+    default = torch.get_default_dtype()
+    with FakeTensorMode():
+        torch.set_default_dtype(dtype)  # built in the compute dtype (a .to() would swap fake parameters)
+        try:
+            model = DTPModel(hf_config, devices, delay, stage3)
+        finally:
+            torch.set_default_dtype(default)
+        for name, p in model.named_parameters():
+            p.requires_grad_(name not in FROZEN)
+        model.gradient_checkpointing = grad_checkpointing
+        ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.hidden(ids)
+    return sum(seen.values())
+
+
+def plan_memory(shape: ModelShape, hf_config: Any, s: Setup, *, devices: int, delay: float, stage3: str,
+                available: int, runtime: int) -> MemoryPlan:
+    """Bytes per process of a distillation with setup `s` (see the module docstring)."""
+    K = s.world if s.sharded else 1
+    P, F = shape.params(), shape.vocab * shape.hidden * (1 if shape.tied else 2)
+    T = P - F  # trained: everything but the frozen embedding and LM head
+    compute = torch.bfloat16 if s.precision == "bf16-mixed" else torch.float32
+    teacher_bytes = param_dtype(s.precision, frozen=True).itemsize if s.sharded else 4
+    parts = {"process": runtime,
+             "teacher": (P if s.sharded else T) * teacher_bytes // K,  # replicated: shares the frozen tensors
+             "student": 4 * P // K, "gradients": 4 * T // K, "optimizer": 8 * T // K}
+    traced = {c: saved_bytes(hf_config, devices, delay, stage3, s.micro_batch, s.seq_len, compute, c)
+              for c in (False, True)}
+    layer = traced[False] // shape.layers  # one layer's saved set
+    # with checkpointing, backward recomputes one module at a time: its saved set comes back
+    act = traced[True] + layer if s.grad_checkpointing else traced[False]
+    other = traced[False] if s.grad_checkpointing else traced[True] + layer
+    tokens = s.micro_batch * s.seq_len
+    loss = LOSS_BUFFERS * min(tokens, chunk_tokens(shape.vocab)) * shape.vocab * 4 + tokens * shape.hidden * 4
+    parts["activations"] = act + layer + loss  # + one layer's gradients in flight
+    if s.sharded:  # two groups gathered at once (prefetch), the root (embedding, norms, head) all along,
+        # one group's unsharded gradients before their reduce-scatter
+        group = max(shape.layer_params() - 3 * shape.neurons * shape.hidden, 3 * shape.neurons * shape.hidden)
+        parts["communication"] = (2 * group + F) * compute.itemsize + group * 4
+    elif s.world > 1:
+        parts["communication"] = 4 * T  # DDP's gradient buckets
+    plan = MemoryPlan(s, parts, available, other)
+    if not plan.fits:
+        plan.advice = advice(shape, hf_config, s, devices=devices, delay=delay, stage3=stage3, available=available,
+                             runtime=runtime)
+    return plan
+
+
+def advice(shape: ModelShape, hf_config: Any, s: Setup, **kw: Any) -> list[str]:
+    """The changes that would make the run fit, each on its own (checked by planning it)."""
+    def fits(**change: Any) -> bool:
+        return plan_memory(shape, hf_config, dataclasses.replace(s, **change), **kw).fits
+
+    out = []
+    if not s.grad_checkpointing and fits(grad_checkpointing=True):
+        out.append("--grad-checkpointing")
+    if s.precision == "fp32" and fits(precision="bf16-mixed"):
+        out.append("--precision bf16-mixed")
+    if not s.sharded and s.world > 1 and fits(sharded=True):
+        out.append("--fsdp")
+    for mb in range(s.micro_batch - 1, 0, -1):
+        if fits(micro_batch=mb):
+            out.append(f"--micro-batch {mb}")
+            break
+    for k in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        if k > s.world and fits(world=k, sharded=True):
+            out.append(f"{k} processes with --fsdp")
+            break
+    return out
+
+
+def available_bytes(device: str, local_ranks: int, given: int | None = None) -> int:
+    """Memory one process may use: `given`, else the GPU's total memory, else its share of the RAM
+    available now (the local ranks share it) plus what this process already holds."""
+    if given is not None:
+        return given
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    import psutil
+
+    return int(psutil.virtual_memory().available / max(1, local_ranks)) + process_bytes("cpu")
+
+
+def process_bytes(device: str) -> int:
+    """What the process holds before the run's tensors: its resident set on the CPU, the CUDA
+    runtime's share on a GPU."""
+    if torch.device(device).type == "cuda":
+        return CUDA_RUNTIME
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+# -- measuring ---------------------------------------------------------------------------------
+_STATUS, _CLEAR = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+
+
+def _hwm() -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class PhasePeaks:
+    """Peak memory of each phase of this process: `with peaks.phase("setup"): ...`."""
+
+    def __init__(self, device: str):
+        self.cuda = torch.device(device).type == "cuda"
+        self.device = device
+        self.peaks: dict[str, int] = {}
+
+    def _reset(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:  # Linux: "5" resets the peak resident set (VmHWM) to the current one
+            _CLEAR.write_text("5")
+        except OSError:
+            pass
+
+    def _peak(self) -> int | None:
+        return int(torch.cuda.max_memory_allocated(self.device)) + CUDA_RUNTIME if self.cuda else _hwm()
+
+    class _Phase:
+        def __init__(self, owner: "PhasePeaks", name: str):
+            self.owner, self.name = owner, name
+
+        def __enter__(self) -> None:
+            self.owner._reset()
+
+        def __exit__(self, *exc: Any) -> None:
+            peak = self.owner._peak()
+            if peak is not None:
+                self.owner.peaks[self.name] = max(peak, self.owner.peaks.get(self.name, 0))
+
+    def phase(self, name: str) -> "PhasePeaks._Phase":
+        return PhasePeaks._Phase(self, name)
+
+
+def local_ranks() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def refuse_unless_fits(plan: MemoryPlan) -> None:
+    if plan.fits:
+        return
+    fix = "; it would fit with " + " or ".join(plan.advice) if plan.advice else ""
+    raise UserError(f"the run needs {_gib(plan.total)} per process, more than the {_gib(plan.available)} available "
+                    f"(largest part: {max(plan.parts, key=plan.parts.get)} {_gib(max(plan.parts.values()))}){fix}; "
+                    "see --plan")

@@ -1,0 +1,197 @@
+"""Where a run's models live: `Replicated` (one process, or DDP: every rank holds everything) or
+`Sharded` (--fsdp: FSDP2, each rank holds 1/K of every tensor). The loop (loop.py) asks its
+strategy to build the models, wrap them, restore and save checkpoints and give the student's
+weights to be written; it never asks which one it has.
+
+Sharded building never holds a whole model: the teacher and the student are made on the meta
+device, `fully_shard`ed, materialised empty, and each rank fills its own local shards straight
+from the checkpoint's safetensors files (`fill_local`), reading only the rows it holds, through
+the layout's indices for the student. Every local shard equals, bit for bit, the shard of the
+whole model loaded in fp32 and sharded afterwards (tests/test_strategy.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtpshard.core.errors import UserError
+from dtpshard.core.layout import Layout
+from dtpshard.core.permutation import layout_indices
+from dtpshard.model.checkpoint import Checkpoint
+from dtpshard.model.dtp import DTPModel
+from dtpshard.model.shards import Weights
+from dtpshard.training import fsdp, rundir
+from dtpshard.training.ddp import Dist
+from dtpshard.training.precision import autocast_for, param_dtype
+from dtpshard.training.recipe import FROZEN, Student, Teacher
+
+
+def chunk_rows(rows: int, rank: int, world: int) -> slice:
+    """The dim-0 rows rank `rank` holds of a tensor sharded over `world` (torch.chunk's split, as
+    DTensor's Shard(0))."""
+    c = math.ceil(rows / world)
+    lo = min(rank * c, rows)
+    return slice(lo, min(lo + c, rows))
+
+
+def read_rows(ckpt: Checkpoint, name: str, gather: tuple[int, torch.Tensor] | None, rows: slice) -> torch.Tensor:
+    """Rows `rows` of tensor `name` after the layout's gather (axis, index), reading no other rows:
+    rows permuted -> the permuted rows' runs; columns permuted -> these rows, then their columns."""
+    if gather is None:
+        return ckpt.files.get(name, rows)
+    axis, index = gather
+    if axis == 0:
+        return ckpt.files.get_units(name, index[rows].numpy(), 0)
+    return ckpt.files.get(name, rows).index_select(1, index)
+
+
+@torch.no_grad()
+def fill_local(model: DTPModel, ckpt: Checkpoint, layout: Layout | None, rank: int, world: int) -> None:
+    """Every parameter of a fully_shard-ed, materialised `model`: this rank's rows, from the files."""
+    from torch.distributed.tensor import DTensor
+
+    gathers = {} if layout is None else layout_indices(ckpt.shape, layout)
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        rows = chunk_rows(p.shape[0], rank, world) if isinstance(p, DTensor) else slice(None)
+        part = read_rows(ckpt, name, gathers.get(name), rows)
+        if tuple(part.shape) != tuple(local.shape):
+            raise RuntimeError(f"{name}: read {list(part.shape)} for a local shard of {list(local.shape)}")
+        local.copy_(part)
+
+
+class Replicated:
+    """One process, or DDP over the ranks: every rank builds the whole teacher and student (their
+    frozen embedding and LM head shared), and rank 0 saves."""
+
+    lockstep = False  # evaluation: a forward is not a collective
+
+    def __init__(self, d: Dist, precision: str):
+        self.d, self.precision = d, precision
+        self.ddp = None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return autocast_for(self.d.device, self.precision)
+
+    def build(self, cfg: Any, ckpt: Checkpoint, layout: Layout | None) -> tuple[Teacher, Student]:
+        sd = ckpt.state_dict(torch.float32)
+        teacher = DTPModel.from_state_dict(ckpt.hf_config, sd, devices=1, delay=0)
+        teacher.requires_grad_(False).eval()
+        own = {k: v if k in FROZEN else v.clone() for k, v in sd.items()}
+        del sd
+        student = DTPModel.from_state_dict(ckpt.hf_config, own, cfg.devices, cfg.delay, cfg.stage3, layout)
+        for name, p in student.named_parameters():
+            p.requires_grad_(name not in FROZEN)
+        return Teacher(teacher.to(self.d.device)), Student(student.to(self.d.device))
+
+    def wrap(self, net: Student, cfg: Any, steps_left: int) -> nn.Module:
+        from dtpshard.model.compiled import compile_module, want_compile
+
+        out: nn.Module = net
+        if self.d.world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            out = self.ddp = DDP(net, device_ids=[self.d.local_rank] if self.d.device.startswith("cuda") else None)
+        return compile_module(out) if want_compile(cfg.compile, self.d.device, steps_left) else out
+
+    def no_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """Around a micro-batch's backward: DDP reduces the gradients after the last one only."""
+        return self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
+
+    def restore(self, run: Path, net: Student, named: list, opt: torch.optim.Optimizer) -> dict[str, Any] | None:
+        state = rundir.load_checkpoint(run)
+        if state is None:
+            return None
+        missing = [n for n, _ in named if n not in state["student"]]
+        if missing:
+            raise UserError(f"{run / rundir.CHECKPOINT}: has no tensor {missing[0]!r}; use --force to start over")
+        with torch.no_grad():
+            for n, p in named:
+                p.copy_(state["student"][n])
+        opt.load_state_dict(state["optimizer"])
+        return state
+
+    def checkpoint_due(self, due: bool) -> bool:
+        return due
+
+    def save(self, run: Path, step: int, net: Student, named: list, opt: torch.optim.Optimizer,
+             extra: dict[str, Any]) -> None:
+        if self.d.main:
+            rundir.save_checkpoint(run, {**extra, "student": {n: p.detach() for n, p in named},
+                                         "optimizer": opt.state_dict()})
+
+    def after_eval(self, net: Student) -> None:
+        pass
+
+    def weights(self, student: DTPModel, dtype: torch.dtype) -> Weights:
+        return Weights.of(student.state_dict(), dtype)
+
+
+class Sharded(Replicated):
+    """FSDP2 over the ranks (fsdp.py's groups): weights, gradients and AdamW state 1/K per rank;
+    bf16-mixed: bf16 compute, fp32 master weights and gradient reduction, the teacher held in bf16."""
+
+    lockstep = True  # every forward all-gathers: ranks evaluate in lockstep
+
+    def __init__(self, d: Dist, precision: str):
+        super().__init__(d, precision)
+        self.mesh = fsdp.mesh_for(d.device, d.world)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # FSDP's MixedPrecisionPolicy casts the weights itself
+
+    def build(self, cfg: Any, ckpt: Checkpoint, layout: Layout | None) -> tuple[Teacher, Student]:
+        dev, rank, world = torch.device(self.d.device), self.d.rank, self.d.world
+        policy = fsdp.policy(self.precision)
+        with torch.device("meta"):
+            teacher = DTPModel(ckpt.hf_config, devices=1, delay=0).to(param_dtype(self.precision, frozen=True))
+            student = DTPModel(ckpt.hf_config, cfg.devices, cfg.delay, cfg.stage3)
+        teacher.requires_grad_(False).eval()
+        for name, p in student.named_parameters():
+            p.requires_grad_(name not in FROZEN)
+        if layout is not None:
+            student.layout_sha256 = layout.content_sha256()
+        nets = Teacher(teacher), Student(student)
+        for net, frozen, lay in ((nets[0], True, None), (nets[1], False, layout)):
+            fsdp.shard(net, self.mesh, frozen, policy)
+            net.to_empty(device=dev)
+            fill_local(net.model, ckpt, lay, rank, world)
+            net.model.rebuild_buffers()
+        student.source_path = Path(cfg.teacher)
+        return nets
+
+    def wrap(self, net: Student, cfg: Any, steps_left: int) -> nn.Module:
+        return net  # compile is refused with --fsdp (recipe.check_config); auto stays eager
+
+    def restore(self, run: Path, net: Student, named: list, opt: torch.optim.Optimizer) -> dict[str, Any] | None:
+        return fsdp.load(run, net, opt)  # the shards in place; the rest returned
+
+    def checkpoint_due(self, due: bool) -> bool:
+        """Saving is collective: rank 0's clock decides for all."""
+        return bool(self.d.sum(torch.tensor([float(due and self.d.main)]))[0] > 0)
+
+    def save(self, run: Path, step: int, net: Student, named: list, opt: torch.optim.Optimizer,
+             extra: dict[str, Any]) -> None:
+        fsdp.save(run, step, net, opt, extra, self.d.main, self.d.barrier)
+
+    def after_eval(self, net: Student) -> None:
+        # FSDP keeps a root's weights gathered after forward (for the backward, none here): free
+        # them, and give named_parameters() the sharded ones back
+        net.reshard()
+
+    def weights(self, student: DTPModel, dtype: torch.dtype) -> Weights:
+        """Each tensor gathered in turn on every rank (a collective, in the same order everywhere):
+        a rank holds its shards and one whole tensor at a time."""
+        params = dict(student.named_parameters())
+        specs = Weights.of({n: p for n, p in params.items()}, dtype).specs
+        return Weights(specs, lambda s: params[s.name].full_tensor())
+
+
+def strategy_for(cfg: Any, d: Dist, precision: str) -> Replicated:
+    """Sharded under --fsdp with several processes; one process holds everything whatever the flag."""
+    return Sharded(d, precision) if cfg.fsdp and d.world > 1 else Replicated(d, precision)
