@@ -89,7 +89,7 @@ def plan_run(model: Path, prompt: str, world: int, *, delay: float | None, stage
 def serve_rank(job: RunJob) -> int:
     """One rank of the run (torchrun's environment, or launch_local's): join, load, generate; rank 0
     prints the text (or one JSON object)."""
-    rank, world = world_from_env()
+    _, world = world_from_env()
     ckpt, lay = check_world(job.model, world, job.layout, job.settings.delay)  # before any collective
     tok, ids = prompt_ids(job.model, job.prompt, job.tokenizer, ckpt.hf_config, job.max_new_tokens)
     set_threads(job.threads)

@@ -48,6 +48,12 @@ def distill(cfg: DistillConfig) -> Path:
     refuse_foreign(Path(cfg.out))  # before any model is read: a model's or an experiment's directory,
     refuse_unrelated(Path(cfg.out), cfg.force)  # or unrelated files
     under_torchrun = "WORLD_SIZE" in os.environ  # each process is a rank already (ddp.setup checks --nproc)
+    if cfg.nproc > 1 and not under_torchrun:  # refused here, before any rank starts (each rank checks again)
+        from dtpshard.core.devices import pick_device
+        from dtpshard.training.loop import plan_for
+        from dtpshard.training.memory import refuse_unless_fits
+
+        refuse_unless_fits(plan_for(resolve(cfg), cfg.nproc, pick_device(cfg.device), cfg.nproc))
     owner = int(os.environ.get("RANK", "0")) == 0
     with locked(cfg.out) if owner else nullcontext():
         if cfg.nproc > 1 and not under_torchrun:
@@ -77,7 +83,10 @@ def distill_cmd(teacher: Path, cfg: DistillConfig, *, json: bool = False) -> int
         json: print one JSON object {student, metrics, steps, eval_kl, eval_ppl} instead of text
     """
     as_json = json
-    run = distill(dataclasses.replace(cfg, teacher=Path(teacher)))
+    cfg = dataclasses.replace(cfg, teacher=Path(teacher))
+    if cfg.plan:
+        return _print_plan(cfg, as_json)
+    run = distill(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         import json as _json
 
@@ -88,4 +97,22 @@ def distill_cmd(teacher: Path, cfg: DistillConfig, *, json: bool = False) -> int
             print(_json.dumps({"student": str(run / "final"), "metrics": str(run / "metrics.jsonl"), **summary}))
         else:
             print(f"student: {run / 'final'}  metrics: {run / 'metrics.jsonl'}")
+    return 0
+
+
+def _print_plan(cfg: DistillConfig, as_json: bool) -> int:
+    """--plan: the memory plan per process, read from config.json alone; exit 2 (one line) if the
+    run cannot fit."""
+    import json as _json
+
+    from dtpshard.core.devices import pick_device
+    from dtpshard.training.loop import plan_for
+    from dtpshard.training.memory import refuse_unless_fits
+
+    check_config(cfg)
+    world = cfg.plan_world or (cfg.nproc if cfg.nproc > 1 else int(os.environ.get("WORLD_SIZE", "1")))
+    local = cfg.nproc if cfg.nproc > 1 and cfg.plan_world is None else None
+    plan = plan_for(resolve(cfg), world, pick_device(cfg.device), local)
+    print(_json.dumps(plan.to_json()) if as_json else plan.describe())
+    refuse_unless_fits(plan)
     return 0

@@ -100,21 +100,21 @@ def _evaluate(student, teacher, ev: torch.Tensor, cfg: DistillConfig, d: Dist, s
     return summarise(d.sum(sums), True)
 
 
-def plan_for(cfg: DistillConfig, world: int, device: str) -> memory.MemoryPlan:
-    """The memory plan of this run per process, from config.json alone (cfg resolved)."""
+def plan_for(cfg: DistillConfig, world: int, device: str, local: int | None = None) -> memory.MemoryPlan:
+    """The memory plan of this run per process, from config.json alone (cfg resolved); `local`
+    processes share this machine's RAM (default: torchrun's LOCAL_WORLD_SIZE)."""
+    from dtpshard.core.shape import shape_from_hf_config
     from dtpshard.model.checkpoint import load_hf_config
     from dtpshard.model.shards import parse_size
 
     hf_config = load_hf_config(cfg.teacher)
-    from dtpshard.core.shape import shape_from_hf_config
-
     precision = resolve_precision(cfg.precision, device)
     setup = memory.Setup(world, cfg.fsdp and world > 1, precision, cfg.grad_checkpointing, cfg.micro_batch,
                          cfg.seq_len, torch.device(device).type)
     given = None if cfg.plan_memory is None else parse_size(cfg.plan_memory, "--plan-memory")
     return memory.plan_memory(shape_from_hf_config(hf_config), hf_config, setup, devices=cfg.devices,
                               delay=cfg.delay, stage3=cfg.stage3,
-                              available=memory.available_bytes(device, memory.local_ranks(), given),
+                              available=memory.available_bytes(device, local or memory.local_ranks(), given),
                               runtime=memory.process_bytes(device))
 
 

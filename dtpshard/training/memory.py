@@ -131,8 +131,9 @@ def _trace(hf_config: Any, devices: int, delay: float, stage3: str, micro_batch:
 
 
 def plan_memory(shape: ModelShape, hf_config: Any, s: Setup, *, devices: int, delay: float, stage3: str,
-                available: int, runtime: int) -> MemoryPlan:
-    """Bytes per process of a distillation with setup `s` (see the module docstring)."""
+                available: int, runtime: int, with_advice: bool = True) -> MemoryPlan:
+    """Bytes per process of a distillation with setup `s` (see the module docstring); a plan that
+    does not fit says what would make it fit (with_advice)."""
     K = s.world if s.sharded else 1
     P, F = shape.params(), shape.vocab * shape.hidden * (1 if shape.tied else 2)
     T = P - F  # trained: everything but the frozen embedding and LM head
@@ -157,33 +158,39 @@ def plan_memory(shape: ModelShape, hf_config: Any, s: Setup, *, devices: int, de
     elif s.world > 1:
         parts["communication"] = 4 * T  # DDP's gradient buckets
     plan = MemoryPlan(s, parts, available, other)
-    if not plan.fits:
+    if not plan.fits and with_advice:
         plan.advice = advice(shape, hf_config, s, devices=devices, delay=delay, stage3=stage3, available=available,
                              runtime=runtime)
     return plan
 
 
 def advice(shape: ModelShape, hf_config: Any, s: Setup, **kw: Any) -> list[str]:
-    """The changes that would make the run fit, each on its own (checked by planning it)."""
-    def fits(**change: Any) -> bool:
-        return plan_memory(shape, hf_config, dataclasses.replace(s, **change), **kw).fits
+    """What would make the run fit: each change that does on its own (checked by planning it), else
+    the first combination of them that does."""
+    def fits(setup: Setup) -> bool:
+        return plan_memory(shape, hf_config, setup, with_advice=False, **kw).fits
 
-    out = []
-    if not s.grad_checkpointing and fits(grad_checkpointing=True):
-        out.append("--grad-checkpointing")
-    if s.precision == "fp32" and fits(precision="bf16-mixed"):
-        out.append("--precision bf16-mixed")
-    if not s.sharded and s.world > 1 and fits(sharded=True):
-        out.append("--fsdp")
-    for mb in range(s.micro_batch - 1, 0, -1):
-        if fits(micro_batch=mb):
-            out.append(f"--micro-batch {mb}")
-            break
-    for k in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
-        if k > s.world and fits(world=k, sharded=True):
-            out.append(f"{k} processes with --fsdp")
-            break
-    return out
+    remedies: list[tuple[str, dict[str, Any]]] = []
+    if not s.grad_checkpointing:
+        remedies.append(("--grad-checkpointing", {"grad_checkpointing": True}))
+    if s.precision == "fp32":
+        remedies.append(("--precision bf16-mixed", {"precision": "bf16-mixed"}))
+    if not s.sharded and s.world > 1:
+        remedies.append(("--fsdp", {"sharded": True}))
+    remedies += [(f"--micro-batch {mb}", {"micro_batch": mb}) for mb in (s.micro_batch // 2, 1) if 0 < mb < s.micro_batch]
+    remedies += [(f"{k} processes with --fsdp", {"world": k, "sharded": True})
+                 for k in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if k > s.world]
+    alone = [flag for flag, change in remedies if fits(dataclasses.replace(s, **change))]
+    if alone:
+        return alone[:4]
+    chosen: dict[str, str] = {}  # setting -> the flag that sets it (a later remedy replaces an earlier one)
+    current = s
+    for flag, change in remedies:
+        current = dataclasses.replace(current, **change)
+        chosen.update({("world" if "world" in change else next(iter(change))): flag})
+        if fits(current):
+            return [" + ".join(dict.fromkeys(chosen.values()))]
+    return []
 
 
 def available_bytes(device: str, local_ranks: int, given: int | None = None) -> int:
