@@ -16,10 +16,14 @@ from dtpshard.core.vocab import (OPTIMISING_KINDS, Count, Delay, Device, KvSearc
 
 FORMAT = "dtpshard.experiment/1"
 OPTIMISING = OPTIMISING_KINDS
-# DistillConfig fields the experiment sets itself (per arm, or from the other sections)
-NOT_TRAINING = ("teacher", "out", "layout", "devices", "delay", "stage3", "seed", "force", "device",
-                "eval_blocks", "eval_text", "eval_dataset", "eval_micro_batch", "text_field", "tokenizer", "tensorboard",
-                "teacher_cache")
+
+
+def _not_training() -> set[str]:
+    """DistillConfig's fields the experiment sets itself (per arm, or from the other sections): all
+    but the Recipe's, which its [training] table may set."""
+    from dtpshard.training.settings import DistillConfig, Recipe
+
+    return {f.name for f in fields(DistillConfig)} - {f.name for f in fields(Recipe)}
 
 
 @dataclass
@@ -95,7 +99,7 @@ def _parser(cls: type, training: bool = False) -> Any:
     parser = ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(cls, nested_key=None)
     if training:
-        parser.add_class_arguments(DistillConfig, "training", skip=set(NOT_TRAINING))
+        parser.add_class_arguments(DistillConfig, "training", skip=_not_training())
     return parser
 
 
@@ -186,7 +190,7 @@ def check_config(raw: Any) -> dict[str, Any]:
     for name, cls in sections.items():
         _check_keys(raw.get(name, {}), _known(cls), name)
     given_training = _check_keys(raw.get("training", {}), [f.name for f in fields(DistillConfig)
-                                                           if f.name not in NOT_TRAINING], "training")
+                                                           if f.name not in _not_training()], "training")
     cfg = _validate(_parser(Experiment, training=True), {k: v for k, v in raw.items() if k != "arms"})
     if float(cfg["delay"]).is_integer():
         cfg["delay"] = int(cfg["delay"])
@@ -256,7 +260,7 @@ def add_study_flags(parser: Any) -> None:
     from dtpshard.training.distill import DistillConfig
 
     parser.add_class_arguments(Experiment, nested_key=None, skip={"model"})
-    parser.add_class_arguments(DistillConfig, "training", skip=set(NOT_TRAINING))
+    parser.add_class_arguments(DistillConfig, "training", skip=_not_training())
 
 
 def _merge(raw: Any, overrides: dict[str, Any]) -> Any:

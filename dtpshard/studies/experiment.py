@@ -88,9 +88,9 @@ def _say(msg: str) -> None:  # progress goes to stderr; stdout is the report's p
 def _compared(record: dict[str, Any]) -> dict[str, Any]:
     """The settings a resumed experiment must share: all but distill's operational ones (progress
     bar, checkpoint cadence, ...), which do not change what is computed."""
-    from dtpshard.training.distill import OPERATIONAL
+    from dtpshard.training.settings import Recipe, compared_fields
 
-    train = {k: v for k, v in (record.get("training") or {}).items() if k not in OPERATIONAL}
+    train = {k: v for k, v in (record.get("training") or {}).items() if k in compared_fields(Recipe)}
     # keys added later: an older directory lacks them
     defaults = {"text_field": "text", "tokenizer": None, "teacher_cache_k": 0, "proxies": ["first-order"]}
     out = {**{k: v for k, v in record.items() if k not in defaults or v != defaults[k]}, "training": train}

@@ -1,6 +1,6 @@
 """`dtpshard distill` (docs/design.md §4): train the DTP student to match the frozen dense teacher,
 in one process, under torchrun, or in --nproc local processes started by the one local launcher
-(dtpshard.core.launch). The recipe is DistillConfig (recipe.py), the loop loop.py.
+(dtpshard.core.launch). The recipe is DistillConfig (settings.py), the run recipe.py, the loop loop.py.
 """
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import os
 from pathlib import Path
 
 from dtpshard.core.errors import UserError
-from dtpshard.training.recipe import (FROZEN, OPERATIONAL, DistillConfig, Student, Teacher,  # noqa: F401
+from dtpshard.training.recipe import (FROZEN, DistillConfig, Recipe, Student, Teacher,  # noqa: F401
                                       check_config, lr_factor, resolve, train_blocks_for)
 
-__all__ = ["DistillConfig", "distill", "distill_cmd", "check_config", "lr_factor", "resolve", "train_blocks_for",
-           "FROZEN", "OPERATIONAL", "Student", "Teacher"]
+__all__ = ["DistillConfig", "Recipe", "distill", "distill_cmd", "check_config", "lr_factor", "resolve",
+           "train_blocks_for", "FROZEN", "Student", "Teacher"]
 
 
 def _rank(cfg: DistillConfig) -> int:

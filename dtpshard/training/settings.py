@@ -1,0 +1,191 @@
+"""The settings of a distillation run (docs/design.md §4), defined without torch so that the CLI,
+a study file and the report read them cheaply: the recipe (Recipe, the paper's by default), a
+run's DistillConfig (the recipe and what an experiment sets per arm), what a run's config.json
+derives from its inputs (Derived), and each field's role in its metadata. The run itself is in
+recipe.py and loop.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dtpshard.core.errors import UserError
+from dtpshard.core.vocab import (Beta, CompileMode, Count, Delay, Device, Fraction, NonNegativeInt, NonNegativeNumber,
+                                 PositiveNumber, Seconds, Seed, Stage3)
+
+FORMAT = "dtpshard.distill/1"
+# A field's role, in its metadata: OPERATIONAL fields (progress bar, checkpoint cadence, where
+# files are, ...) do not change what is computed, so a resumed run may change them; every other
+# field of DistillConfig and Derived is compared (compared_keys). A study's [training] table may
+# set exactly the fields of Recipe; DistillConfig's own are what the experiment sets per arm.
+COMPARED = "compared"
+OPERATIONAL = {COMPARED: False}
+
+
+@dataclass(kw_only=True)
+class Recipe:
+    """The training recipe, the paper's by default (docs/design.md §4): every field is a flag of
+    `dtpshard distill` and a key of an experiment's [training] table (every arm trains with it).
+
+    Args:
+        steps: optimizer steps
+        seq_len: tokens per sequence (blocks hold seq_len + 1 tokens)
+        micro_batch: sequences per forward pass (per process)
+        grad_accum: micro-batches accumulated per optimizer step
+        lr: peak learning rate (AdamW)
+        warmup: linear warm-up steps
+        min_lr_ratio: the cosine decay ends at this fraction of --lr
+        weight_decay: AdamW weight decay (matrices only; norms are never decayed)
+        adam_beta1: AdamW β1
+        adam_beta2: AdamW β2
+        clip: gradient-norm clip (0: none)
+        ce_weight: weight of the next-token cross-entropy added to the KL
+        eval_every: evaluate every this many steps (and at step 0 and at the end)
+        text: local .txt/.jsonl/.json/.parquet training files (their held-out share is never trained on)
+        dataset: training dataset: a save_to_disk directory, a parquet file or directory, or a hub name (fineweb-edu, ...); default the offline corpus
+        grad_checkpointing: recompute each module's activations in backward (less memory)
+        compile: torch.compile the student: on (a bare --compile), off (--no-compile), or auto (on CUDA, and on CPU for runs of 200+ steps; never with --fsdp)
+        autocast: bf16 autocast on CUDA with fp32 master weights (ignored on CPU)
+        checkpoint_every: write a checkpoint every this many steps
+        checkpoint_minutes: and whenever this many minutes passed since the last one
+        nproc: data-parallel processes to spawn on this machine (gloo on CPU, NCCL on GPUs); 1: this one
+        fsdp: shard the student (weights, gradients, optimizer state) and the teacher across the processes (FSDP2)
+        timeout: seconds a process waits for the others before the run fails
+        progress: show a progress bar with ETA
+    """
+
+    steps: Count = 1000
+    seq_len: Count = 1024
+    micro_batch: Count = 4
+    grad_accum: Count = 4
+    lr: PositiveNumber = 5e-5
+    warmup: NonNegativeInt = 100
+    min_lr_ratio: Fraction = 0.1
+    weight_decay: NonNegativeNumber = 0.0
+    adam_beta1: Beta = 0.9
+    adam_beta2: Beta = 0.95
+    clip: NonNegativeNumber = 1.0
+    ce_weight: NonNegativeNumber = 0.1
+    eval_every: Count = 100
+    text: list[str] | None = field(default=None, metadata=OPERATIONAL)  # data changes show in the data hashes
+    dataset: str | None = None
+    grad_checkpointing: bool = field(default=False, metadata=OPERATIONAL)
+    compile: CompileMode = field(default="auto", metadata=OPERATIONAL)  # model/compiled.py: auto compiles where it pays
+    autocast: bool = True
+    checkpoint_every: Count = field(default=100, metadata=OPERATIONAL)
+    checkpoint_minutes: PositiveNumber = field(default=30.0, metadata=OPERATIONAL)
+    nproc: Count = field(default=1, metadata=OPERATIONAL)
+    fsdp: bool = False
+    timeout: Seconds = field(default=600.0, metadata=OPERATIONAL)
+    progress: bool = field(default=True, metadata=OPERATIONAL)
+
+
+@dataclass(kw_only=True)
+class DistillConfig(Recipe):
+    """One distillation run: the recipe (Recipe) and what an experiment sets for each arm itself.
+
+    Each field is a flag of `dtpshard distill`.
+
+    Args:
+        teacher: the dense Hugging Face checkpoint directory
+        out: the run directory (created; an existing one is resumed if its settings match)
+        layout: layout JSON (dtpshard.layout/1) to permute the student by; none: contiguous
+        devices: L; default the layout's, else 4
+        delay: δ in modules; default the layout's, else 1
+        stage3: own-partial scale of the last δ modules: sqrt (√L, the paper's) or one
+        eval_blocks: held-out evaluation blocks of seq_len + 1 tokens
+        eval_micro_batch: blocks per evaluation forward pass (default: --micro-batch)
+        eval_text: local evaluation files (their held-out share is used)
+        eval_dataset: evaluation dataset, as --dataset (wikitext-2 is the paper's); default the offline corpus
+        text_field: the column or JSON field that holds the text
+        tokenizer: tokenizer directory, where TEACHER has no tokenizer files
+        seed: data-order seed
+        teacher_cache: a `dtpshard teacher-cache` directory: train on its top-k KL + tail instead of running the teacher
+        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
+        tensorboard: also write the metrics as TensorBoard events to this directory (metrics.jsonl stays the record)
+        force: start the run directory over (its checkpoint, metrics and student are deleted)
+    """
+
+    teacher: Path
+    out: Path = field(metadata=OPERATIONAL)
+    layout: Path | None = field(default=None, metadata=OPERATIONAL)  # its content is compared: Derived.layout_sha256
+    devices: Count | None = None  # None: the layout's, else 4
+    delay: Delay | None = None  # None: the layout's, else 1
+    stage3: Stage3 = "sqrt"
+    eval_blocks: Count = 16
+    eval_micro_batch: Count | None = field(default=None, metadata=OPERATIONAL)
+    eval_text: list[str] | None = field(default=None, metadata=OPERATIONAL)
+    eval_dataset: str | None = None
+    text_field: str = field(default="text", metadata=OPERATIONAL)
+    tokenizer: Path | None = field(default=None, metadata=OPERATIONAL)  # None: the teacher's
+    seed: Seed = 0
+    # train on a teacher cache's top k (teacher_cache.py), not the teacher; compared by what it holds
+    teacher_cache: Path | None = field(default=None, metadata=OPERATIONAL)
+    device: Device = field(default="auto", metadata=OPERATIONAL)
+    tensorboard: Path | None = field(default=None, metadata=OPERATIONAL)
+    force: bool = field(default=False, metadata=OPERATIONAL)
+
+
+@dataclass(kw_only=True)
+class Derived:
+    """What a run's config.json records besides its DistillConfig: values derived from the inputs
+    (run_config fills them)."""
+
+    format: str = field(default=FORMAT, metadata=OPERATIONAL)
+    model: dict[str, Any]
+    layout_kind: str = field(metadata=OPERATIONAL)
+    layout_sha256: str | None
+    world_size: int
+    global_batch: int = field(metadata=OPERATIONAL)
+    tokens_per_step: int = field(metadata=OPERATIONAL)
+    device_type: str
+    train_data: str = field(metadata=OPERATIONAL)
+    train_blocks: int = field(metadata=OPERATIONAL)
+    train_data_sha256: str
+    eval_data: str = field(metadata=OPERATIONAL)
+    eval_data_sha256: str
+    teacher_cache_id: Any  # a cached teacher is recorded by what it holds, not where
+    torch: str = field(metadata=OPERATIONAL)
+
+
+def compared_fields(cls: type) -> list[str]:
+    """The fields of a settings dataclass that a resumed run must match (the rest are operational)."""
+    return [f.name for f in dataclasses.fields(cls) if f.metadata.get(COMPARED, True)]
+
+
+def check_config(cfg: DistillConfig) -> None:
+    """A DistillConfig built in Python: its numbers, choices and the combinations not supported."""
+    positive = ("steps", "seq_len", "micro_batch", "grad_accum", "eval_every", "eval_blocks", "checkpoint_every",
+                "nproc")
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be at least 1")
+    for name in ("warmup", "weight_decay", "clip", "ce_weight"):
+        if not getattr(cfg, name) >= 0:
+            raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 0")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise UserError(f"--lr {cfg.lr}: must be a positive number")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise UserError(f"--min-lr-ratio {cfg.min_lr_ratio}: must be in [0, 1]")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(cfg, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be in [0, 1)")
+    if cfg.eval_micro_batch is not None and cfg.eval_micro_batch < 1:
+        raise UserError(f"--eval-micro-batch {cfg.eval_micro_batch}: must be at least 1")
+    if cfg.stage3 not in ("sqrt", "one"):
+        raise UserError(f"--stage3 {cfg.stage3!r}: must be sqrt or one")
+    if cfg.compile not in ("auto", "on", "off", True, False):  # bools: the Python API's older flag
+        raise UserError(f"--compile {cfg.compile!r}: must be auto, on or off")
+    if cfg.fsdp and cfg.compile in ("on", True):  # auto stays eager under --fsdp
+        raise UserError("--compile on with --fsdp: not supported (torch.compile over FSDP2 modules is untested); "
+                        "drop one")
+    if cfg.fsdp and cfg.teacher_cache is not None:
+        raise UserError("--teacher-cache with --fsdp: not supported yet (the cached path is untested sharded); drop one")
+
+
+def compared_keys() -> list[str]:
+    """The keys of a run's config.json that a resumed run must match."""
+    return compared_fields(DistillConfig) + compared_fields(Derived)
