@@ -7,12 +7,13 @@ recipe.py and loop.py.
 from __future__ import annotations
 
 import dataclasses
-import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.typed import Invalid, check
 from dtpshard.core.vocab import (Beta, CompileMode, Count, Delay, Device, Fraction, NonNegativeInt, NonNegativeNumber,
                                  PositiveNumber, Seconds, Seed, Stage3)
 
@@ -156,33 +157,23 @@ def compared_fields(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.metadata.get(COMPARED, True)]
 
 
-def check_config(cfg: DistillConfig) -> None:
-    """A DistillConfig built in Python: its numbers, choices and the combinations not supported."""
-    positive = ("steps", "seq_len", "micro_batch", "grad_accum", "eval_every", "eval_blocks", "checkpoint_every",
-                "nproc")
-    for name in positive:
-        if getattr(cfg, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be at least 1")
-    for name in ("warmup", "weight_decay", "clip", "ce_weight"):
-        if not getattr(cfg, name) >= 0:
-            raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 0")
-    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
-        raise UserError(f"--lr {cfg.lr}: must be a positive number")
-    if not 0 <= cfg.min_lr_ratio <= 1:
-        raise UserError(f"--min-lr-ratio {cfg.min_lr_ratio}: must be in [0, 1]")
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0 <= getattr(cfg, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be in [0, 1)")
-    if cfg.eval_micro_batch is not None and cfg.eval_micro_batch < 1:
-        raise UserError(f"--eval-micro-batch {cfg.eval_micro_batch}: must be at least 1")
-    if cfg.stage3 not in ("sqrt", "one"):
-        raise UserError(f"--stage3 {cfg.stage3!r}: must be sqrt or one")
-    if cfg.compile not in ("auto", "on", "off", True, False):  # bools: the Python API's older flag
-        raise UserError(f"--compile {cfg.compile!r}: must be auto, on or off")
+def check_config(cfg: Recipe) -> None:
+    """A recipe (or DistillConfig) built in Python checked as the CLI and a study file check it
+    while reading: every field against its type (counts >= 1, finite numbers, the choices), and
+    the combinations that are not supported."""
+    hints = typing.get_type_hints(type(cfg), include_extras=True)
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name == "compile" and isinstance(value, bool):  # the Python API's older flag
+            continue
+        try:
+            check(hints[f.name], value)
+        except Invalid as e:
+            raise UserError(f"--{f.name.replace('_', '-')} {value}: must be {e.wants}") from None
     if cfg.fsdp and cfg.compile in ("on", True):  # auto stays eager under --fsdp
         raise UserError("--compile on with --fsdp: not supported (torch.compile over FSDP2 modules is untested); "
                         "drop one")
-    if cfg.fsdp and cfg.teacher_cache is not None:
+    if cfg.fsdp and getattr(cfg, "teacher_cache", None) is not None:
         raise UserError("--teacher-cache with --fsdp: not supported yet (the cached path is untested sharded); drop one")
 
 
