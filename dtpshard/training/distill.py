@@ -9,11 +9,13 @@ import os
 from pathlib import Path
 
 from dtpshard.core.errors import UserError
-from dtpshard.training.recipe import (FROZEN, DistillConfig, Recipe, Student, Teacher,  # noqa: F401
-                                      check_config, lr_factor, resolve, train_blocks_for)
+from dtpshard.core.lazy import lazy_exports
+from dtpshard.training.settings import DistillConfig, Recipe, check_config
 
-__all__ = ["DistillConfig", "Recipe", "distill", "distill_cmd", "check_config", "lr_factor", "resolve",
-           "train_blocks_for", "FROZEN", "Student", "Teacher"]
+# the run's torch side, imported when first used: `dtpshard distill --help` reads only the settings
+__getattr__, _from_recipe = lazy_exports("dtpshard.training", {n: "recipe" for n in (
+    "FROZEN", "Student", "Teacher", "lr_factor", "resolve", "train_blocks_for")})
+__all__ = ["DistillConfig", "Recipe", "distill", "distill_cmd", "check_config", *_from_recipe]
 
 
 def _rank(cfg: DistillConfig) -> int:
