@@ -13,9 +13,10 @@ from dtpshard.core.lazy import lazy_exports
 from dtpshard.training.settings import DistillConfig, Recipe, check_config
 
 # the run's torch side, imported when first used: `dtpshard distill --help` reads only the settings
-__getattr__, _from_recipe = lazy_exports("dtpshard.training", {n: "recipe" for n in (
-    "FROZEN", "Student", "Teacher", "lr_factor", "resolve", "train_blocks_for")})
-__all__ = ["DistillConfig", "Recipe", "distill", "distill_cmd", "check_config", *_from_recipe]
+# (FROZEN, Student, Teacher, lr_factor, resolve and train_blocks_for are still importable from here)
+__getattr__, _ = lazy_exports("dtpshard.training", dict.fromkeys(
+    ("FROZEN", "Student", "Teacher", "lr_factor", "resolve", "train_blocks_for"), "recipe"))
+__all__ = ["DistillConfig", "Recipe", "check_config", "distill", "distill_cmd"]
 
 
 def _rank(cfg: DistillConfig) -> int:
