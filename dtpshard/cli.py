@@ -1,28 +1,35 @@
-"""The `dtpshard` command. Each subcommand is a typed function; jsonargparse makes its flags.
+"""The `dtpshard` command. Each subcommand is a typed function; cyclopts parses its flags.
 
 A command's flags come from its signature and the `Args:` lines of its docstring: parameters
 without a default before `*` are positional, keyword-only ones without a default are required
-flags, the rest are optional flags (underscores written as dashes; `--x`/`--no-x` for booleans).
-A parameter typed as a dataclass (distill's `DistillConfig`) contributes its fields as flags, so
-the recipe is written once. A command with a `nested_options(parser)` attribute (`experiment`)
-gets those flags too, nested (`--training.lr`), and receives the ones given as `overrides`.
-The constrained types of dtpshard.core.vocab check every number and choice while parsing, before
-any work; a refusal is one line and exit code 2. Every command takes `--config FILE` (YAML or
-JSON of its options; flags given after it override it). Only the chosen command's module is
-imported.
+flags, the rest are optional flags (`--seq-len` for seq_len; `--x`/`--no-x` for booleans; a list
+takes the words up to the next flag). A parameter typed as a dataclass (distill's `DistillConfig`)
+contributes its fields as flags, so the recipe is written once. A command with an
+`override_flags = (dataclass, keys left out)` attribute (`experiment`) also gets that dataclass's
+fields as flags, nested (`--training.lr`), and receives the ones given as `overrides`.
+
+Every value is checked by dtpshard.core.typed against the parameter's type (the constrained types
+of dtpshard.core.vocab: counts >= 1, finite numbers, the choices) while parsing, before any work,
+and so is every value of a `--config FILE` (YAML or JSON of the flags; the flags given override
+it). cyclopts splits the words and prints --help; this module turns the signatures into its
+parameters and its errors into one line, `dtpshard CMD: error: ...`, exit code 2. Only the chosen
+command's module is imported.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import inspect
-import re
+import json
 import sys
 import typing
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any
 
 from dtpshard.core.errors import explain
+from dtpshard.core.typed import Invalid, check, choices, is_bool, is_list, wants, words
 
 # name -> (module:function, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -42,187 +49,283 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "the SmolLM2 study: does J predict the KL after training? (75.7 min on a 2-core CPU)"),
     "run": ("dtpshard.runtime.run:run_cmd", "DTP across processes (use under torchrun)"),
 }
-_BOOL_WORDS = {"true", "false", "yes", "no", "1", "0", "on", "off"}
+REQUIRED = inspect.Parameter.empty  # an Option's default when it has none
+OVERRIDES = "overrides"  # the parameter that receives the nested flags given (experiment)
 
 
 class Refused(Exception):
     """A command line that does not parse: the one line to print."""
 
 
-def _dashed(text: str) -> str:
-    return re.sub(r"--[A-Za-z0-9_.]+", lambda m: m.group().replace("_", "-"), text)
+def help_type(hint: Any) -> str:
+    """What --help says a flag takes, in words: `list[Path] | None` -> `list of path, or null`."""
+    return words(hint)
 
 
-# what --help says a flag takes, instead of the Python type's name
-_HELP_TYPES = {"Count": "int >= 1", "NonNegativeInt": "int >= 0", "Seed": "int >= 0", "PositiveNumber": "number > 0",
-               "NonNegativeNumber": "number >= 0", "ClosedUnitInterval": "number in [0, 1]",
-               "Beta": "number in [0, 1)", "TopP": "number in (0, 1]", "Seconds": "seconds > 0, at most 1e6", "Device": "auto, cpu, cuda or cuda:N",
-               "Path": "path", "str": "text", "float": "number", "bool": "true or false"}
+@dataclass
+class Option:
+    """One flag or positional argument of a command, from its signature or a dataclass's fields.
+    key: the parameter, field or nested key it sets (`seq_len`, `training.lr`); into: the
+    dataclass parameter it is a field of (distill's `cfg`), `overrides`, or None for the
+    function's own parameters."""
+
+    key: str
+    hint: Any
+    default: Any = REQUIRED
+    help: str = ""
+    positional: bool = False
+    into: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return self.key.upper() if self.positional else "--" + self.key.replace("_", "-")
+
+    @property
+    def name(self) -> str:  # as a Python identifier, for the parser's signature
+        return self.key.replace(".", "__")
 
 
-def help_type(type_str: str) -> str:
-    """jsonargparse's type string in words: `Optional[list[Path]]` -> `list of path, or null`,
-    `Literal['auto', 'on']` -> `auto | on`. Choices (quoted) are kept as they are."""
-    t = re.sub(r"<class '(?:[\w.]*\.)?(\w+)'>", r"\1", type_str)
-    t = re.sub(r"'[^']*'|\"[^\"]*\"|\w+",
-               lambda m: m.group() if m.group()[0] in "'\"" else _HELP_TYPES.get(m.group(), m.group()), t)
-    t = re.sub(r"Literal\[([^\]]*)\]", lambda m: "(" + " | ".join(c.strip(" '\"") for c in m.group(1).split(",")) + ")", t)
-    t = re.sub(r"^Optional\[(.*)\]$", r"\1 | null", t)
-    t = re.sub(r"(?:list|List)\[(.*?)\]", r"list of \1", t)
-    t = re.sub(r"^\(([^()]*)\)", r"\1", t)  # a choice that stands alone needs no brackets
-    return t.replace("true or false | null", "true, false or null").replace(" | null", ", or null")
+def _arg_docs(obj: Any) -> dict[str, str]:
+    """name -> its `Args:` line, from the docstring of a function or of a class and its bases."""
+    import docstring_parser
+
+    docs: dict[str, str] = {}
+    for o in reversed(getattr(obj, "__mro__", (obj,))):
+        for p in docstring_parser.parse(inspect.getdoc(o) or "").params:
+            docs[p.arg_name] = " ".join((p.description or "").split())
+    return docs
 
 
-def _dataclass_params(fn: Callable) -> dict[str, type]:
-    hints = typing.get_type_hints(fn)
-    return {n: hints[n] for n in inspect.signature(fn).parameters if dataclasses.is_dataclass(hints.get(n))}
-
-
-def build_parser(name: str, fn: Callable) -> Any:
-    from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
-
-    class Formatter(DefaultHelpFormatter):
-        def _get_type_str(self, action: Any) -> str | None:
-            t = super()._get_type_str(action)
-            return None if t is None else help_type(t)
-
-    class Parser(ArgumentParser):
-        argv: list[str] = []  # the command line being parsed, to quote a refused value as typed
-
-        def format_help(self) -> str:  # flags as typed: dashes, not the parameter names' underscores
-            return _dashed(super().format_help())
-
-        def error(self, message: str, ex: Exception | None = None) -> typing.NoReturn:
-            raise Refused(_one_line(message, [a.dest for a in self._actions if not a.option_strings], self.argv))
-
-    doc = (inspect.getdoc(fn) or "").split("Args:")[0].strip()
-    parser = Parser(prog=f"dtpshard {name}", description=doc, exit_on_error=False, formatter_class=Formatter)
-    parser.add_argument("--config", action=ActionConfigFile,
-                        help="YAML or JSON file of this command's options; flags given after it override it")
-    nested = _dataclass_params(fn)
-    hook = getattr(fn, "nested_options", None)
-    skip = set(nested) | ({"overrides"} if hook else set())
-    parser.add_function_arguments(fn, nested_key=None, as_positional=True, skip=skip, as_group=False)
-    own = set(inspect.signature(fn).parameters)
-    for cls in nested.values():
-        parser.add_class_arguments(cls, nested_key=None, skip=own & {f.name for f in dataclasses.fields(cls)})
-    if hook:
-        hook(parser)
-    return parser
-
-
-def _one_line(message: str, positionals: typing.Collection[str] = (), argv: typing.Sequence[str] = ()) -> str:
-    from dtpshard.core.vocab import parse_refusal
-
-    missing = re.search(r"arguments are required: (.+)", message)
-    if missing:
-        names = [n.strip() for n in missing.group(1).split(",")]
-        return "missing " + ", ".join(n.upper() if n in positionals else _flag_of(n) for n in names)
-    unknown = re.search(r"unrecognized arguments: (.+)", message)
-    if unknown:
-        return f"unknown argument {_dashed(unknown.group(1).split()[0])} (see --help)"
-    key, reason = parse_refusal(message)
-    if key is None:
-        return _dashed(reason)
-    value = _typed_value(argv, key)
-    if value is None:  # from a --config file: what jsonargparse says it got
-        given = re.search(r"(?:Given|Got) value: (.+)|Not of type \w+: (\S+) does not|: '(.+)'$", message)
-        value = next((g for g in given.groups() if g), None) if given else None
-    return f"{_flag_of(key)}{'' if value is None else ' ' + value}: {reason}"
-
-
-def _typed_value(argv: typing.Sequence[str], key: str) -> str | None:
-    """The value the command line gave `key` last (argv as normalised: `--key=value` or `--key value`)."""
-    for i in range(len(argv) - 1, -1, -1):
-        flag, eq, value = argv[i].partition("=")
-        if flag == f"--{key}":
-            return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
-    return None
-
-
-def _flag_of(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-def _normalise(argv: list[str], parser: Any) -> list[str]:
-    """`--seq-len` -> `--seq_len` (the parameter's name), `--no-x` -> `--x=false`, a bare boolean
-    `--x` -> `--x=true` (so the next word is never read as its value), likewise `on`/`off` for an
-    on/off choice, `--text a b` -> a list."""
-    import json
-
-    hints = {a.dest: getattr(a, "_typehint", a.type) for a in parser._actions}
-    bools = {d for d, t in hints.items() if t is bool or set(typing.get_args(t)) == {bool, type(None)}}  # bool | None too
-    lists = {d for d, t in hints.items() if list in (typing.get_origin(t), *map(typing.get_origin, typing.get_args(t)))}
-    # an on/off/... choice (distill --compile): bare `--x` is `on`, `--no-x` is `off`
-    switches = {d: set(typing.get_args(t)) for d, t in hints.items()
-                if typing.get_origin(t) is typing.Literal and {"on", "off"} <= set(typing.get_args(t))}
-    out, i = [], 0
-    while i < len(argv):
-        arg, i = argv[i], i + 1
-        if arg == "--" or not arg.startswith("--"):
-            out.append(arg)
+def _fields(cls: type, into: str, prefix: str = "", nested: bool = False) -> list[Option]:
+    """A dataclass's fields as options; with nested, a field that is a dataclass gives its fields
+    under `field.` (`training.lr`)."""
+    hints, docs, out = typing.get_type_hints(cls, include_extras=True), _arg_docs(cls), []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if nested and dataclasses.is_dataclass(hint):
+            out += _fields(hint, into, f"{prefix}{f.name}.", nested)
             continue
-        flag, eq, value = arg.partition("=")
-        flag = "--" + flag[2:].replace("-", "_")
-        if flag[2:] in lists and not eq:  # `--text a.txt b.txt`: the words up to the next flag
-            words = []
-            while i < len(argv) and not argv[i].startswith("--"):
-                words.append(argv[i])
-                i += 1
-            out.append(f"{flag}={json.dumps(words)}")
-        elif flag.startswith("--no_") and flag[5:] in bools and not eq:
-            out.append(f"--{flag[5:]}=false")
-        elif flag[2:] in bools and not eq and not (i < len(argv) and argv[i].lower() in _BOOL_WORDS):
-            out.append(f"{flag}=true")
-        elif flag.startswith("--no_") and flag[5:] in switches and not eq:
-            out.append(f"--{flag[5:]}=off")
-        elif flag[2:] in switches and not eq and not (i < len(argv) and argv[i] in switches[flag[2:]]):
-            out.append(f"{flag}=on")
-        else:
-            out.append(flag + eq + value)
+        default = (f.default if f.default is not dataclasses.MISSING else
+                   f.default_factory() if f.default_factory is not dataclasses.MISSING else REQUIRED)
+        out.append(Option(prefix + f.name, hint, default, docs.get(f.name, ""), into=into))
     return out
 
 
-def _plain(value: Any) -> Any:
-    """Parsed values as plain Python (a constrained int as an int), so JSON/YAML dumps stay as before."""
-    if isinstance(value, bool) or value is None:
-        return value
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return float(value)
-    if isinstance(value, str) and not isinstance(value, Path):
+def _dataclass_params(fn: Callable) -> dict[str, type]:
+    hints = typing.get_type_hints(fn, include_extras=True)
+    return {n: hints[n] for n in inspect.signature(fn).parameters if dataclasses.is_dataclass(hints.get(n))}
+
+
+def options(fn: Callable) -> list[Option]:
+    """Every option of a command function: the positional ones, the required flags, the rest, each
+    in signature order."""
+    hints, docs = typing.get_type_hints(fn, include_extras=True), _arg_docs(fn)
+    params = inspect.signature(fn).parameters
+    nested = getattr(fn, "override_flags", None)
+    out: list[Option] = []
+    for name, p in params.items():
+        if nested and name == OVERRIDES:
+            continue
+        if dataclasses.is_dataclass(hints[name]):  # its fields, but those the function names itself
+            out += [o for o in _fields(hints[name], into=name) if o.key not in params]
+            continue
+        positional = p.kind is not p.KEYWORD_ONLY and p.default is p.empty
+        out.append(Option(name, hints[name], p.default, docs.get(name, ""), positional))
+    if nested:
+        cls, skip = nested
+        out += [o for o in _fields(cls, into=OVERRIDES, nested=True) if o.key not in skip]
+    return sorted(out, key=lambda o: (not o.positional, o.default is not REQUIRED))
+
+
+def _shown(value: Any) -> str:
+    """A value as a command line would write it (a --config file's, a default)."""
+    if isinstance(value, (str, Path)):
         return str(value)
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
+    return "null" if value is None else str(value) if isinstance(value, (bool, int, float)) else json.dumps(value)
 
 
-def _plain_tree(value: Any) -> Any:
-    return {k: _plain_tree(v) for k, v in value.items()} if isinstance(value, dict) else _plain(value)
+def _help_line(o: Option, required: bool) -> str:
+    """The option's Args: line and what it takes in words (cyclopts marks it [required])."""
+    default = ("" if required or o.default is REQUIRED else ", default: the study file's" if o.into == OVERRIDES
+               else f", default: {_shown(o.default)}")
+    return f"{o.help} (type: {help_type(o.hint)}{default})".lstrip()
+
+
+# -- --config FILE ----------------------------------------------------------------------------
+def _read_config(path: Path) -> dict[str, Any]:
+    """A --config file: readable UTF-8 YAML or JSON holding a mapping, else one line naming it."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise Refused(f"--config {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else (e.strerror or str(e)).lower()
+        raise Refused(f"--config {path}: cannot read it ({why})") from None
+    except yaml.YAMLError as e:
+        raise Refused(f"--config {path}: not YAML or JSON ({str(e).splitlines()[0]})") from None
+    if data is not None and not isinstance(data, dict):  # an empty file sets nothing
+        raise Refused(f"--config {path}: must hold a mapping of option names to values, not {type(data).__name__}")
+    return data or {}
+
+
+def _config_values(argv: list[str], opts: list[Option]) -> tuple[list[str], dict[str, Any]]:
+    """(argv without its --config FILE words, key -> value of those files, checked as the flags
+    are). A key is an option's name (`seq_len` or `seq-len`), nested in tables for `training.lr`;
+    a later file overrides an earlier one."""
+    by_key, rest, values = {o.key: o for o in opts}, [], {}
+
+    def take(table: dict[str, Any], prefix: str, path: Path) -> None:
+        for name, value in table.items():
+            key = prefix + str(name).replace("-", "_")
+            if key in by_key:
+                try:
+                    values[key] = check(by_key[key].hint, value)
+                except Invalid as e:
+                    raise Refused(f"{by_key[key].flag} {_shown(value)}: must be {e.wants}") from None
+            elif isinstance(value, dict) and any(k.startswith(key + ".") for k in by_key):
+                take(value, key + ".", path)
+            else:
+                raise Refused(f"--config {path}: unknown key {key!r} (see --help)")
+
+    i = 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if argv[i] == "--":
+            rest += argv[i:]
+            break
+        if flag != "--config":
+            rest.append(argv[i])
+        elif eq or i + 1 < len(argv):
+            i += 0 if eq else 1
+            path = Path(value if eq else argv[i])
+            take(_read_config(path), "", path)
+        else:
+            raise Refused("--config: needs a file")
+        i += 1
+    return rest, values
+
+
+def _switches(argv: list[str], opts: list[Option]) -> list[str]:
+    """A choice with on and off (distill --compile auto|on|off) is also a switch, as a boolean
+    flag: a bare `--compile` is on and `--no-compile` off. The word after a bare one is its value
+    only when it is one of the choices."""
+    switch = {o.flag: choices(o.hint) for o in opts if {"on", "off"} <= set(choices(o.hint))}
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        if arg in switch and not (i + 1 < len(argv) and argv[i + 1] in switch[arg]):
+            out.append(f"{arg}=on")
+        elif arg.startswith("--no-") and f"--{arg[5:]}" in switch:
+            out.append(f"--{arg[5:]}=off")
+        else:
+            out.append(arg)
+    return out
+
+
+# -- parsing ------------------------------------------------------------------------------------
+def _parameters(opts: list[Option], given: typing.Collection[str]) -> list[inspect.Parameter]:
+    """The options as the parameters of a signature for cyclopts, each annotated with its flag,
+    help and our converter. An option a --config file gave is not required on the command line."""
+    from cyclopts import Parameter
+
+    P, params, optional = inspect.Parameter, [], False
+    for o in opts:
+        required = o.default is REQUIRED and o.key not in given and not (o.positional and optional)
+        optional |= o.positional and not required  # a signature's later positionals need defaults too
+        flag = ({"negative": f"--no-{o.flag[2:]}"} if is_bool(o.hint) else
+                {"negative": (), "metavar": o.key.split(".")[-1].upper()})
+        spec = Parameter(name=o.flag, help=_help_line(o, required), converter=_converter(o), show_default=False,
+                         show_choices=False, consume_multiple=is_list(o.hint), allow_repeating=True, **flag)
+        params.append(P(o.name, P.POSITIONAL_ONLY if o.positional else P.KEYWORD_ONLY,
+                        default=P.empty if required else None, annotation=Annotated[o.hint, spec]))
+    config = Parameter(name="--config", help="YAML or JSON file of this command's options (keys as the flags' "
+                       "names, tables for the dotted ones); the flags given override it (type: path)",
+                       show_default=False, negative=(), metavar="FILE")
+    return params + [P("config", P.KEYWORD_ONLY, default=None, annotation=Annotated[Path | None, config])]
+
+
+def _converter(o: Option) -> Callable[[Any, Any], Any]:
+    def convert(_hint: Any, tokens: Any) -> Any:  # Invalid is a ValueError: cyclopts' CoercionError
+        said = [t.value for t in tokens]
+        return check(o.hint, said if is_list(o.hint) else said[-1], text=True)
+
+    return convert
+
+
+def _one_line(e: Exception, by_name: dict[str, Option]) -> str:
+    """The error boundary: cyclopts' error as the one line of a refusal, from its parts."""
+    from cyclopts.exceptions import (
+        CoercionError,
+        MissingArgumentError,
+        UnknownOptionError,
+        UnusedCliTokensError,
+    )
+
+    argument = getattr(e, "argument", None)
+    o = by_name.get(argument.field_info.name) if argument is not None else None
+    if isinstance(e, MissingArgumentError) and o is not None:
+        return f"{e.keyword or o.flag}: needs a value" if e.keyword or argument.tokens else f"missing {o.flag}"
+    if isinstance(e, UnknownOptionError):
+        return f"unknown argument {(e.token.keyword or e.token.value).partition('=')[0]} (see --help)"
+    if isinstance(e, UnusedCliTokensError) and e.unused_tokens:
+        return f"unknown argument {e.unused_tokens[0]} (see --help)"
+    if isinstance(e, CoercionError) and o is not None:
+        wanted = e.__cause__.wants if isinstance(e.__cause__, Invalid) else wants(o.hint)
+        said = e.token.value if e.token is not None else " ".join(t.value for t in argument.tokens)
+        return f"{o.flag} {said}: must be {wanted}"
+    return " ".join(str(e).split())  # anything else cyclopts refuses, in its words
+
+
+def _parse_words(name: str, fn: Callable, opts: list[Option], argv: list[str],
+                 given: typing.Collection[str]) -> dict[str, Any]:
+    """key -> value of every option the command line gives; --help prints the help and exits."""
+    from cyclopts import App, CycloptsError
+
+    def command(*args: Any, **kwargs: Any) -> None:
+        """Never called: only its signature is parsed."""
+
+    command.__signature__ = inspect.Signature(_parameters(opts, given))  # type: ignore[attr-defined]
+    command.__doc__ = None
+    app = App(name=f"dtpshard {name}", help=(inspect.getdoc(fn) or "").split("Args:")[0].strip(),
+              help_format="plaintext", help_formatter="default", version_flags=[], result_action="return_value")
+    app.default(command)
+    app["--help"].show = False
+    by_name = {o.name: o for o in opts}
+    try:
+        called, bound, _ = app.parse_args(argv, exit_on_error=False, print_error=False)
+    except CycloptsError as e:
+        raise Refused(_one_line(e, by_name)) from None
+    if called is not command:  # --help
+        called(*bound.args, **bound.kwargs)
+        raise SystemExit(0)
+    return {by_name[k].key: v for k, v in bound.arguments.items() if k in by_name}
 
 
 def parse(name: str, fn: Callable, argv: list[str]) -> dict[str, Any]:
     """The keyword arguments of `fn` for a command line; raises Refused with one line."""
-    parser = build_parser(name, fn)
-    try:
-        argv = parser.argv = _normalise(argv, parser)
-        ns = parser.parse_args(argv)
-    except Refused:
-        raise
-    except Exception as e:  # noqa: BLE001 -- jsonargparse's ArgumentError and friends: one line
-        raise Refused(_one_line(str(e), [a.dest for a in parser._actions if not a.option_strings], argv)) from None
-    values = {k: _plain(v) for k, v in ns.as_dict().items() if k not in ("config", "__path__")}
-    values.pop("print_config", None)
-    params = inspect.signature(fn).parameters
-    kwargs = {k: values.pop(k) for k in list(values) if k in params}
-    if getattr(fn, "nested_options", None):  # only the nested options given (flags or --config)
-        given = parser.parse_args(argv, defaults=False).as_dict()
-        kwargs["overrides"] = {k: _plain_tree(v) for k, v in given.items()
-                               if k not in params and k not in ("config", "__path__", "print_config")}
+    opts = options(fn)
+    argv, from_config = _config_values(list(argv), opts)
+    values = {**from_config, **_parse_words(name, fn, opts, _switches(argv, opts), from_config)}
+    missing = [o.flag for o in opts if o.default is REQUIRED and o.key not in values]
+    if missing:
+        raise Refused("missing " + ", ".join(missing))
+    kwargs = {o.key: values[o.key] for o in opts if o.into is None and o.key in values}
     for pname, cls in _dataclass_params(fn).items():
         fields = {f.name for f in dataclasses.fields(cls)}
-        kwargs[pname] = cls(**{k: v for k, v in {**values, **kwargs}.items() if k in fields})
+        kwargs[pname] = cls(**{k: v for k, v in kwargs.items() if k in fields},
+                            **{o.key: values[o.key] for o in opts if o.into == pname and o.key in values})
+    if getattr(fn, "override_flags", None):  # only the nested options given (flags or --config), nested
+        kwargs[OVERRIDES] = {}
+        for o in opts:
+            if o.into == OVERRIDES and o.key in values:
+                *tables, last = o.key.split(".")
+                table = kwargs[OVERRIDES]
+                for t in tables:
+                    table = table.setdefault(t, {})
+                table[last] = values[o.key]
     return kwargs
 
 
@@ -240,30 +343,6 @@ def version() -> str:
         return dist_version("dtpshard")
     except PackageNotFoundError:
         return "unknown"
-
-
-def _check_config_files(argv: list[str]) -> None:
-    """Each --config FILE is readable UTF-8 YAML/JSON holding a mapping; else one line naming it
-    (jsonargparse's own messages do not say which file)."""
-    import yaml
-
-    for i, arg in enumerate(argv):
-        flag, eq, value = arg.partition("=")
-        if flag != "--config" or (not eq and i + 1 >= len(argv)):
-            continue
-        path = Path(value if eq else argv[i + 1])
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise Refused(f"--config {path}: no such file") from None
-        except (OSError, UnicodeDecodeError) as e:
-            why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else (e.strerror or str(e)).lower()
-            raise Refused(f"--config {path}: cannot read it ({why})") from None
-        except yaml.YAMLError as e:
-            raise Refused(f"--config {path}: not YAML or JSON ({str(e).splitlines()[0]})") from None
-        if data is not None and not isinstance(data, dict):  # an empty file sets nothing
-            raise Refused(f"--config {path}: must hold a mapping of option names to values, not "
-                          f"{type(data).__name__}")
 
 
 def _usage() -> str:
@@ -288,12 +367,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     fn = load_command(name)
     try:
-        _check_config_files(rest)
         kwargs = parse(name, fn, rest)
     except Refused as e:
         print(f"dtpshard {name}: error: {e}", file=sys.stderr)
         return 2
-    except SystemExit as e:  # --help, --print-config
+    except SystemExit as e:  # --help
         return int(e.code or 0)
     try:
         result = fn(**kwargs)

@@ -4,14 +4,16 @@ import re
 import subprocess
 import sys
 import typing
+from pathlib import Path
 
 import pytest
 
 from dtpshard import cli
+from dtpshard.core.vocab import Beta, Count, Device, Fraction, NonNegativeInt, NonNegativeNumber, PositiveNumber, Seed
 
 # a value each constrained type refuses
-BAD = {"Count": "0", "NonNegativeInt": "-1", "Seed": "-1", "PositiveNumber": "nan", "NonNegativeNumber": "-1",
-       "ClosedUnitInterval": "1.5", "Beta": "1", "Device": "tpu", "bool": "maybe"}
+BAD = {Count: "0", NonNegativeInt: "-1", Seed: "-1", PositiveNumber: "nan", NonNegativeNumber: "-1",
+       Fraction: "1.5", Beta: "1", Device: "tpu", bool: "maybe"}
 # positional arguments and required flags, so that only the flag under test is wrong
 REQUIRED = {"generate": ["m", "--prompt", "x"], "layout": ["a", "--out", "o"], "permute": ["m", "l", "--out", "o"],
             "score": ["a", "l"], "affinity": ["m", "--out", "o"], "eval": ["m"], "distill": ["t", "--out", "o"],
@@ -26,12 +28,9 @@ def _base(hint):
 
 def _flags():
     for name in cli.COMMANDS:
-        parser = cli.build_parser(name, cli.load_command(name))
-        for action in parser._actions:
-            hint = _base(getattr(action, "_typehint", None))
-            if not action.option_strings or hint is None:
-                continue
-            yield name, action.dest, hint
+        for option in cli.options(cli.load_command(name)):
+            if not option.positional:
+                yield name, option.key, _base(option.hint)
 
 
 FLAGS = list(_flags())
@@ -40,7 +39,7 @@ FLAGS = list(_flags())
 def _bad_value(hint):
     if typing.get_origin(hint) is typing.Literal:
         return "nope"
-    return BAD.get(getattr(hint, "__name__", ""))
+    return BAD.get(hint)
 
 
 def test_every_numeric_and_enum_flag_is_constrained():
@@ -125,8 +124,8 @@ def test_experiment_keys_as_nested_flags(tmp_path):
     assert got["overrides"] == {"training": {"lr": 0.002, "progress": False}, "devices": 2,
                                 "calibration": {"seq_len": 16}}
     cfg = load_config(study, got["overrides"])
-    assert cfg["devices"] == 2 and cfg["calibration"]["seq_len"] == 16
-    assert cfg["training"]["lr"] == 0.002 and cfg["training"]["steps"] == 3  # the file's other keys stay
+    assert cfg.devices == 2 and cfg.calibration.seq_len == 16
+    assert cfg.training.lr == 0.002 and cfg.training.steps == 3  # the file's other keys stay
     assert cli.parse("experiment", fn, [str(study), "--out", "o"])["overrides"] == {}
 
 
@@ -159,11 +158,12 @@ def test_bad_config_file_is_one_line_naming_it(tmp_path, capsys, content, needle
 
 
 def test_help_says_what_each_flag_takes_in_words(capsys):
-    assert cli.help_type("Optional[list[<class 'pathlib.Path'>]]") == "list of path, or null"
-    assert cli.help_type("Literal['auto', 'on', 'off']") == "auto | on | off"
-    assert cli.help_type("Count | null") == "int >= 1, or null"
-    assert cli.help_type("Optional[list[Literal['first-order', 'ablation']]]") == "list of (first-order | ablation), or null"
-    assert cli.help_type("Literal['str', 'Path']") == "str | Path"  # choices are kept as they are
+    Optional, Literal = typing.Optional, typing.Literal
+    assert cli.help_type(Optional[list[Path]]) == "list of path, or null"
+    assert cli.help_type(Literal['auto', 'on', 'off']) == "auto | on | off"
+    assert cli.help_type(Count | None) == "int >= 1, or null"
+    assert cli.help_type(Optional[list[Literal['first-order', 'ablation']]]) == "list of (first-order | ablation), or null"
+    assert cli.help_type(Literal['str', 'Path']) == "str | Path"  # choices are kept as they are
     python_names = {"Count", "Seconds", "Seed", "Beta", "TopP", "Device", "NonNegativeInt", "NonNegativeNumber", "PositiveNumber",
                     "ClosedUnitInterval", "Path", "str", "float", "bool", "Optional", "Union", "Literal", "List", "class"}
     for name in cli.COMMANDS:

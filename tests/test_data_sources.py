@@ -112,8 +112,8 @@ def test_experiment_config_names_the_text_field_and_tokenizer():
     from dtpshard.studies.config import check_config
 
     base = {"model": "m", "arms": [{"kind": "contiguous"}]}
-    assert check_config(dict(base))["text_field"] == "text"
+    assert check_config(dict(base)).text_field == "text"
     cfg = check_config({**base, "text_field": "body", "tokenizer": "tok"})
-    assert cfg["text_field"] == "body" and cfg["tokenizer"] == "tok"
+    assert cfg.text_field == "body" and cfg.tokenizer == "tok"
     with pytest.raises(UserError, match="unknown key 'training.tensorboard'"):  # a flag of the command, per arm
         check_config({**base, "training": {"tensorboard": "tb"}})

@@ -14,13 +14,13 @@ def test_demo_config_is_a_valid_experiment(tmp_path):
     cfg = check_config(demo_config(tmp_path, steps=30, seq_len=256, calibration_blocks=8, eval_blocks=4, micro_batch=2,
                                    grad_accum=1, eval_every=10, lr=2e-4, warmup=3, random_layouts=2, seeds=1,
                                    device="cpu"))
-    assert (cfg["devices"], cfg["delay"]) == (3, 1)  # SmolLM2-135M: 3 KV groups, 1536 neurons
-    names = [spec["name"] for arm in cfg["arms"] for spec in arm["layouts"]]
+    assert (cfg.devices, cfg.delay) == (3, 1)  # SmolLM2-135M: 3 KV groups, 1536 neurons
+    names = [spec.name for arm in cfg.arms for spec in arm.layouts]
     assert names == ["optimised", "contiguous", "random-0", "random-1", "anti"]
-    trained = [spec["name"] for arm in cfg["arms"] for spec in arm["layouts"] if arm["seeds"]]
+    trained = [spec.name for arm in cfg.arms for spec in arm.layouts if arm.seeds]
     assert trained == ["optimised", "contiguous"]
-    for part in ("calibration", "evaluation", "training"):  # the offline corpus, named: no hub attempt
-        assert cfg[part].get("text") is None and cfg[part]["dataset"] == "offline"
+    for part in (cfg.calibration, cfg.evaluation, cfg.training):  # the offline corpus, named: no hub attempt
+        assert part.text is None and part.dataset == "offline"
 
 
 def test_missing_wheel_or_gguf_reader_is_one_line(monkeypatch, tmp_path):

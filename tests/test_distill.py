@@ -138,10 +138,9 @@ def test_lr_schedule(straight):
 
 
 def test_cli_flags_are_the_config_fields():
-    from dtpshard.cli import build_parser
+    from dtpshard.cli import options
 
-    parser = build_parser("distill", distill_cmd)
-    flags = {a.dest: a.default for a in parser._actions if a.dest not in ("help", "config", "print_config", "json")}
+    flags = {o.key: o.default for o in options(distill_cmd) if o.key != "json"}
     fields = {f.name: f.default for f in dataclasses.fields(DistillConfig)}
     assert set(flags) == set(fields)  # the recipe is written once: DistillConfig
     assert all(flags[n] == d for n, d in fields.items() if d is not dataclasses.MISSING)

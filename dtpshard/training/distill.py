@@ -1,6 +1,6 @@
 """`dtpshard distill` (docs/design.md §4): train the DTP student to match the frozen dense teacher,
 in one process, under torchrun, or in --nproc local processes started by the one local launcher
-(dtpshard.core.launch). The recipe is DistillConfig (recipe.py), the loop loop.py.
+(dtpshard.core.launch). The recipe is DistillConfig (settings.py), the run recipe.py, the loop loop.py.
 """
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import os
 from pathlib import Path
 
 from dtpshard.core.errors import UserError
-from dtpshard.training.recipe import (FROZEN, OPERATIONAL, DistillConfig, Student, Teacher,  # noqa: F401
-                                      check_config, lr_factor, resolve, train_blocks_for)
+from dtpshard.core.lazy import lazy_exports
+from dtpshard.training.settings import DistillConfig, Recipe, check_config
 
-__all__ = ["DistillConfig", "distill", "distill_cmd", "train_rank", "check_config", "lr_factor", "resolve",
-           "train_blocks_for", "FROZEN", "OPERATIONAL", "Student", "Teacher"]
+# the run's torch side, imported when first used: `dtpshard distill --help` reads only the settings
+# (FROZEN, Student, Teacher, lr_factor, resolve and train_blocks_for are still importable from here)
+__getattr__, _ = lazy_exports("dtpshard.training", dict.fromkeys(
+    ("FROZEN", "Student", "Teacher", "lr_factor", "resolve", "train_blocks_for"), "recipe"))
+__all__ = ["DistillConfig", "Recipe", "check_config", "distill", "distill_cmd", "train_rank"]
 
 
 def train_rank(cfg: DistillConfig) -> int:
@@ -52,6 +55,7 @@ def distill(cfg: DistillConfig) -> Path:
         from dtpshard.core.devices import pick_device
         from dtpshard.training.loop import plan_for
         from dtpshard.training.memory import refuse_unless_fits
+        from dtpshard.training.recipe import resolve
 
         refuse_unless_fits(plan_for(resolve(cfg), cfg.nproc, pick_device(cfg.device), cfg.nproc))
     owner = int(os.environ.get("RANK", "0")) == 0
@@ -108,6 +112,7 @@ def _print_plan(cfg: DistillConfig, as_json: bool) -> int:
     from dtpshard.core.devices import pick_device
     from dtpshard.training.loop import plan_for
     from dtpshard.training.memory import refuse_unless_fits
+    from dtpshard.training.recipe import resolve
 
     check_config(cfg)
     world = cfg.plan_world or (cfg.nproc if cfg.nproc > 1 else int(os.environ.get("WORLD_SIZE", "1")))

@@ -8,11 +8,9 @@ bf16-mixed on CUDA and fp32 on the CPU, where bf16 matmuls are not faster.
 from __future__ import annotations
 
 import contextlib
-from typing import Literal
-
 import torch
 
-Precision = Literal["auto", "fp32", "bf16-mixed"]
+from dtpshard.training.settings import Precision  # noqa: F401 - the flag's type, defined with the settings
 
 
 def resolve_precision(precision: str, device: torch.device | str) -> str:
