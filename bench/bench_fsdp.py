@@ -1,21 +1,20 @@
-"""Benchmark: memory per process and seconds per step of `distill --fsdp` against DDP, same run.
+"""Benchmark: memory per process of `distill --fsdp` while loading, training and saving, against the
+path it replaced and against one process; the memory plan against what was measured; bf16-mixed
+step time against fp32.
 
-Model: a random Llama-family checkpoint built here and saved to a temporary directory (deleted at
-the end): D --hidden, --layers layers, 16 query / 4 KV heads, N --neurons, untied embedding and
-head of --vocab rows; the defaults make 123 M parameters, 0.49 GB in fp32. The student runs as
-L = 4 devices, δ = 1, contiguous layout.
+Model: a synthetic Llama checkpoint stored in bf16 in several safetensors shards, many layers and a
+small vocabulary so that the layers dominate (defaults: D 1024, N 2816, 16 layers, vocab 2048,
+184 M parameters, 0.37 GB on disk). Student L = 4, δ = 1, contiguous layout; random-token text.
 
-Arms, each --nproc processes (gloo on CPU), the loop's own functions (build_models, _optimizer,
-accumulate, clip, AdamW step) on random tokens, micro-batch × accumulation × seq-len per process:
-- DDP: every process holds the student, its gradients (plus DDP's gradient buckets, not counted
-  as tensors, seen in RSS), AdamW's state and the teacher, whose frozen embedding and head are
-  the student's (counted once) (the baseline of the ratios);
-- FSDP: `--fsdp`, all of them sharded across the processes (fsdp.py).
-Per process: tensor bytes of the student's and the teacher's parameters, of the gradients and
-of the optimizer state (a DTensor counts its local shard; a shared tensor once), RSS after setup, peak RSS while
-loading and while training (VmHWM, reset after setup through /proc/self/clear_refs), median
-step time. Arms are interleaved (A B A B) so machine load hits them alike; `uptime` is printed.
-Usage: python bench/bench_fsdp.py [--steps 3] [--repeats 2] [--layers 8] [--threads 1]
+Arms, each a real `dtpshard distill` run (RUN/memory.json holds its plan and every rank's peak per
+phase: VmHWM, reset between phases) except the first:
+- before: the replaced --fsdp path, copied here: every rank reads the whole checkpoint as fp32,
+  builds the teacher and the student whole and then shards them, and at the end rank 0 gathers
+  the whole student and writes it as one file (same phases measured the same way);
+- FSDP fp32: `--nproc K --fsdp --precision fp32`;
+- one process: `--nproc 1` (everything in one process);
+- FSDP bf16-mixed: `--nproc K --fsdp --precision bf16-mixed` (step time; a bf16 CPU matmul is slow).
+Usage: python bench/bench_fsdp.py [--steps 3] [--layers 16] [--nproc 2]
 """
 from __future__ import annotations
 
@@ -27,12 +26,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # synthetic.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny.py's tokenizer
 
 from dtpshard.core.launch import launch_local, root_cause  # noqa: E402
 
@@ -40,148 +40,138 @@ MB = 1 << 20
 
 
 def make_checkpoint(out: Path, a: argparse.Namespace) -> int:
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The synthetic checkpoint (bench/synthetic.py), bf16 in 100 MB shards, and a byte-level BPE
+    tokenizer of its vocabulary (tests/tiny.py's); returns the parameter count."""
+    from synthetic import write_sharded_llama
+    from tiny import tiny_tokenizer
 
-    cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.neurons, num_hidden_layers=a.layers,
-                      num_attention_heads=16, num_key_value_heads=4, vocab_size=a.vocab, tie_word_embeddings=False,
-                      max_position_embeddings=4096)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    g = torch.Generator().manual_seed(0)
-    sd = {k: (torch.randn(v.shape, generator=g) * 0.02 if v.ndim > 1 else torch.ones(v.shape))
-          for k, v in model.state_dict().items()}
-    cfg.save_pretrained(out)
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return sum(v.numel() for v in sd.values())
+    nbytes = write_sharded_llama(out, layers=a.layers, hidden=a.hidden, neurons=a.neurons, heads=16, kv_groups=4,
+                                 vocab=a.vocab, shard_bytes=100 * MB)
+    tiny_tokenizer(a.vocab).save_pretrained(str(out))
+    return nbytes // 2
 
 
-def _rss(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
+def _before(ckpt: Path, text: Path, out: Path, a: argparse.Namespace) -> int:
+    """One rank of the replaced path, phase by phase."""
+    import torch.distributed as dist
+
+    from dtpshard.model.checkpoint import load_tokenizer, open_checkpoint
+    from dtpshard.model.dtp import DTPModel
+    from dtpshard.training import fsdp
+    from dtpshard.training.ddp import Dist
+    from dtpshard.training.loop import _optimizer, accumulate
+    from dtpshard.training.memory import PhasePeaks
+    from dtpshard.training.recipe import FROZEN, DistillConfig, Student, Teacher, resolve, train_blocks_for
+    from dtpshard.training.strategy import Sharded
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peaks = PhasePeaks("cpu")
+    cfg = resolve(DistillConfig(teacher=ckpt, out=out, devices=4, delay=1, seq_len=a.seq_len, micro_batch=1,
+                                grad_accum=1, fsdp=True, text=[str(text)], device="cpu"))
+    strategy = Sharded(Dist(rank, world), "fp32")
+    with peaks.phase("setup"):
+        ck = open_checkpoint(ckpt)
+        sd = ck.state_dict(torch.float32)  # the whole model, on every rank
+        teacher = Teacher(DTPModel.from_state_dict(ck.hf_config, sd, devices=1, delay=0).requires_grad_(False))
+        fsdp.shard(teacher, strategy.mesh, True)
+        student = DTPModel.from_state_dict(ck.hf_config, sd, cfg.devices, cfg.delay)
+        del sd
+        for n, p in student.named_parameters():
+            p.requires_grad_(n not in FROZEN)
+        net = Student(student)
+        fsdp.shard(net, strategy.mesh, False)
+        named, opt, _ = _optimizer(cfg, student)
+        blocks, _ = train_blocks_for(cfg, world, load_tokenizer(ckpt))
+    with peaks.phase("training"):
+        for s in range(a.steps):
+            opt.zero_grad(set_to_none=True)
+            accumulate(net, strategy, teacher, [blocks[(s * world + rank):(s * world + rank) + 1]], cfg, "cpu")
+            fsdp.full_norm(torch.nn.utils.clip_grad_norm_([p for _, p in named], 1.0))
+            opt.step()
+    with peaks.phase("saving"):  # rank 0 gathers the whole student, then writes one file
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in full.items()}, str(out / f"student-{rank}.safetensors"))
+        del full
+    (out / f"before-rank{rank}.json").write_text(json.dumps(peaks.peaks))
+    dist.destroy_process_group()
     return 0
 
 
-def _worker(arm: str, ckpt: Path, a: argparse.Namespace, out: Path) -> None:
-    import torch.distributed as dist
-
-    from dtpshard.training import fsdp
-    from dtpshard.training.recipe import DistillConfig, build_models, resolve
-    from dtpshard.training.loop import _optimizer, accumulate
-
-    torch.set_num_threads(a.threads)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    sharded = arm == "FSDP"
-    cfg = resolve(DistillConfig(teacher=ckpt, out=out, devices=4, delay=1, seq_len=a.seq_len, micro_batch=a.micro_batch,
-                                grad_accum=a.grad_accum, fsdp=sharded, device="cpu"))
-    if sharded:
-        mesh = fsdp.mesh_for("cpu", world)
-        teacher, student, _ = build_models(cfg, "cpu", lambda net, frozen: fsdp.shard(net, mesh, frozen))
-    else:
-        teacher, student, _ = build_models(cfg, "cpu")
-    named, opt, _ = _optimizer(cfg, student.model)
-    net, ddp = student, None
-    if not sharded:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        net = ddp = DDP(student)
-    setup_rss, load_peak = _rss("VmRSS"), _rss("VmHWM")
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the training peak from here on
-    g = torch.Generator().manual_seed(rank)
-    vocab = student.model.shape.vocab
-    times, losses = [], []
-    for s in range(a.steps + 1):  # the first step allocates gradients and AdamW's state: not timed
-        batches = [torch.randint(0, vocab, (a.micro_batch, a.seq_len + 1), generator=g) for _ in range(a.grad_accum)]
-        dist.barrier()
-        t = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        sums = accumulate(net, ddp, teacher, batches, cfg, "cpu")
-        fsdp.full_norm(torch.nn.utils.clip_grad_norm_([p for _, p in named], 1.0))
-        opt.step()
-        dist.all_reduce(sums)
-        if s:
-            times.append(time.perf_counter() - t)
-        losses.append(float(sums[0]))
-    own = fsdp.local_bytes(student.parameters())
-    both = fsdp.local_bytes([*student.parameters(), *teacher.parameters()])
-    result = {"student": own, "teacher": both - own,
-              "grads": fsdp.local_bytes(p.grad for _, p in named if p.grad is not None),
-              "optimizer": fsdp.local_bytes(fsdp.optimizer_tensors(opt)), "setup_rss": setup_rss,
-              "load_peak": load_peak, "train_peak": _rss("VmHWM"), "step_s": statistics.median(times),
-              "losses": losses}
-    (out / f"{arm}-rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+def _distill(ckpt: Path, text: Path, run: Path, a: argparse.Namespace, *flags: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    args = [sys.executable, "-m", "dtpshard", "distill", str(ckpt), "--out", str(run), "--text", str(text),
+            "--eval-text", str(text), "--steps", str(a.steps), "--seq-len", str(a.seq_len), "--micro-batch", "1",
+            "--grad-accum", "1", "--eval-every", str(a.steps), "--eval-blocks", "1", "--device", "cpu",
+            "--no-progress", "--save-dtype", "float32", *flags]
+    done = subprocess.run(args, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"distill {' '.join(flags)}: {done.stderr.strip().splitlines()[-1]}")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    walls = [r["wall"] for r in rows if r["kind"] == "train"]
+    return {**json.loads((run / "memory.json").read_text()),
+            "step_s": statistics.median(b - c for b, c in zip(walls[1:], walls[:-1]))}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--neurons", type=int, default=2816)
-    ap.add_argument("--vocab", type=int, default=16384)
+    ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--micro-batch", type=int, default=1)
-    ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per arm and repeat (after one untimed)")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--steps", type=int, default=3)
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="dtpshard-bench-fsdp-"))
     try:
-        ckpt = root / "model"
-        ckpt.mkdir()
+        ckpt, text = root / "model", root / "text.txt"
         n = make_checkpoint(ckpt, a)
-        print(f"synthetic Llama: D {a.hidden}, {a.layers} layers, N {a.neurons}, vocab {a.vocab} (untied): "
-              f"{n / 1e6:.1f} M parameters, {n * 4 / 1e9:.2f} GB fp32; student L=4 δ=1; {a.nproc} processes × "
-              f"{a.threads} threads, batch {a.micro_batch}×{a.grad_accum}×{a.seq_len} tokens per process")
+        text.write_text("\n\n".join(" ".join(f"w{(i * 7 + j) % 997}" for j in range(400)) for i in range(200)))
+        files = len(list(ckpt.glob("*.safetensors")))
+        print(f"synthetic Llama, bf16 in {files} files: D {a.hidden}, {a.layers} layers, N {a.neurons}, vocab "
+              f"{a.vocab}: {n / 1e6:.1f} M parameters ({n * 2 / 1e9:.2f} GB stored, {n * 4 / 1e9:.2f} GB fp32); "
+              f"student L=4 δ=1; {a.nproc} processes x 1 thread, 1 x {a.seq_len} tokens a step per process")
         print("load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
-        runs: dict[str, list[list[dict]]] = {"DDP": [], "FSDP": []}
-        for rep in range(a.repeats):
-            for arm in runs:
-                out = root / f"{arm}-{rep}"
-                out.mkdir()
-                failed = root_cause(launch_local(a.nproc, _worker, (arm, ckpt, a, out)))
-                if failed is not None:
-                    raise SystemExit(f"{arm}: {failed}")
-                runs[arm].append([json.loads((out / f"{arm}-rank{r}.json").read_text()) for r in range(a.nproc)])
+        (root / "before").mkdir()
+        failed = root_cause(launch_local(a.nproc, _before, (ckpt, text, root / "before", a)))
+        if failed:
+            raise SystemExit(f"before: {failed}")
+        before = [json.loads((root / "before" / f"before-rank{r}.json").read_text()) for r in range(a.nproc)]
+        arms = {"FSDP fp32": _distill(ckpt, text, root / "fsdp", a, "--nproc", str(a.nproc), "--fsdp",
+                                      "--precision", "fp32"),
+                "one process": _distill(ckpt, text, root / "one", a),
+                "FSDP bf16-mixed": _distill(ckpt, text, root / "bf16", a, "--nproc", str(a.nproc), "--fsdp",
+                                            "--precision", "bf16-mixed")}
         print("load after: ", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
-        report(runs, a)
+        report(before, arms)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def report(runs: dict[str, list[list[dict]]], a: argparse.Namespace) -> None:
-    def per_rank(arm: str, key: str) -> float:  # the largest rank, first repeat (bytes do not vary)
-        return max(r[key] for r in runs[arm][0])
-
-    def step_s(arm: str) -> float:  # the slowest rank's median, median over repeats
-        return statistics.median(max(r["step_s"] for r in rep) for rep in runs[arm])
-
-    rows = [("student parameters", "student"), ("teacher parameters (not shared)", "teacher"), ("gradients", "grads"),
-            ("AdamW state", "optimizer")]
-    print(f"\nper process (largest rank), MB      {'DDP':>10} {'FSDP':>10} {'FSDP/DDP':>9}")
-    total = {arm: 0.0 for arm in runs}
-    for label, key in rows:
-        d, f = per_rank("DDP", key) / MB, per_rank("FSDP", key) / MB
-        total["DDP"] += d
-        total["FSDP"] += f
-        print(f"{label:<36} {d:10.1f} {f:10.1f} {f / d:9.3f}")
-    sum_pgo = {arm: (per_rank(arm, "student") + per_rank(arm, "grads") + per_rank(arm, "optimizer")) / MB
-               for arm in runs}
-    print(f"{'student params+grads+AdamW':<36} {sum_pgo['DDP']:10.1f} {sum_pgo['FSDP']:10.1f} "
-          f"{sum_pgo['FSDP'] / sum_pgo['DDP']:9.3f}   (1/K = {1 / a.nproc:.3f})")
-    print(f"{'all tensors above':<36} {total['DDP']:10.1f} {total['FSDP']:10.1f} {total['FSDP'] / total['DDP']:9.3f}")
-    for label, key in (("RSS after setup", "setup_rss"), ("peak RSS while loading", "load_peak"),
-                       ("peak RSS while training", "train_peak")):
-        d, f = per_rank("DDP", key) / MB, per_rank("FSDP", key) / MB
-        print(f"{label:<36} {d:10.1f} {f:10.1f} {f / d:9.3f}")
-    d, f = step_s("DDP"), step_s("FSDP")
-    print(f"{'seconds per step (median)':<36} {d:10.2f} {f:10.2f} {f / d:9.3f}")
-    ld, lf = runs["DDP"][0][0]["losses"], runs["FSDP"][0][0]["losses"]
-    print(f"loss sums, step by step: DDP {[round(x, 4) for x in ld]}, FSDP {[round(x, 4) for x in lf]}")
+def report(before: list[dict], arms: dict[str, dict]) -> None:
+    peak = lambda rec, phase: max(v for v in rec["measured"][phase] if v is not None)  # noqa: E731 - largest rank
+    base = {p: max(r[p] for r in before) for p in ("setup", "training", "saving")}
+    print(f"\npeak RSS per process (largest rank), MB {'setup':>9} {'training':>9} {'saving':>9}"
+          f"   {'setup / before':>14}")
+    print(f"{'before (replaced --fsdp path)':<38} {base['setup'] / MB:9.0f} {base['training'] / MB:9.0f} "
+          f"{base['saving'] / MB:9.0f}   {1.0:14.2f}")
+    for name, rec in arms.items():
+        s, t, v = (peak(rec, p) for p in ("setup", "training", "saving"))
+        print(f"{name:<38} {s / MB:9.0f} {t / MB:9.0f} {v / MB:9.0f}   {s / base['setup']:14.2f}")
+    print(f"\nmemory plan against the measured peak (largest rank, any phase)")
+    for name, rec in arms.items():
+        planned = rec["plan"]["total"]
+        measured = max(peak(rec, p) for p in ("setup", "training", "saving"))
+        print(f"{name:<38} planned {planned / MB:8.0f} MB  measured {measured / MB:8.0f} MB  "
+              f"measured / planned {measured / planned:5.2f}")
+    f32, b16 = arms["FSDP fp32"]["step_s"], arms["FSDP bf16-mixed"]["step_s"]
+    print(f"\nseconds per step, FSDP: fp32 {f32:.2f}, bf16-mixed {b16:.2f} ({b16 / f32:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from dtpshard.core.shape import UnitShape
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_KEYS = {"kind", "step", "tokens", "loss", "kl", "ce", "lr", "grad_norm", "wall"}
-EVAL_KEYS = {"kind", "step", "tokens", "eval_kl", "eval_ppl", "wall"}
+EVAL_KEYS = {"kind", "step", "tokens", "eval_kl", "eval_ppl", "eval_top1", "wall"}
 
 
 def random_docs(n, seed, words=(30, 60)):

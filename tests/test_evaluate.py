@@ -65,7 +65,7 @@ def _hf_reference(student, hf, blocks):
         lt = F.log_softmax(hf(ids).logits, -1).reshape(-1, hf.config.vocab_size)
     kl = F.kl_div(ls, lt, log_target=True, reduction="sum").item() / y.numel()
     ce = F.nll_loss(ls, y.reshape(-1)).item()
-    return kl, torch.tensor(ce).exp().item()
+    return kl, torch.tensor(ce).exp().item(), (ls.argmax(-1) == lt.argmax(-1)).float().mean().item()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -76,15 +76,16 @@ def test_evaluate_matches_transformers_reference(family):
     layout = Layout.random(DTPModel.from_hf(hf, 1, 0).shape, devices=2, delay=1, seed=5)
     student = DTPModel.from_hf(hf, devices=2, delay=1, layout=layout)
     blocks = torch.randint(0, hf.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(2))
-    kl, ppl = _hf_reference(student, hf, blocks)
-    assert kl > 1e-3  # δ = 1 really differs from the dense teacher
+    kl, ppl, top1 = _hf_reference(student, hf, blocks)
+    assert kl > 1e-3 and top1 < 1  # δ = 1 really differs from the dense teacher
     for teacher in (hf, DTPModel.from_hf(hf, devices=1, delay=0)):  # transformers' model or the dense DTP model
         for micro in (1, 2, 3):
             r = evaluate(student, teacher, blocks, micro_batch=micro)
             assert r["tokens"] == 3 * 16
             assert r["kl"] == pytest.approx(kl, rel=1e-5)
             assert r["ppl"] == pytest.approx(ppl, rel=1e-5)
-    assert evaluate(student, None, blocks)["kl"] is None
+            assert r["top1"] == pytest.approx(top1, abs=1e-6)  # the share of the 48 positions (fp32 mean)
+    assert evaluate(student, None, blocks)["kl"] is None and evaluate(student, None, blocks)["top1"] is None
 
 
 def test_tensor_parallel_student_has_zero_kl():
@@ -93,7 +94,7 @@ def test_tensor_parallel_student_has_zero_kl():
     hf = tiny_hf_model("qwen2", seed=1)
     blocks = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     r = evaluate(DTPModel.from_hf(hf, devices=4, delay=0), hf, blocks, micro_batch=2)
-    assert abs(r["kl"]) < 1e-6  # fp32 rounding only; δ = 1 gives ~0.1
+    assert abs(r["kl"]) < 1e-6 and r["top1"] == 1.0  # fp32 rounding only; δ = 1 gives ~0.1
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import torch
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.vocab import Count, Delay, Device, Stage3
-from dtpshard.training.losses import kl_ce_sums
+from dtpshard.training import losses
 from dtpshard.training.precision import Precision, autocast_for
 
 
@@ -29,9 +29,9 @@ def hidden_and_head(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Te
 @torch.no_grad()
 def eval_sums(student: torch.nn.Module, teacher: torch.nn.Module | None, blocks: torch.Tensor,
               micro_batch: int, precision: str = "auto") -> torch.Tensor:
-    """[kl_sum, ce_sum, positions] in float64 over blocks [n, seq_len + 1] (summable across ranks)."""
+    """[kl_sum, ce_sum, top1_sum, positions] in float64 over blocks [n, seq_len + 1] (summable across ranks)."""
     dev = next(student.parameters()).device
-    sums = torch.zeros(3, dtype=torch.float64)
+    sums = torch.zeros(4, dtype=torch.float64)
     was = student.training
     student.eval()
     try:
@@ -41,23 +41,27 @@ def eval_sums(student: torch.nn.Module, teacher: torch.nn.Module | None, blocks:
             with autocast_for(dev, precision):
                 h_s, w_s = hidden_and_head(student, ids)
                 h_t, w_t = hidden_and_head(teacher, ids) if teacher is not None else (None, None)
-                _, kl, ce = kl_ce_sums(h_s, w_s, h_t, w_t, tgt, ce_weight=0.0)
-            sums += torch.tensor([kl.item(), ce.item(), tgt.numel()], dtype=torch.float64)
+                scores = losses.eval_sums(h_s, w_s, h_t, w_t, tgt)
+            sums += torch.cat([scores.cpu(), torch.tensor([tgt.numel()], dtype=torch.float64)])
     finally:
         student.train(was)
     return sums
 
 
 def summarise(sums: torch.Tensor, with_teacher: bool) -> dict[str, Any]:
-    kl, ce, n = (float(v) for v in sums)
+    """{"kl": nats/token, "ppl", "top1": the share of positions where the student's argmax is the
+    teacher's, "tokens"} of eval_sums' sums (kl and top1 None without a teacher)."""
+    kl, ce, top1, n = (float(v) for v in sums)
     if n == 0:
         raise UserError("no evaluation positions (empty evaluation set)")
-    return {"kl": kl / n if with_teacher else None, "ppl": math.exp(ce / n), "tokens": int(n)}
+    return {"kl": kl / n if with_teacher else None, "ppl": math.exp(ce / n),
+            "top1": top1 / n if with_teacher else None, "tokens": int(n)}
 
 
 def evaluate(student: torch.nn.Module, teacher: torch.nn.Module | None, blocks: torch.Tensor,
              micro_batch: int = 4, precision: str = "auto") -> dict[str, Any]:
-    """{"kl": nats/token or None without a teacher, "ppl": exp(mean CE), "tokens": positions}."""
+    """{"kl": nats/token, "ppl": exp(mean CE), "top1": agreement with the teacher's argmax (kl and
+    top1 None without a teacher), "tokens": positions}."""
     if blocks.ndim != 2 or blocks.shape[1] < 2:
         raise UserError(f"evaluation blocks must be [n, seq_len + 1] with seq_len >= 1, got {list(blocks.shape)}")
     if micro_batch < 1:
@@ -148,6 +152,7 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
         print(_json.dumps(result))
     else:
         kl = "n/a (no --teacher)" if result["kl"] is None else f"{result['kl']:.5f} nats/token".replace("-0.00000", "0.00000")
-        print(f"{model}: L = {result['devices']}, delay {result['delay']}: ppl {result['ppl']:.4f}, KL {kl}, "
+        top1 = "" if result["top1"] is None else f", top-1 agreement {result['top1']:.4f}"
+        print(f"{model}: L = {result['devices']}, delay {result['delay']}: ppl {result['ppl']:.4f}, KL {kl}{top1}, "
               f"{result['tokens']} tokens ({source})")
     return 0

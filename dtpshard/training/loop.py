@@ -81,7 +81,7 @@ def _evaluate(student, teacher, ev: torch.Tensor, cfg: DistillConfig, d: Dist, s
     mb = cfg.eval_micro_batch or cfg.micro_batch
     mine = ev[d.rank::d.world]
     calls = math.ceil(math.ceil(ev.shape[0] / d.world) / mb) if strategy.lockstep else math.ceil(mine.shape[0] / mb)
-    sums = torch.zeros(3, dtype=torch.float64)
+    sums = torch.zeros(4, dtype=torch.float64)  # kl, ce, top-1 agreements, positions
     was = student.training
     student.eval()
     try:
@@ -91,9 +91,9 @@ def _evaluate(student, teacher, ev: torch.Tensor, cfg: DistillConfig, d: Dist, s
             b = (b if counted else ev[:1]).to(d.device)
             ids, tgt = b[:, :-1], b[:, 1:]
             with strategy.autocast():
-                _, kl, ce = student(ids, teacher(ids), tgt, 0.0)
+                scores = student(ids, teacher(ids), tgt, 0.0, evaluate=True)
             if counted:
-                sums += torch.tensor([kl.item(), ce.item(), tgt.numel()], dtype=torch.float64)
+                sums += torch.cat([scores.cpu(), torch.tensor([tgt.numel()], dtype=torch.float64)])
     finally:
         student.train(was)
         strategy.after_eval(student)
@@ -183,7 +183,7 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
     def eval_row(step: int) -> dict[str, Any]:
         r = _evaluate(net0, teacher, ev, cfg, d, strategy)
         return {"kind": "eval", "step": step, "tokens": step * G * T, "eval_kl": r["kl"], "eval_ppl": r["ppl"],
-                "wall": wall()}
+                "eval_top1": r["top1"], "wall": wall()}
 
     with peaks.phase("training"):
         if start == 0:

@@ -60,19 +60,24 @@ def _scaled_grads(ctx, g_loss: torch.Tensor, inputs: int) -> tuple:
     return (gh, gw) + (None,) * (inputs - 2)
 
 
+def _kl_ce(z_s: torch.Tensor, z_t: torch.Tensor | None, y: torch.Tensor) -> tuple:
+    """(kl, ce, log p_s, p_t) of one chunk of fp32 logits [c, V] (kl 0 and p_t None without a teacher)."""
+    logp_s = torch.log_softmax(z_s, dim=-1)
+    ce = -logp_s.gather(1, y[:, None]).sum()
+    if z_t is None:
+        return 0.0, ce, logp_s, None
+    logp_t = torch.log_softmax(z_t, dim=-1)
+    p_t = logp_t.exp()
+    return (p_t * (logp_t - logp_s)).sum(), ce, logp_s, p_t
+
+
 class _FusedKLCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_s, w_s, h_t, w_t, targets, ce_weight: float, chunk: int):
         """h_s, h_t [N, D]; w_s, w_t [V, D]; targets [N] -> (loss_sum, kl_sum, ce_sum), fp32 scalars."""
         def body(a: int, b: int, want_grad: bool):
-            logp_s = torch.log_softmax(_logits(h_s[a:b], w_s), dim=-1)  # [c, V]
             y = targets[a:b]
-            ce = -logp_s.gather(1, y[:, None]).sum()
-            kl = 0.0
-            if h_t is not None:
-                logp_t = torch.log_softmax(_logits(h_t[a:b], w_t), dim=-1)
-                p_t = logp_t.exp()
-                kl = (p_t * (logp_t - logp_s)).sum()
+            kl, ce, logp_s, p_t = _kl_ce(_logits(h_s[a:b], w_s), None if h_t is None else _logits(h_t[a:b], w_t), y)
             if not want_grad:
                 return kl, ce, None
             g = logp_s.exp_().mul_(1.0 + ce_weight if h_t is not None else ce_weight)  # reuses the buffer
@@ -86,6 +91,25 @@ class _FusedKLCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, _g_kl, _g_ce):
         return _scaled_grads(ctx, g_loss, 7)
+
+
+@torch.no_grad()
+def eval_sums(h_s: torch.Tensor, w_s: torch.Tensor, h_t: torch.Tensor | None, w_t: torch.Tensor | None,
+              targets: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """[kl_sum, ce_sum, top1_sum] in float64 over the positions of h_s [..., D]: KL(teacher ‖
+    student) and CE as kl_ce_sums computes them, and top-1 agreement, the positions where the
+    student's most likely token is the teacher's (0 without a teacher)."""
+    D = h_s.shape[-1]
+    h_s, y = h_s.reshape(-1, D), targets.reshape(-1)
+    h_t = None if h_t is None else h_t.reshape(-1, D)
+    chunk = chunk or chunk_tokens(w_s.shape[0])
+    out = torch.zeros(3, dtype=torch.float64, device=h_s.device)
+    for a in range(0, h_s.shape[0], chunk):
+        z_t = None if h_t is None else _logits(h_t[a:a + chunk], w_t)
+        kl, ce, logp_s, _ = _kl_ce(_logits(h_s[a:a + chunk], w_s), z_t, y[a:a + chunk])
+        top1 = 0.0 if z_t is None else (logp_s.argmax(-1) == z_t.argmax(-1)).sum()
+        out += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=out.device) for v in (kl, ce, top1)])
+    return out
 
 
 def kl_ce_sums(h_s: torch.Tensor, w_s: torch.Tensor, h_t: torch.Tensor | None, w_t: torch.Tensor | None,

@@ -56,12 +56,15 @@ class Student(torch.nn.Module):
         self.model = model
 
     def forward(self, ids: torch.Tensor, h_t: torch.Tensor | None, targets: torch.Tensor, ce_weight: float,
-                top: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                top: tuple[torch.Tensor, ...] | None = None, evaluate: bool = False) -> Any:
         """-> (loss, kl, ce) sums; `top`: a teacher cache's (top_ids, top_logp, tail_logp) of these
-        blocks instead of the teacher's h_t: the top-k KL + tail (losses.topk_kl_ce_sums)."""
-        from dtpshard.training.losses import kl_ce_sums, topk_kl_ce_sums
+        blocks instead of the teacher's h_t: the top-k KL + tail (losses.topk_kl_ce_sums).
+        evaluate: no gradient, [kl, ce, top-1 agreement] sums instead (losses.eval_sums)."""
+        from dtpshard.training.losses import eval_sums, kl_ce_sums, topk_kl_ce_sums
 
         w = self.model.lm_head_weight
+        if evaluate:
+            return eval_sums(self.model.hidden(ids), w, h_t, None if h_t is None else w, targets)
         if top is not None:
             return topk_kl_ce_sums(self.model.hidden(ids), w, *top, targets, ce_weight)
         return kl_ce_sums(self.model.hidden(ids), w, h_t, None if h_t is None else w, targets, ce_weight)
