@@ -10,7 +10,8 @@ Arms, each a real `dtpshard distill` run (RUN/memory.json holds its plan and eve
 phase: VmHWM, reset between phases) except the first:
 - before: the replaced --fsdp path, copied here: every rank reads the whole checkpoint as fp32,
   builds the teacher and the student whole and then shards them, and at the end rank 0 gathers
-  the whole student and writes it as one file (same phases measured the same way);
+  the whole student and writes it as one file (same phases measured the same way, with the same
+  allocator setting as distill: core/memory.py return_freed_memory);
 - FSDP fp32: `--nproc K --fsdp --precision fp32`;
 - one process: `--nproc 1` (everything in one process);
 - FSDP bf16-mixed: `--nproc K --fsdp --precision bf16-mixed` (step time; a bf16 CPU matmul is slow).
@@ -64,7 +65,10 @@ def _before(ckpt: Path, text: Path, out: Path, a: argparse.Namespace) -> int:
     from dtpshard.training.recipe import FROZEN, DistillConfig, Student, Teacher, resolve, train_blocks_for
     from dtpshard.training.strategy import Sharded
 
+    from dtpshard.core.memory import return_freed_memory
+
     torch.set_num_threads(1)
+    return_freed_memory()  # as distill does now: both paths measured with the same allocator setting
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     peaks = PhasePeaks("cpu")

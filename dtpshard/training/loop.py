@@ -27,6 +27,7 @@ import torch
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import as_layout
+from dtpshard.core.memory import return_freed_memory
 from dtpshard.model.checkpoint import load_tokenizer, open_checkpoint
 from dtpshard.training import memory, rundir
 from dtpshard.training.ddp import Dist
@@ -124,6 +125,8 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
     run = Path(cfg.out)
     plan = plan_for(cfg, d.world, d.device)
     memory.refuse_unless_fits(plan)  # every rank alike, before anything is loaded
+    if torch.device(d.device).type == "cpu":
+        return_freed_memory()  # so that the resident set is what the tensors hold (core/memory.py)
     peaks = memory.PhasePeaks(d.device)
     strategy = strategy_for(cfg, d, precision)
     with peaks.phase("setup"):
