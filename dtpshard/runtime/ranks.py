@@ -117,6 +117,9 @@ class Link:
         self.rank, self.latency, self.bandwidth = rank, latency, bandwidth
         self.timeout = datetime.timedelta(seconds=timeout)
         self.pending: dict[int, list[Any]] = {}  # module -> [work, sum buffer, own partial, completed at, others]
+        from dtpshard.core.launch import at_shutdown
+
+        at_shutdown(self.close)  # process_group closes it before it ends the group
 
     def _completion(self, work: Any) -> list[float]:
         """[t]: set to the time the transfer completes (by the backend's thread), when a link is emulated."""
@@ -160,6 +163,14 @@ class Link:
 
     def drop(self, m: int) -> None:
         self.pending.pop(m, None)
+
+    def close(self, wait: bool = True) -> bool:
+        """Forget every posted transfer, first waiting for each if `wait` (a clean end) -> whether none
+        is still in flight: a group with one in flight cannot be destroyed without waiting on it."""
+        works, self.pending = [e[0] for e in self.pending.values()], {}
+        for work in works if wait else ():
+            self._wait(work, [0.0], "a transfer posted before the end")
+        return wait or all(work.is_completed() for work in works)
 
 
 # -- the per-rank model ----------------------------------------------------------------------
