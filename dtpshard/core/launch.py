@@ -199,7 +199,6 @@ def _said(e: BaseException, who: str) -> tuple[str | None, int]:
 def _exit_code(e: SystemExit) -> int:
     return 0 if e.code is None else e.code if isinstance(e.code, int) else 1
 
-
 # -- the local launcher --------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -338,9 +337,13 @@ def launch_local(nproc: int, target: Callable[..., Any], args: tuple = (), grace
                 "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
         procs = [ctx.Process(target=_child, args=(_Stdio(), {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, target,
                                                   args, report)) for r in range(nproc)]
-        for p in procs:
-            if not caught:
-                p.start()
+        try:
+            for p in procs:
+                if not caught:
+                    p.start()
+        except BaseException:  # a target that cannot be pickled, say: no rank outlives its launcher
+            _stop(procs, [r for r, p in enumerate(procs) if p.pid is not None])
+            raise
         started = [r for r, p in enumerate(procs) if p.pid is not None]
         start, failed_at, stopped = time.monotonic(), None, set()
         while any(procs[r].is_alive() for r in started):
