@@ -2,7 +2,9 @@
 launcher (`--nproc L`), and failures that end a rank with one line instead of a hang.
 
 torchrun (or `launch_local`) sets RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT;
-`process_group` joins them with a timeout on both the rendezvous and every collective.
+`process_group` joins them with a timeout on both the rendezvous and every collective, and ends
+the group in order: every posted transfer taken, a barrier, then the group destroyed, so that no
+gloo thread or transfer outlives it into the interpreter's teardown.
 """
 from __future__ import annotations
 
@@ -16,10 +18,13 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,12 +62,101 @@ def world_from_env() -> tuple[int, int]:
     return rank, world
 
 
+# -- threads -------------------------------------------------------------------------------------
+THREADS_PER_CORE = 4  # beyond this, OpenMP spends minutes creating and scheduling threads (100000 hung)
+
+
+def cores() -> int:
+    """The cores this process may run on (its affinity, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def check_threads(threads: int) -> None:
+    """Refuse a --threads this machine cannot run: more than THREADS_PER_CORE per core. Cheap, so a
+    launcher can call it before it spawns anything."""
+    if threads > THREADS_PER_CORE * cores():
+        raise UserError(f"--threads {threads}: more than {THREADS_PER_CORE} per core ({cores()} cores here, so at "
+                        f"most {THREADS_PER_CORE * cores()}); 0 picks a count for the cores")
+
+
+def set_threads(threads: int = 0) -> None:
+    """Split the cores between this machine's ranks, leaving each rank two for its transfers unless
+    told otherwise: gloo's worker and I/O threads progress the asynchronous sums, and behind
+    spinning OpenMP threads they starve (measured: 3 ranks x 4 threads on 16 cores hid no transfer
+    at all, 3 x 3 hid most of them)."""
+    check_threads(threads)
+    local = _env_int("LOCAL_WORLD_SIZE") or 1
+    torch.set_num_threads(threads or max(1, cores() // local - 2))
+
+
+# -- a rank's process group ----------------------------------------------------------------------
+_closers: list[weakref.WeakMethod] = []  # close(wait) of each Link of this process (runtime/ranks.py)
+_report: Path | None = None  # set in a rank of launch_local: where it tells the launcher it joined
+
+
+def at_shutdown(close: Callable[[bool], bool]) -> None:
+    """Register a bound method close(wait) -> nothing left in flight; process_group calls it before
+    it ends the group: wait=True on a clean exit (take every posted transfer), False after an error
+    (forget them). Held weakly: an object that is gone has nothing in flight."""
+    _closers.append(weakref.WeakMethod(close))
+
+
+def joined() -> None:
+    """Tell this rank's launcher (if launch_local started it) that the rank is in its process group:
+    once another rank fails, a rank that never joined would wait out the rendezvous, so the
+    launcher stops it at once."""
+    if _report is not None:
+        _report.with_suffix(".joined").touch()
+
+
+def _close_links(wait: bool) -> bool:
+    closers, _closers[:] = [c() for c in _closers], []
+    idle = [c(wait) for c in closers if c is not None]  # every Link forgets its transfers, none skipped
+    return all(idle)
+
+
+def end_group(clean: bool, timeout: float) -> None:
+    """End this process's default group. Clean: every posted transfer taken, then a barrier (no rank
+    closes its connections while a peer still has a transfer in flight with it), then destroyed,
+    which joins gloo's threads. After an error: destroyed only when nothing is in flight; a
+    transfer in flight keeps a gloo thread waiting on the peers, and destroying the group would
+    wait for it (up to the timeout), so the caller must end the process (`_die`)."""
+    if not dist.is_initialized():
+        return
+    if clean:
+        _close_links(True)
+        try:
+            dist.barrier()
+        except RuntimeError as e:
+            raise RankFailure(f"rank {dist.get_rank()}: the barrier at the end failed ({cause(e)}); another rank "
+                              f"died, hung or was stopped (waited up to {timeout:g} s)") from None
+    elif not _close_links(False):
+        raise _InFlight
+    dist.destroy_process_group()
+
+
+class _InFlight(Exception):
+    """A transfer is still in flight: this process group cannot be ended from here."""
+
+
+def _die(line: str | None, code: int) -> None:
+    """End the process now, without the interpreter's teardown (which would wait on, or abort in,
+    a process group that cannot be ended): its one line first."""
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    os._exit(code)
+
+
 @contextlib.contextmanager
-def process_group(timeout: float, backend: str = "gloo") -> Iterator[tuple[int, int]]:
-    """Join the ranks (env://) -> (rank, world). A RankFailure inside ends this process at once:
-    a process group with a failed collective cannot be torn down (gloo aborts in its destructor)."""
+def process_group(timeout: float, backend: str = "gloo", who: str = "dtpshard run") -> Iterator[tuple[int, int]]:
+    """Join the ranks (env://) -> (rank, world), and end the group on the way out (`end_group`).
+    A RankFailure inside, or any error while a transfer is in flight, ends this process at once
+    with one line: its peers are lost or still waiting, and the group cannot be torn down."""
     rank, world = world_from_env()
     if dist.is_initialized():  # someone else owns it
+        joined()
         yield dist.get_rank(), dist.get_world_size()
         return
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
@@ -73,33 +167,68 @@ def process_group(timeout: float, backend: str = "gloo") -> Iterator[tuple[int, 
     except RuntimeError as e:
         raise RankFailure(f"rank {rank}: the {world} ranks did not all join at {where} within {timeout:g} s "
                           f"({cause(e)})") from None
+    joined()
     try:
         yield rank, world
     except RankFailure as e:
-        print(f"dtpshard run: error: {e}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(2)
-    dist.destroy_process_group()
+        _die(f"{who}: error: {e}", 2)
+    except BaseException as e:
+        try:
+            end_group(False, timeout)
+        except _InFlight:
+            _die(*_said(e, who))
+        raise
+    try:
+        end_group(True, timeout)
+    except RankFailure as e:
+        _die(f"{who}: error: {e}", 2)
 
 
+def _said(e: BaseException, who: str) -> tuple[str | None, int]:
+    """(the line, the exit code) the CLI would give for `e` (which cannot reach it now)."""
+    if isinstance(e, SystemExit):  # SIGTERM in io.exit_on_sigterm: quiet, as SIGTERM is
+        return None, _exit_code(e)
+    if isinstance(e, KeyboardInterrupt):
+        return f"{who}: interrupted", 130
+    line = explain(e) if isinstance(e, Exception) else None
+    if line is None:
+        return "".join(traceback.format_exception(e)).rstrip(), 1
+    return f"{who}: error: {line}", 2
+
+
+def _exit_code(e: SystemExit) -> int:
+    return 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+
+# -- the local launcher --------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-_PRELOAD = ("dtpshard.runtime.ranks", "dtpshard.model.generate", "transformers.models.llama.modeling_llama",
+_PRELOAD = ("dtpshard.runtime.run", "dtpshard.training.loop", "dtpshard.model.generate", "transformers.models.llama.modeling_llama",
             "transformers.models.qwen2.modeling_qwen2", "transformers.models.qwen3.modeling_qwen3",
             "transformers.models.mistral.modeling_mistral", "transformers.tokenization_utils_fast")
+STOP_GRACE = 3.0  # seconds a stopped rank has between SIGTERM (its temporaries removed) and SIGKILL
 
 
 def _context() -> Any:
     """A forkserver that imports torch and transformers once, so a rank starts in a fraction of a
-    second instead of re-importing them (spawn); plain fork is unsafe once OpenMP threads exist."""
+    second instead of re-importing them (spawn); plain fork is unsafe once OpenMP threads exist.
+    Started with SIGINT ignored, which it and every rank it forks inherit: a Ctrl-C (sent to the
+    whole terminal's process group) is the launcher's to handle, not a traceback in each of them."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOAD))
+    if threading.current_thread() is threading.main_thread():
+        from multiprocessing import forkserver
+
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            forkserver.ensure_running()  # a no-op once it runs
+        finally:
+            signal.signal(signal.SIGINT, previous)
     return ctx
 
 
@@ -121,20 +250,26 @@ class _Stdio:
 @dataclasses.dataclass
 class RankExit:
     """How a local rank ended: its exit code, the one line of a UserError it raised, or the
-    traceback of anything else (a bug, or a peer lost)."""
+    traceback of anything else (a bug, or a peer lost); stopped: the launcher ended it (a signal,
+    another rank's failure, the grace or the deadline), so it is not a root cause."""
 
     rank: int
     code: int | None
     said: str | None = None
     traceback: str | None = None
+    stopped: bool = False
 
 
 def _child(stdio: Any, env: dict[str, str], target: Callable[..., Any], args: tuple, report: str) -> None:
+    global _report
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops the ranks (if the forkserver did not)
     os.environ.clear()  # the launcher's environment now, not the forkserver's from when it started
     os.environ.update(env)
-    said = Path(report) / f"rank{env['RANK']}"
+    said = _report = Path(report) / f"rank{env['RANK']}"
     try:
         code = target(*args)
+    except SystemExit as e:  # SIGTERM in io.exit_on_sigterm, after its cleanup: quiet, as SIGTERM is
+        code = _exit_code(e)
     except Exception as e:  # noqa: BLE001 -- a user's error (per explain: a full disk too): said once, by the launcher
         line = explain(e)
         if line is None:
@@ -150,58 +285,113 @@ def _child(stdio: Any, env: dict[str, str], target: Callable[..., Any], args: tu
     sys.exit(int(code or 0))
 
 
+@contextlib.contextmanager
+def _catching(signals: tuple[int, ...]) -> Iterator[list[int]]:
+    """The signals received inside the block, instead of their default action (which would leave the
+    ranks running, or the temporary directory behind). Only the main thread may set handlers; a
+    signal this process ignores (nohup, a shell's background job) stays ignored."""
+    caught: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield caught
+        return
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in signals
+                if signal.getsignal(s) is not signal.SIG_IGN}
+    try:
+        yield caught
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _stop(procs: list[Any], ranks: list[int]) -> None:
+    """SIGTERM (a rank removes the temporary it is writing), SIGKILL after STOP_GRACE seconds."""
+    for r in ranks:
+        procs[r].terminate()
+    end = time.monotonic() + STOP_GRACE
+    while time.monotonic() < end and any(procs[r].is_alive() for r in ranks):
+        time.sleep(0.02)
+    for r in ranks:
+        if procs[r].is_alive():
+            procs[r].kill()
+
+
 def launch_local(nproc: int, target: Callable[..., Any], args: tuple = (), grace: float = 60,
                  deadline: float | None = None, who: str = "dtpshard") -> list[RankExit]:
     """Run target(*args) in `nproc` new processes set up as torchrun would (RANK, WORLD_SIZE,
-    MASTER_ADDR=127.0.0.1, a free port) -> how each ended. Once one fails, the rest get `grace`
-    seconds to stop on their own before they are killed, so a failure never hangs the launcher;
-    all are killed `deadline` seconds after the start if given. The one local launcher, for the
-    runtime (`run --nproc`) and data-parallel distillation (`distill --nproc`)."""
-    ctx = _context()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc)}
-    with tempfile.TemporaryDirectory(prefix="dtpshard-ranks-") as report:
+    MASTER_ADDR=127.0.0.1, a free port) -> how each ended. The one local launcher, for the runtime
+    (`run --nproc`) and data-parallel distillation (`distill --nproc`).
+
+    target is the rank's body only, and must not re-enter the command that launched it: what the
+    launcher holds for its ranks (a run's lock) stays in the launcher, and nothing about it needs
+    to reach the ranks. A failure never hangs the launcher: once a rank fails, those that have not
+    joined their process group (`joined`) are stopped at once (they would wait out the rendezvous),
+    the rest get `grace` seconds to stop on their own; all are stopped `deadline` seconds after the
+    start if given. SIGINT or SIGTERM stops every rank, removes the temporary directory, and then
+    raises KeyboardInterrupt (the CLI: "interrupted", 130) or says "terminated" and exits 143."""
+    with _catching((signal.SIGINT, signal.SIGTERM)) as caught, \
+            tempfile.TemporaryDirectory(prefix="dtpshard-ranks-") as report:
+        ctx = _context()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
         procs = [ctx.Process(target=_child, args=(_Stdio(), {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, target,
                                                   args, report)) for r in range(nproc)]
-        for p in procs:
-            p.start()
-        start, failed_at, killed = time.monotonic(), None, set()
-        while any(p.is_alive() for p in procs):
-            now = time.monotonic()
-            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+        try:
+            for p in procs:
+                if not caught:
+                    p.start()
+        except BaseException:  # a target that cannot be pickled, say: no rank outlives its launcher
+            _stop(procs, [r for r, p in enumerate(procs) if p.pid is not None])
+            raise
+        started = [r for r, p in enumerate(procs) if p.pid is not None]
+        start, failed_at, stopped = time.monotonic(), None, set()
+        while any(procs[r].is_alive() for r in started):
+            now, alive = time.monotonic(), [r for r in started if procs[r].is_alive() and r not in stopped]
+            why, quiet = None, False
+            if caught:
+                why, quiet = "interrupted", True
+            elif failed_at is None and any(procs[r].exitcode not in (None, 0) for r in started):
                 failed_at = now
-            why = None
-            if failed_at is not None and now - failed_at > grace:
+                alive = [r for r in alive if not (Path(report) / f"rank{r}.joined").exists()]
+                why, quiet = "never joined", True
+            elif failed_at is not None and now - failed_at > grace:
                 why = f"still running {grace:g} s after another rank failed"
             elif deadline is not None and now - start > deadline:
                 why = f"still running after the {deadline:g} s deadline"
-            for r, p in enumerate(procs):
-                if why and p.is_alive() and r not in killed:
+            if why and alive:
+                for r in alive if not quiet else ():
                     print(f"{who}: error: rank {r} {why}; killed", file=sys.stderr, flush=True)
-                    p.kill()
-                    killed.add(r)
-            time.sleep(0.05)
-        for p in procs:
-            p.join()
+                _stop(procs, alive)
+                stopped.update(alive)
+            time.sleep(0.02)
+        for r in started:
+            procs[r].join()
+
         def said(r: int, ext: str) -> str | None:
             f = Path(report) / f"rank{r}{ext}"
             return f.read_text() if f.is_file() else None
 
-        return [RankExit(r, p.exitcode, said(r, ".user"), said(r, ".error")) for r, p in enumerate(procs)]
+        exits = [RankExit(r, p.exitcode, said(r, ".user"), said(r, ".error"), r in stopped or p.pid is None)
+                 for r, p in enumerate(procs)]
+    if caught and caught[0] == signal.SIGINT:
+        raise KeyboardInterrupt
+    if caught:
+        print(f"{who}: terminated", file=sys.stderr, flush=True)
+        raise SystemExit(128 + caught[0])
+    return exits
 
 
 def root_cause(exits: list[RankExit]) -> str | None:
     """One line about the rank that started a failure (None if every rank succeeded): a user error,
-    else a rank that died without a word (killed), else the first rank that raised, whose
-    traceback is printed above the line."""
+    else a rank that died without a word (not stopped by its launcher), else the first rank that
+    raised, whose traceback is printed above the line."""
     world = len(exits)
     for e in exits:
         if e.said is not None:
             return f"rank {e.rank} of {world} failed: {e.said}"
     for e in exits:
-        if e.traceback is None and e.code not in (0, None, -signal.SIGTERM, -signal.SIGKILL):
+        if e.traceback is None and not e.stopped and e.code not in (0, None, -signal.SIGTERM, -signal.SIGKILL):
             how = f"killed by signal {-e.code}" if e.code < 0 else f"exit code {e.code}"
             return f"rank {e.rank} of {world} died ({how})"
     for e in exits:
@@ -209,17 +399,5 @@ def root_cause(exits: list[RankExit]) -> str | None:
             print(e.traceback, file=sys.stderr, end="")
             last = e.traceback.strip().splitlines()[-1]
             return f"rank {e.rank} of {world} failed: {last} (its traceback is above)"
-    bad = [e for e in exits if e.code]
+    bad = sorted((e for e in exits if e.code), key=lambda e: e.stopped)
     return None if not bad else f"rank {bad[0].rank} of {world} died (exit code {bad[0].code})"
-
-
-def set_threads(threads: int = 0) -> None:
-    """Split the cores between this machine's ranks, leaving each rank two for its transfers unless
-    told otherwise: gloo's worker and I/O threads progress the asynchronous sums, and behind
-    spinning OpenMP threads they starve (measured: 3 ranks x 4 threads on 16 cores hid no transfer
-    at all, 3 x 3 hid most of them)."""
-    local = _env_int("LOCAL_WORLD_SIZE") or 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(threads or max(1, cores // local - 2))
-
-

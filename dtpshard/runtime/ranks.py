@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.launch import RankFailure, cause
+from dtpshard.core.launch import RankFailure, at_shutdown, cause
 from dtpshard.core.layout import Layout, as_layout
 from dtpshard.core.permutation import permutation_spec, unit_index
 from dtpshard.core.settings import check_stage3
@@ -95,6 +95,7 @@ class Link:
         self.pending: dict[int, list[Any]] = {}  # module -> [work, sum buffer, own partial, completed at, others]
         self.last_use: dict[int, int] = {}  # module -> the last module its sum lands at
         self.world, self.tensor_parallel = 1, True
+        at_shutdown(self.close)  # process_group closes it before it ends the group
 
     def plan(self, steps: list[Step], world: int) -> None:
         """Follow this schedule: only broadcasts that land are sent (stage 3's never do)."""
@@ -165,12 +166,13 @@ class Link:
             h = self.reduce(h, "the final mean over ranks") / self.world
         return h[0]
 
-    def close(self) -> None:
-        """Wait for every transfer still in flight, so none outlives the process group."""
-        for m in list(self.pending):
-            entry = self.pending.pop(m)
-            if entry[0] is not None and entry[4] is None:
-                self._wait(entry[0], entry[3], f"the transfer of module {m}'s partials")
+    def close(self, wait: bool = True) -> bool:
+        """Forget every posted transfer, first waiting for each if `wait` (a clean end) -> whether none
+        is still in flight: a group with one in flight cannot be destroyed without waiting on it."""
+        works, self.pending = [e[0] for e in self.pending.values() if e[0] is not None], {}
+        for work in works if wait else ():
+            self._wait(work, [0.0], "a transfer posted before the end")
+        return wait or all(work.is_completed() for work in works)
 
 
 # -- the per-rank model ----------------------------------------------------------------------

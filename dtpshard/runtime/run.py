@@ -18,7 +18,8 @@ from typing import Any
 
 from dtpshard.core.devices import DTYPES, pick_device
 from dtpshard.core.errors import UserError
-from dtpshard.core.launch import RankExit, RankFailure, launch_local, process_group, root_cause, set_threads, world_from_env
+from dtpshard.core.launch import (RankExit, RankFailure, check_threads, launch_local, process_group, root_cause,
+                                  set_threads, world_from_env)
 from dtpshard.core.settings import DTPSettings, resolve_dtp
 from dtpshard.core.shape import check_context
 from dtpshard.core.vocab import Count, Delay, Device, DType, NonNegativeInt, NonNegativeNumber, Seconds, Stage3
@@ -102,10 +103,7 @@ def serve_rank(job: RunJob) -> int:
             from dtpshard.runtime.graphs import GraphDecoder  # CUDA only: not imported on a CPU run
 
             decoder = GraphDecoder(net, ids.shape[0], ids.shape[1] + job.max_new_tokens)
-        try:
-            out = generate_ids(decoder, ids.to(dev), job.max_new_tokens, eos_id=tok.eos_token_id)
-        finally:
-            net.link.close()
+        out = generate_ids(decoder, ids.to(dev), job.max_new_tokens, eos_id=tok.eos_token_id)
         if rank == 0:
             new = out[0, ids.shape[1]:]
             completion = tok.decode(new, skip_special_tokens=True)
@@ -143,6 +141,7 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay | None = None, layout: Pat
         json: rank 0 prints one JSON object {text, completion, new_token_ids, ...} instead of the text
         cuda_graphs: decode each token as one CUDA-graph replay (device cuda; runtime/graphs.py)
     """
+    check_threads(threads)  # before any rank starts
     if nproc > 1 and "RANK" in os.environ:
         raise UserError(f"--nproc {nproc} under torchrun: torchrun has started the ranks already; drop --nproc")
     world = nproc if nproc > 1 else world_from_env()[1]
@@ -155,7 +154,7 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay | None = None, layout: Pat
     if any(e.said or e.traceback for e in exits):  # a rank raised: say that one (ranks that lost a
         # collective have already said so themselves)
         raise RankFailure(root_cause([e if e.said or e.traceback else RankExit(e.rank, 0) for e in exits]))
-    bad = [f"rank {e.rank} exit {e.code}" for e in exits if e.code]
+    bad = [f"rank {e.rank} exit {e.code}" for e in exits if e.code and not e.stopped]
     if bad:
         raise RankFailure(f"the run failed ({', '.join(bad)})")
     return 0

@@ -3,20 +3,24 @@
 Under torchrun, or the local launcher of `--nproc K` (dtpshard.core.launch, which sets the same
 RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* environment), each process joins the group here. The
 group's timeout bounds every collective, so a rank that dies outside either launcher still
-ends the others after --timeout seconds. Backend: NCCL on CUDA, gloo on CPU.
+ends the others after --timeout seconds; the local launcher stops a rank that has not joined
+(launch.joined) as soon as another fails. Backend: NCCL on CUDA, gloo on CPU.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.launch import RankFailure, _InFlight, cause, end_group, joined
 
 
 @dataclass
@@ -60,15 +64,28 @@ def setup(cfg: Any) -> Dist:
         torch.cuda.set_device(local)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=cfg.timeout))
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        try:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=cfg.timeout))
+        except RuntimeError as e:
+            raise RankFailure(f"rank {rank}: the {world} ranks did not all join at {where} within "
+                              f"{cfg.timeout:g} s ({cause(e)})") from None
+    joined()  # from now on a peer's failure reaches this rank through the group
     return Dist(rank, world, local, device)
 
 
 def run_distributed(cfg: Any, train: Callable[[Any, Dist], Path]) -> Path:
+    """train(cfg, d) in this process's group, which is ended in order afterwards (launch.end_group):
+    after a clean run every rank reaches a barrier before any destroys the group; after an error
+    the group is destroyed at once (the collectives here block, so none is left in flight)."""
     d = setup(cfg)
-    try:
+    if d.world == 1:
         return train(cfg, d)
-    finally:
-        if d.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+    try:
+        out = train(cfg, d)
+    except BaseException:
+        with contextlib.suppress(_InFlight):  # nothing to wait on; the error says what happened
+            end_group(False, cfg.timeout)
+        raise
+    end_group(True, cfg.timeout)
+    return out
