@@ -157,3 +157,44 @@ def test_report_of_a_run_that_has_not_evaluated_yet(tmp_path, capsys):
     md = (d / "report.md").read_text()
     assert _row(md, "optimised")[2] == "4"  # counted as a run (running), left out of the curves
     assert "optimised's mean curve reaches it at step" in md
+
+
+def test_head_start_and_side_by_side_sections(tmp_path):
+    """[report] steps/log_steps/compare: the gap and multiplier at every evaluation and at the chosen
+    steps (recomputed here), top-1 where the runs recorded it, and another study side by side."""
+    from dtpshard.studies.compare import rolling_median
+
+    other = make_experiment(tmp_path / "other")
+    d = make_experiment(tmp_path / "exp")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["report"] = {"steps": [50, 100], "log_steps": True, "compare": str(other)}
+    (d / "config.json").write_text(json.dumps(cfg))
+    for run in (d / "runs").iterdir():  # top-1 agreement recorded: 0.5 + KL-free constant per step
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        for r in rows:
+            if r["kind"] == "eval":
+                r["eval_top1"] = 0.9 - r["eval_kl"] / 10
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name in ("optimised", "contiguous"):  # the edges' co-located fractions (δ = 1: up and down)
+        p = d / "layouts" / f"{name}.json"
+        lay = json.loads(p.read_text())
+        lay["score"]["edges"] = [{"src": 0, "dst": 1, "colocated": 0.6}, {"src": 1, "dst": 2, "colocated": 0.4}]
+        p.write_text(json.dumps(lay))
+    md = (write_report(d)).read_text()
+    assert (d / "figures" / "head_start.png").read_bytes()[:4] == b"\x89PNG"
+    opt = np.mean([c for c in PLAN["optimised"][2].values()], axis=0)
+    cont = np.mean([c for c in PLAN["contiguous"][2].values()], axis=0)
+    section = md[md.index("## The head start over training"):]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| 100 |")]
+    assert len(rows) == 2  # the chosen steps' table and the every-evaluation one
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    gap = cont[2] - opt[2]
+    assert cells[1:5] == [f"{opt[2]:.4f}", f"{cont[2]:.4f}", f"{gap:.4f}", f"{100 * gap / cont[2]:.1f}%"]
+    reached = 50 + 50 * (opt[1] - cont[2]) / (opt[1] - opt[2])
+    assert cells[5] == f"{100 / reached:.2f}×"
+    assert cells[7] == f"{0.9 - opt[2] / 10:.4f}"  # top-1 of the seed-mean curve
+    assert "top-1@100" in md
+    assert rolling_median([1, None, 3, 10, 2, 4]) == [2, 3, 2.5, 3.5, 3.5, 4]  # of the known, centred
+    side = md[md.index("## Side by side with"):]
+    assert f"| this study (δ = 1) | optimised | 3 | 0.600 | 0.400 |" in side
+    assert f"{other} (δ = 1) | contiguous |" in side

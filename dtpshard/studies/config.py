@@ -115,6 +115,21 @@ class ArmPlan:
 
 
 @dataclass(kw_only=True)
+class ReportOptions:
+    """What the report adds to its standard sections (docs/design.md §5).
+
+    Args:
+        steps: a table of optimised against contiguous at these steps, as the paper's Table 2: both KLs, the gap, the gap over contiguous's KL, the multiplier and top-1 agreement; with it, the same at every evaluation and a figure
+        log_steps: draw the training curves on a log step axis
+        compare: another experiment directory, set side by side with this one: the co-located fraction per edge kind, J over random, the KLs and the multiplier
+    """
+
+    steps: list[Count] = field(default_factory=list)
+    log_steps: bool = False
+    compare: str | None = None
+
+
+@dataclass(kw_only=True)
 class Settings:
     """Every key of a study but its arms; any one but the model can be given as a flag.
 
@@ -129,6 +144,7 @@ class Settings:
         teacher_cache_k: K > 0: every arm trains on one cache of the teacher's top K; 0: off
         proxies: affinity scores computed (one pass each, same tokens); optimising arms optimise the
             first unless they name another
+        report: what the report adds (ReportOptions)
     """
 
     model: str
@@ -144,6 +160,7 @@ class Settings:
     evaluation: Evaluation = field(default_factory=Evaluation)
     layouts: LayoutSearch = field(default_factory=LayoutSearch)
     training: Recipe = field(default_factory=Recipe)
+    report: ReportOptions = field(default_factory=ReportOptions)
 
     def __post_init__(self) -> None:  # δ = 1 is written and reported as 1, whether it came as 1 or 1.0
         if float(self.delay).is_integer():

@@ -6,6 +6,8 @@
   one point per layout, with the least-squares line, Pearson r and Spearman ρ; one y range for all.
 - proxies.png: the trained layouts' KL at the end against J under each affinity proxy.
 - up_edge.png: per layer, the co-located fraction of the up edge for each layout.
+- head_start.png (when the experiment's [report] table gives steps): the KL gap over contiguous's
+  KL and the multiplier at every evaluation (studies/compare.py).
 """
 from __future__ import annotations
 
@@ -79,8 +81,12 @@ def draw_curves(study: "Study", path: Path) -> Path | None:
         ys = [y for line in ax.get_lines() for y in line.get_ydata()]
         if ys and min(ys) > 0 and max(ys) / min(ys) > 8:
             ax.set_yscale("log")
+    log_steps = bool(study.config and study.config.report.log_steps)
     for ax, title in zip(axes, ("KL to the dense model", "perplexity")):
-        ax.set_xlabel("optimizer step")
+        if log_steps:  # step 0 has no place on a log axis: the curves start at the first evaluation after it
+            ax.set_xscale("log")
+            ax.set_xlim(left=min((s for r in study.runs for s in r.kl.steps if s > 0), default=1) * 0.9)
+        ax.set_xlabel("optimizer step" + (" (log scale)" if log_steps else ""))
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8, frameon=False)
@@ -237,6 +243,43 @@ def draw_up_edge(study: "Study", path: Path) -> Path | None:
     return out
 
 
+def draw_head_start(study: "Study", path: Path) -> Path | None:
+    """The gap as a fraction of contiguous's KL, and the multiplier with its rolling median of five,
+    at every evaluation (only for an experiment whose [report] table asks for the head start)."""
+    import matplotlib.pyplot as plt
+
+    from dtpshard.studies.compare import head_start, rolling_median
+
+    if not (study.config and study.config.report.steps):
+        return None
+    rows = head_start(study)
+    if not rows:
+        return None
+    steps = [r.step for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].plot(steps, [100 * r.fraction for r in rows], color=COLOURS["optimised"], marker="o", ms=3)
+    axes[0].set_ylabel("gap / contiguous KL (%)")
+    axes[0].set_title("KL gap, contiguous − optimised")
+    axes[0].axhline(0, color=GREY, lw=0.8)
+    mult = [r.multiplier for r in rows]
+    axes[1].plot(steps, [m if m is not None else float("nan") for m in mult], color=COLOURS["optimised"], lw=0.8,
+                 alpha=0.5, marker="o", ms=3, label="at each evaluation")
+    axes[1].plot(steps, [m if m is not None else float("nan") for m in rolling_median(mult)],
+                 color=COLOURS["optimised"], lw=2.2, label="rolling median of five")
+    axes[1].axhline(1, color=GREY, lw=0.8)
+    axes[1].set_ylabel("multiplier (steps saved, ×)")
+    axes[1].set_title("contiguous's step / optimised's matching step")
+    axes[1].legend(fontsize=8, frameon=False)
+    for ax in axes:
+        ax.set_xscale("log" if study.config.report.log_steps else "linear")
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
 def draw_all(study: "Study", figures: Path) -> dict[str, Path]:
     import matplotlib
 
@@ -244,7 +287,7 @@ def draw_all(study: "Study", figures: Path) -> dict[str, Path]:
     figures.mkdir(parents=True, exist_ok=True)
     out = {}
     for key, fn in (("curves", draw_curves), ("j_vs_kl", draw_j_vs_kl), ("proxies", draw_proxies),
-                    ("up_edge", draw_up_edge)):
+                    ("up_edge", draw_up_edge), ("head_start", draw_head_start)):
         p = fn(study, figures / f"{key}.png")
         if p is not None:
             out[key] = p

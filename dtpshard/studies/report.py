@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from dtpshard.core.io import atomic_write_text
+from dtpshard.studies.compare import optional_sections
 from dtpshard.studies.stats import (bootstrap_pearson, bootstrap_pearson_difference, correlate, mean_curve, mean_sd,
                                     pair_matching, rank_correlate, step_matching)
 from dtpshard.studies.study import LayoutInfo, Study, distinct, groups, layout_kl, load_study, mid_step
@@ -43,9 +44,10 @@ def results_table(study: Study) -> str:
     g = groups(study)
     curves = _opt_cont(study)
     match = None if curves is None else step_matching(mean_curve(curves[0]), mean_curve(curves[1]), end)
+    top1 = any(len(r.top1.steps) for r in study.runs)  # runs evaluated before top-1 was recorded have none
     lines = [f"| layout | layouts | runs | KL@0 | KL@{mid} | KL@{end} | KL@{end} min–max | ppl@{end} | "
-             f"step matching contiguous@{end} |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             + (f"top-1@{end} | " if top1 else "") + f"step matching contiguous@{end} |",
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if top1 else "")]
     for name, infos in g.items():
         runs = [r for i in infos for r in i.runs]
         if not runs:
@@ -56,7 +58,8 @@ def results_table(study: Study) -> str:
         spread = f"{min(ends):.3f}–{max(ends):.3f}" if len(ends) > 1 else "–"
         lines.append(f"| {name} | {len(infos)} | {len(runs)} | {mean_sd(at('kl', 0)).format()} | "
                      f"{mean_sd(at('kl', mid)).format()} | {mean_sd(at('kl', end)).format()} | {spread} | "
-                     f"{mean_sd(at('ppl', end)).format(2)} | {sm} |")
+                     f"{mean_sd(at('ppl', end)).format(2)} | " + (f"{mean_sd(at('top1', end)).format()} | " if top1 else "")
+                     + f"{sm} |")
     return "\n".join(lines)
 
 
@@ -247,7 +250,10 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
             *step_matching_lines(study), ""]
     if "curves" in figures:
         body += ["## Training curves", "", f"![KL and perplexity against step]({figures['curves']})", "",
-                 "Bold: mean over training seeds; faint: single seeds; grey: random layouts.", ""]
+                 "Bold: mean over training seeds; faint: single seeds; grey: random layouts."
+                 + (" Log step axis: step 0 (the untrained students) is left off it." if c and c.report.log_steps
+                    else ""), ""]
+    body += optional_sections(study, figures)
     first = study.proxies[0]
     same = [f"{i.name} = {i.same_as}" for i in study.layouts.values() if i.same_as]
     body += ["## Co-located score J against KL", "", f"J under the {first} affinity (the one the optimised layouts "

@@ -25,6 +25,20 @@ class Run:
     done: bool
     kl: Curve
     ppl: Curve
+    top1: Curve  # agreement with the teacher's argmax (empty for runs evaluated before it was recorded)
+
+
+EDGE_KINDS = ("up", "down", "attention->attention", "FFN->FFN")  # b - a = 1 or 2 (δ <= 2), by the source
+
+
+def edge_kind(a: int, b: int) -> str:
+    """An edge (a, b) by what it joins: heads -> neurons of a layer (up), neurons -> the next
+    layer's KV groups (down), or, from δ = 2, one attention (FFN) to the next."""
+    if b - a == 1:
+        return "up" if a % 2 == 0 else "down"
+    if b - a == 2:
+        return "attention->attention" if a % 2 == 0 else "FFN->FFN"
+    return f"{'attention' if a % 2 == 0 else 'FFN'}->{'attention' if b % 2 == 0 else 'FFN'} ({b - a} apart)"
 
 
 @dataclass
@@ -40,6 +54,7 @@ class LayoutInfo:
     proxy_J: dict[str, float] = field(default_factory=dict)  # J under each proxy (scores.json)
     same_as: str | None = None  # the name of an identical layout listed before it (same units per device)
     identity: str | None = None  # Layout.function_key of its layout file (None: unreadable)
+    edge_fractions: dict[str, float] = field(default_factory=dict)  # edge kind -> mean co-located fraction
 
 
 @dataclass
@@ -104,9 +119,18 @@ def _layout_info(p: Path, zero: dict[str, Any], zero_path: Path) -> LayoutInfo:
     if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
         raise UserError(f"{p}: score.layers must be a list of objects")
     z = _table(zero, p.stem, zero_path)
+    edges = s.get("edges", [])
+    if not isinstance(edges, list) or not all(isinstance(e, dict) for e in edges):
+        raise UserError(f"{p}: score.edges must be a list of objects")
+    by_kind: dict[str, list[float]] = {}
+    for e in edges:
+        a, b, v = _num(e, "src", p, int), _num(e, "dst", p, int), _num(e, "colocated", p)
+        if None not in (a, b, v):
+            by_kind.setdefault(edge_kind(a, b), []).append(v)
     return LayoutInfo(p.stem, str(obj.get("kind", "unknown")), _num(s, "J", p), _num(s, "ratio_to_random", p),
                       [_num(row, "up", p) for row in rows], _num(z, "kl", zero_path), _num(z, "ppl", zero_path),
-                      identity=_identity(obj, p))
+                      identity=_identity(obj, p),
+                      edge_fractions={k: sum(v) / len(v) for k, v in by_kind.items()})
 
 
 def _eval_rows(run: Path) -> list[dict[str, Any]]:
@@ -119,6 +143,7 @@ def _eval_rows(run: Path) -> list[dict[str, Any]]:
             raise UserError(f"{path}: an eval row without a step")
         _num(row, "eval_kl", path)
         _num(row, "eval_ppl", path)
+        _num(row, "eval_top1", path)
     return rows
 
 
@@ -142,8 +167,8 @@ def load_study(directory: Path) -> Study:
             continue
         rows = _eval_rows(r)
         run = Run(r.name, layout, int(seed), (r / DONE).is_file(),  # finished, even with its weights removed
-                  make_curve([x["step"] for x in rows], [x.get("eval_kl") for x in rows]),
-                  make_curve([x["step"] for x in rows], [x.get("eval_ppl") for x in rows]))
+                  *(make_curve([x["step"] for x in rows], [x.get(k) for x in rows])
+                    for k in ("eval_kl", "eval_ppl", "eval_top1")))
         runs.append(run)
         if layout not in layouts:  # a run without its layout file: still shown
             layouts[layout] = LayoutInfo(layout, layout.split("-")[0], None, None, [], None, None)
