@@ -26,7 +26,7 @@ from dtpshard.core.io import file_sha256
 from dtpshard.core.layout import Layout
 from dtpshard.model.checkpoint import load_tokenizer, save_checkpoint
 from dtpshard.model.dtp import DTPModel
-from dtpshard.model.remote import AUTO_MAP, REMOTE_CODE
+from dtpshard.model.student import AUTO_MAP, REMOTE_CODE
 from dtpshard.model.shards import Weights
 from dtpshard.training import rundir
 

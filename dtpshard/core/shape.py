@@ -12,7 +12,7 @@ from typing import Any
 from dtpshard.core.errors import UserError
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-STUDENT_TYPE = "dtp"  # a distilled student's model_type (model/remote.py): its `dtp` block names the base family
+STUDENT_TYPE = "dtp"  # a distilled student's model_type (model/student.py): its `dtp` block names the base family
 UNIT_FIELDS = ("layers", "kv_groups", "heads_per_group", "neurons")  # what a layout or an affinity file records
 
 
@@ -105,7 +105,7 @@ def _get(cfg: Any, name: str, default: Any = None) -> Any:
 
 def family_config(cfg: Any) -> Any:
     """The base family's config (LlamaConfig, ...) of a config: a DTP student's (model_type "dtp",
-    model/remote.py's DTPConfig) rebuilt from its fields, any other config as it is. The one place
+    model/student.py's DTPConfig) rebuilt from its fields, any other config as it is. The one place
     that tells a student's config from its family's: the shape and the rotary tables read this."""
     if _get(cfg, "model_type") != STUDENT_TYPE:
         return cfg

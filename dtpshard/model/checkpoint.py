@@ -35,7 +35,7 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 def load_hf_config(path: str | Path) -> Any:
     """The checkpoint's transformers config; a DTP student's (model_type "dtp") is dtpshard's own
-    DTPConfig (model/remote.py), read without transformers' remote code: dtpshard is that code."""
+    DTPConfig (model/student.py), read without transformers' remote code: dtpshard is that code."""
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"model directory not found: {path}")
@@ -45,7 +45,7 @@ def load_hf_config(path: str | Path) -> Any:
 
     try:
         if is_student(path):
-            from dtpshard.model.remote import DTPConfig
+            from dtpshard.model.student import DTPConfig
 
             return DTPConfig.from_pretrained(str(path), local_files_only=True)
         return AutoConfig.from_pretrained(str(path), local_files_only=True)

@@ -145,11 +145,11 @@ class PretrainedMixin:
         """Write the student (into an already-temporary `out_dir`): the weights (`weights`, default
         this model's own; a sharded model passes the gathering ones) in safetensors shards of at
         most `max_shard_size`, in `dtype` (default the model's), under the base family's names;
-        config.json as model_type "dtp" (model/remote.py: the family's fields, the `dtp` block,
+        config.json as model_type "dtp" (model/student.py: the family's fields, the `dtp` block,
         architectures and auto_map), the remote-code files that make transformers load it as
         DTP, the model card README.md (`card`, default one without a run's numbers) and the
         tokenizer files (copied from `source`)."""
-        from dtpshard.model.remote import REMOTE_CODE, DTPConfig, usage_card
+        from dtpshard.model.student import REMOTE_CODE, DTPConfig, usage_card
 
         dtype = dtype or self.dtype
         config = DTPConfig.for_student(self.hf_config, self.dtp_block())  # a new object: the teacher's is untouched

@@ -152,7 +152,7 @@ def student_card(run: Path, block: dict[str, Any], hashes: TeacherHashes | None)
     the student is, the run (teacher and its sha256, L, δ, stage3, the layout's kind and J, steps,
     tokens, data, the final held-out KL and perplexity against step 0's), how to run it and, for
     an experiment's run, the report it belongs to."""
-    from dtpshard.model.remote import front_matter, usage_section
+    from dtpshard.model.student import front_matter, usage_section
 
     run = Path(run)
     config = json.loads((run / rundir.CONFIG).read_text(encoding="utf-8"))
