@@ -127,8 +127,9 @@ would be off by O(1).
 
 1. transformers, on one device, with remote code (`pip install dtpshard`: the two .py files here
    only import it):
-   `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`, then `generate()` as
-   usual; greedy decoding gives the tokens `dtpshard generate` gives.
+   `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` (the tokenizer likewise:
+   `AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)`), then `generate()` as usual;
+   greedy decoding gives the tokens `dtpshard generate` gives.
 2. `dtpshard generate DIR --prompt TEXT`: the L devices simulated on one machine (also
    `DTPModel.from_pretrained(DIR)` and `dtpshard eval DIR` in Python and on the command line).
 3. Across L processes, one device each:
