@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,12 @@ torch.set_num_threads(1)  # tiny models: more threads only add contention
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# transformers copies a student's remote code (configuration_dtp.py, modeling_dtp.py) into its
+# modules cache, read from the environment when transformers is imported: a temporary directory
+# for this session and every process it starts, never ~/.cache/huggingface/modules
+_MODULES = tempfile.mkdtemp(prefix="dtpshard-hf-modules-")
+atexit.register(shutil.rmtree, _MODULES, ignore_errors=True)
+os.environ["HF_MODULES_CACHE"] = _MODULES
 import transformers  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()

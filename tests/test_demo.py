@@ -38,6 +38,20 @@ def test_missing_wheel_or_gguf_reader_is_one_line(monkeypatch, tmp_path):
     assert not (tmp_path / smollm2.NAME).exists()
 
 
+def test_a_checkpoint_dequantised_before_gets_its_architectures(tmp_path):
+    """Loaders that go by class (not model_type) need config.json's architectures."""
+    from dtpshard.studies import smollm2
+
+    target = tmp_path / smollm2.NAME
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 576}))
+    for name in ("model.safetensors", "tokenizer.json"):
+        (target / name).write_text("")
+    assert smollm2.smollm2_checkpoint(tmp_path) == target
+    assert json.loads((target / "config.json").read_text()) == {"architectures": ["LlamaForCausalLM"],
+                                                                 "hidden_size": 576, "model_type": "llama"}
+
+
 @pytest.mark.slow
 def test_cached_checkpoint_is_the_gguf_model(tmp_path):
     """The dequantised checkpoint computes what transformers computes from the GGUF (fp32, 1e-4)."""
@@ -48,6 +62,7 @@ def test_cached_checkpoint_is_the_gguf_model(tmp_path):
     from dtpshard.studies.smollm2 import gguf_file, smollm2_checkpoint
 
     path = smollm2_checkpoint()
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     src = gguf_file()
     ref = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32).eval()
     ids = torch.randint(0, ref.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))

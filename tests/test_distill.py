@@ -92,7 +92,7 @@ def test_final_student_loads_and_evaluates_like_the_last_eval_row(setup, straigh
     student = DTPModel.from_pretrained(final)
     assert student.dtp_settings() == {"devices": 2, "delay": 1, "stage3": "sqrt"}
     block = json.loads((final / "config.json").read_text())["dtp"]  # the student says what it is
-    assert block == {"devices": 2, "delay": 1, "stage3": "sqrt",
+    assert block == {"family": "llama", "devices": 2, "delay": 1, "stage3": "sqrt",
                      "layout_sha256": Layout.load(setup["layout"]).content_sha256()}
     assert main(["eval", str(final), "--teacher", str(setup["model"]), "--text", str(setup["text"]),
                  "--blocks", "4", "--seq-len", "32", "--json"]) == 0

@@ -35,8 +35,8 @@ def student(tiny_dirs, tmp_path_factory):
 def test_student_records_its_settings_and_loads_as_dtp(student, caplog):
     cfg = json.loads((student["path"] / "config.json").read_text())
     want = {"devices": 2, "delay": 1, "stage3": "sqrt", "layout_sha256": student["layout"].content_sha256()}
-    assert cfg["dtp"] == want
-    assert json.loads((student["path"] / "dtp.json").read_text()) == want
+    assert cfg["dtp"] == {"family": "qwen3", **want} and cfg["model_type"] == "dtp"
+    assert not (student["path"] / "dtp.json").exists()  # config.json is the one record (dtp.json still read)
     ids = ids_for()
     with caplog.at_level(logging.WARNING, logger="dtpshard"):
         again = DTPModel.from_pretrained(student["path"])  # the recorded settings by default
@@ -48,7 +48,7 @@ def test_student_records_its_settings_and_loads_as_dtp(student, caplog):
 
 
 def test_dense_load_of_a_student_warns_in_one_line(student, caplog):
-    from transformers import AutoModelForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     ids = ids_for()
     with caplog.at_level(logging.WARNING, logger="dtpshard"):
@@ -56,9 +56,10 @@ def test_dense_load_of_a_student_warns_in_one_line(student, caplog):
     assert len(caplog.records) == 1
     line = caplog.records[0].getMessage()
     assert "\n" not in line and "DTP student" in line and str(student["path"]) in line
-    # plain transformers loads it (the block is an extra config key) and runs it dense, which is
-    # what the warning is about: not the function the student computes
-    hf = AutoModelForCausalLM.from_pretrained(str(student["path"]), dtype=torch.float32, local_files_only=True)
+    # the family's own class, forced on it, loads the weights (their names are the family's) and
+    # runs them dense, which is what the warning is about: not the function the student computes
+    # (AutoModelForCausalLM refuses it without remote code: test_remote.py)
+    hf = Qwen3ForCausalLM.from_pretrained(str(student["path"]), dtype=torch.float32, local_files_only=True)
     with torch.no_grad():
         ref = hf(ids).logits
         assert (dense(ids).logits - ref).abs().max().item() <= TOL

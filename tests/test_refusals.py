@@ -93,5 +93,5 @@ def test_dtp_json_defaults(tmp_path, tiny_dirs):
     model.save_pretrained(tmp_path / "student")
     again = DTPModel.from_pretrained(tmp_path / "student")
     assert again.dtp_settings() == {"devices": 2, "delay": 1.5, "stage3": "one"}
-    assert json.loads((tmp_path / "student" / "dtp.json").read_text())["devices"] == 2
+    assert json.loads((tmp_path / "student" / "config.json").read_text())["dtp"]["devices"] == 2
     assert (tmp_path / "student" / "tokenizer.json").is_file()

@@ -101,7 +101,8 @@ def test_sharded_save_loads_back_in_dtpshard_and_transformers(bf16_shards, text,
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
-    hf = AutoModelForCausalLM.from_pretrained(str(two / "final"), dtype=torch.float32).state_dict()
+    hf = AutoModelForCausalLM.from_pretrained(str(two / "final"), dtype=torch.float32,
+                                              trust_remote_code=True).state_dict()  # a student: remote code
     for name, t in b.items():
         assert torch.equal(hf[name], t), name  # the same tensors under transformers' names
     # the teacher is bf16: by default so is its student

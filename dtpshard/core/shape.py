@@ -12,6 +12,7 @@ from typing import Any
 from dtpshard.core.errors import UserError
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+STUDENT_TYPE = "dtp"  # a distilled student's model_type (model/student.py): its `dtp` block names the base family
 UNIT_FIELDS = ("layers", "kv_groups", "heads_per_group", "neurons")  # what a layout or an affinity file records
 
 
@@ -102,8 +103,23 @@ def _get(cfg: Any, name: str, default: Any = None) -> Any:
     return getattr(cfg, name, default)
 
 
+def family_config(cfg: Any) -> Any:
+    """The base family's config (LlamaConfig, ...) of a config: a DTP student's (model_type "dtp",
+    model/student.py's DTPConfig) rebuilt from its fields, any other config as it is. The one place
+    that tells a student's config from its family's: the shape and the rotary tables read this."""
+    if _get(cfg, "model_type") != STUDENT_TYPE:
+        return cfg
+    base = getattr(cfg, "base_config", None)
+    if not callable(base):
+        raise UserError(f"model_type={STUDENT_TYPE!r}: a DTP student's config, but not read by dtpshard "
+                        "(load it with dtpshard.model.checkpoint.load_hf_config)")
+    return base()
+
+
 def shape_from_hf_config(cfg: Any) -> ModelShape:
-    """Validate a transformers config and return its shape; refuse anything DTP cannot run."""
+    """Validate a transformers config (a DTP student's: its base family's) and return its shape;
+    refuse anything DTP cannot run."""
+    cfg = family_config(cfg)
     family = _get(cfg, "model_type")
     if family not in FAMILIES:
         raise UserError(f"model_type={family!r} is not supported (supported: {', '.join(FAMILIES)})")

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dtpshard.core.shape import ModelShape, shape_from_hf_config
+from dtpshard.core.shape import STUDENT_TYPE, ModelShape, family_config, shape_from_hf_config
 from dtpshard.core.errors import UserError, naming
 from dtpshard.model.shards import DEFAULT_MAX_SHARD_SIZE, INDEX, Weights, parse_size, write_weights
 
@@ -34,6 +34,8 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 def load_hf_config(path: str | Path) -> Any:
+    """The checkpoint's transformers config; a DTP student's (model_type "dtp") is dtpshard's own
+    DTPConfig (model/student.py), read without transformers' remote code: dtpshard is that code."""
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"model directory not found: {path}")
@@ -42,10 +44,24 @@ def load_hf_config(path: str | Path) -> Any:
     from transformers import AutoConfig
 
     try:
+        if is_student(path):
+            from dtpshard.model.student import DTPConfig
+
+            return DTPConfig.from_pretrained(str(path), local_files_only=True)
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{path}/config.json: {first}") from None
+
+
+def is_student(path: str | Path) -> bool:
+    """Whether config.json in `path` is a DTP student's (model_type "dtp"); False when it is unreadable
+    (transformers names what is wrong with it when the config is read)."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("model_type") == STUDENT_TYPE
 
 
 def read_shape(path: str | Path) -> ModelShape:
@@ -225,8 +241,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
+    # a student's tokenizer is its family's: given that config, transformers does not ask to run
+    # the student's remote code just to pick the tokenizer class
+    kw = {"config": family_config(load_hf_config(path))} if is_student(path) else {}
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kw)
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: no usable tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 

@@ -17,8 +17,8 @@ from dtpshard.model.shards import DEFAULT_MAX_SHARD_SIZE, Weights
 
 log = logging.getLogger("dtpshard")
 
-DTP_JSON = "dtp.json"  # the same block, next to a student's weights (students before the config block had only this)
-DTP_KEY = "dtp"  # the block in a student's config.json: devices, delay, stage3, layout_sha256
+DTP_JSON = "dtp.json"  # students before the config block recorded their settings only here (still read)
+DTP_KEY = "dtp"  # the block in a student's config.json: family, devices, delay, stage3, layout_sha256
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -141,16 +141,22 @@ class PretrainedMixin:
 
     def save_pretrained(self, out_dir: Path, source: Path | None = None, weights: Weights | None = None,
                         dtype: torch.dtype | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                        write: bool = True) -> None:
-        """Write the weights (`weights`, default this model's own; a sharded model passes the gathering
-        ones) in safetensors shards of at most `max_shard_size`, in `dtype` (default the model's),
-        the HF config (with the `dtp` block), tokenizer files (copied from `source`) and dtp.json."""
-        import copy
+                        write: bool = True, card: str | None = None) -> None:
+        """Write the student (into an already-temporary `out_dir`): the weights (`weights`, default
+        this model's own; a sharded model passes the gathering ones) in safetensors shards of at
+        most `max_shard_size`, in `dtype` (default the model's), under the base family's names;
+        config.json as model_type "dtp" (model/student.py: the family's fields, the `dtp` block,
+        architectures and auto_map), the remote-code files that make transformers load it as
+        DTP, the model card README.md (`card`, default one without a run's numbers) and the
+        tokenizer files (copied from `source`)."""
+        from dtpshard.model.student import REMOTE_CODE, DTPConfig, usage_card
 
         dtype = dtype or self.dtype
-        config = copy.deepcopy(self.hf_config)  # the teacher may share this object
-        setattr(config, DTP_KEY, self.dtp_block())
+        config = DTPConfig.for_student(self.hf_config, self.dtp_block())  # a new object: the teacher's is untouched
         config.dtype = dtype  # what dtype="auto" will load: the weights as saved
         weights = weights or Weights.of(self.state_dict(), dtype)
         save_checkpoint(Path(out_dir), config, weights, source or getattr(self, "source_path", None),
-                        extra_json={DTP_JSON: self.dtp_block()}, max_shard_size=max_shard_size, write=write)
+                        max_shard_size=max_shard_size, write=write)
+        if write:
+            for name, text in {**REMOTE_CODE, "README.md": card or usage_card(config)}.items():
+                (Path(out_dir) / name).write_text(text, encoding="utf-8")

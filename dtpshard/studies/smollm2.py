@@ -41,10 +41,23 @@ def _is_complete(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors")) and (path / "tokenizer.json").is_file()
 
 
+def _add_architectures(target: Path) -> None:
+    """A checkpoint dequantised before its config.json named its class gets it (written atomically)."""
+    import json
+
+    from dtpshard.core.io import atomic_write_text, read_json_object
+
+    config = read_json_object(target / "config.json", "model config")
+    if not config.get("architectures"):
+        config["architectures"] = ["LlamaForCausalLM"]
+        atomic_write_text(target / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def smollm2_checkpoint(cache: Path | None = None) -> Path:
     """The dequantised checkpoint directory, made on first use (about a minute on a CPU)."""
     target = (Path(cache) if cache is not None else cache_dir()) / NAME
     if _is_complete(target):
+        _add_architectures(target)
         return target
     source = gguf_file()
     for module, pip in (("gguf", "gguf"), ("accelerate", "accelerate")):
@@ -66,6 +79,7 @@ def smollm2_checkpoint(cache: Path | None = None) -> Path:
     config = model.config
     if hasattr(config, "quantization_config"):  # the weights are float32 now, not GGUF blocks
         del config.quantization_config
+    config.architectures = [type(model).__name__]  # LlamaForCausalLM: loaders that go by class need it
     with atomic_dir(target, force=True) as tmp:
         # transformers refuses save_pretrained on a model read from GGUF, so write the plain parts
         save_checkpoint(tmp, config, Weights.of(model.state_dict()))

@@ -102,8 +102,8 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
 
     Args:
         model: a Hugging Face checkpoint directory or a distilled student (RUN/final)
-        devices: L, the number of (simulated) devices; default from the model's dtp.json, else 4
-        delay: δ in modules (fractional allowed, 0 is tensor parallelism); default dtp.json, else 1
+        devices: L, the number of (simulated) devices; default a student's recorded one (config.json's dtp block), else 4
+        delay: δ in modules (fractional allowed, 0 is tensor parallelism); default a student's recorded one, else 1
         layout: a layout JSON applied to MODEL's weights before sharding
         teacher: the dense teacher checkpoint; without it kl is null
         text: local .txt/.jsonl/.json/.parquet files to evaluate on (their held-out share)

@@ -28,8 +28,10 @@ import torch
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import as_layout
 from dtpshard.core.memory import return_freed_memory
+from dtpshard.core.shape import family_config
 from dtpshard.model.checkpoint import load_tokenizer, open_checkpoint
 from dtpshard.training import memory, rundir
+from dtpshard.training.card import TeacherHashes
 from dtpshard.training.ddp import Dist
 from dtpshard.training.evaluate import eval_blocks_for, summarise
 from dtpshard.training.fsdp import full_norm
@@ -160,6 +162,8 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
                 rundir.remove_checkpoint(run)  # in case a kill came between DONE and its removal
                 print(f"{run}: already finished ({rundir.DONE} present)", file=sys.stderr)
             return run
+        # the card's sha256 of the teacher's weights, hashed while the student trains (card.py)
+        hashes = TeacherHashes(cfg.teacher, run) if d.main else None
         teacher, net0 = strategy.build(cfg, ckpt, layout)
         student = net0.model
         student.source_path = Path(cfg.teacher)
@@ -229,7 +233,7 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
         bar.close()
         metrics.close()
     with peaks.phase("saving"):
-        _save_student(run, student, strategy, cfg, config, save_dtype(cfg, ckpt))
+        _save_student(run, student, strategy, cfg, config, save_dtype(cfg, ckpt), hashes)
     _record_memory(run, plan, peaks, d)
     if d.main:
         _mark_done(run, cfg)
@@ -260,9 +264,11 @@ def _progress(cfg: DistillConfig, d: Dist, start: int):
 
 
 def _save_student(run: Path, student: torch.nn.Module, strategy: Replicated, cfg: DistillConfig,
-                  config: dict[str, Any], dtype: torch.dtype) -> None:
-    """final/, atomically, written by rank 0; under --fsdp every rank gathers each tensor in turn."""
+                  config: dict[str, Any], dtype: torch.dtype, hashes: TeacherHashes | None = None) -> None:
+    """final/, atomically, written by rank 0 (the student in the model_type "dtp" format, its model
+    card from the run's records); under --fsdp every rank gathers each tensor in turn."""
     from dtpshard.core.io import atomic_dir
+    from dtpshard.training.card import student_card
 
     weights = strategy.weights(student, dtype)
     source = Path(cfg.tokenizer or cfg.teacher)
@@ -270,7 +276,9 @@ def _save_student(run: Path, student: torch.nn.Module, strategy: Replicated, cfg
         student.save_pretrained(Path("."), source, weights, dtype, cfg.max_shard_size, write=False)
         return
     with atomic_dir(run / rundir.FINAL, force=True) as tmp:
-        student.save_pretrained(tmp, source, weights, dtype, cfg.max_shard_size)
+        card = student_card(run, {"family": family_config(student.hf_config).model_type, **student.dtp_block()},
+                            hashes)
+        student.save_pretrained(tmp, source, weights, dtype, cfg.max_shard_size, card=card)
         provenance = {k: config[k] for k in ("teacher", "layout", "layout_kind", "layout_sha256", "steps", "seed",
                                               "train_data", "eval_data")}
         (tmp / "distill.json").write_text(json.dumps(provenance, indent=1) + "\n")

@@ -1,0 +1,191 @@
+"""The model card (RUN/final/README.md) of a distilled student, written from its run's records:
+RUN/config.json, metrics.jsonl, the layout file, the teacher's README front matter (its license)
+and the sha256 of the teacher's weight files.
+
+Hashing a 70B teacher's weights takes minutes, so it is done once, by rank 0 in a background
+thread that runs while the student trains (`TeacherHashes`), and not at all for an experiment's
+run: the experiment recorded the same hashes in DIR/provenance.json when it started.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from dtpshard.training import rundir
+
+# an experiment's run is DIR/runs/NAME-sSEED beside DIR/config.json of this format and
+# DIR/provenance.json (studies/provenance.py; training does not import studies)
+_EXPERIMENT_FORMAT, _PROVENANCE, _RUNS, _REPORT = "dtpshard.experiment/", "provenance.json", "runs", "report.md"
+_LICENSE_KEYS = ("license", "license_name", "license_link")
+
+
+def experiment_of(run: Path) -> Path | None:
+    """The experiment directory a run belongs to, None for a run of its own."""
+    top = Path(run).absolute().parent.parent
+    if Path(run).absolute().parent.name != _RUNS:
+        return None
+    try:
+        fmt = json.loads((top / rundir.CONFIG).read_text(encoding="utf-8")).get("format", "")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return top if str(fmt).startswith(_EXPERIMENT_FORMAT) else None
+
+
+class TeacherHashes:
+    """sha256 of every weight file of the teacher, computed in a thread started now; `result()`
+    waits for it. An experiment's run takes them from the experiment's provenance.json."""
+
+    def __init__(self, teacher: Path, run: Path):
+        self.teacher, self.hashes, self.error = Path(teacher), None, None
+        exp = experiment_of(run)
+        if exp is not None:
+            self.hashes = self._recorded(exp)
+        self.thread = None
+        if self.hashes is None:
+            self.thread = threading.Thread(target=self._hash, name="teacher-sha256", daemon=True)
+            self.thread.start()
+
+    def _recorded(self, exp: Path) -> dict[str, str] | None:
+        try:
+            prov = json.loads((exp / _PROVENANCE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        files = prov.get("model_files") if isinstance(prov, dict) else None
+        same = isinstance(prov, dict) and Path(str(prov.get("model", ""))).absolute() == self.teacher.absolute()
+        return dict(files) if same and isinstance(files, dict) and files else None
+
+    def _hash(self) -> None:
+        from dtpshard.core.errors import UserError
+        from dtpshard.core.io import file_sha256
+        from dtpshard.model.checkpoint import TensorFiles
+
+        try:
+            self.hashes = {f.name: file_sha256(f) for f in TensorFiles(self.teacher).files}
+        except (OSError, UserError) as e:  # the card says so; the student is written anyway
+            self.error = str(e).splitlines()[0] if str(e) else type(e).__name__
+
+    def result(self) -> dict[str, str] | None:
+        if self.thread is not None:
+            self.thread.join()
+        return self.hashes
+
+
+def teacher_license(teacher: Path) -> dict[str, Any]:
+    """license (and license_name / license_link) from the YAML front matter of the teacher's
+    README.md, the Hub's model card; {} when it has none."""
+    import yaml
+
+    try:
+        text = (Path(teacher) / "README.md").read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        return {}
+    if not text.startswith("---"):
+        return {}
+    end = text.find("\n---", 3)
+    try:
+        meta = yaml.safe_load(text[3:end]) if end > 0 else None
+    except yaml.YAMLError:
+        return {}
+    return {k: meta[k] for k in _LICENSE_KEYS if isinstance(meta, dict) and meta.get(k) is not None}
+
+
+def _layout_row(config: dict[str, Any]) -> str:
+    from dtpshard.core.errors import UserError
+    from dtpshard.core.layout import Layout
+
+    path, kind = config.get("layout"), config.get("layout_kind")
+    if path is None:
+        return "contiguous (no layout file)"
+    text = f"`{path}`, kind {kind}, sha256 {config.get('layout_sha256')}"
+    try:
+        score = Layout.load(path).score
+    except UserError:
+        return text + " (the file is no longer readable)"
+    if isinstance(score.get("J"), (int, float)):
+        text += f"; co-located score J = {score['J']:.4g}"
+        if isinstance(score.get("random_expectation"), (int, float)):
+            text += f" (random expectation {score['random_expectation']:.4g})"
+    return text
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dtpshard")
+    except PackageNotFoundError:  # a checkout that was never installed
+        return "(not installed)"
+
+
+def _evals(run: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    rows = [r for r in rundir.read_metrics(run) if r.get("kind") == "eval"]
+    first = next((r for r in rows if r.get("step") == 0), None)
+    return first, rows[-1] if rows else None
+
+
+def base_model(teacher: Path) -> str:
+    """The Hub id of a teacher read from the Hub's cache (.../models--OWNER--NAME/snapshots/REV),
+    else its directory's name."""
+    parts = Path(teacher).absolute().parts
+    for i, part in enumerate(parts[:-2]):
+        if part.startswith("models--") and parts[i + 1] == "snapshots":
+            return part.removeprefix("models--").replace("--", "/")
+    return Path(teacher).name
+
+
+def _compared(first: dict[str, Any] | None, last: dict[str, Any] | None) -> str:
+    """The final held-out numbers and how they compare with the untrained student's (step 0)."""
+    if last is None:
+        return "not evaluated"
+    text = (f"KL(teacher ‖ student) {last['eval_kl']:.4f} nats/token, perplexity {last['eval_ppl']:.3f} "
+            f"at step {last['step']}")
+    if first is not None and first is not last and first.get("eval_kl"):
+        text += (f"; at step 0 (the teacher's weights run as DTP, untrained) {first['eval_kl']:.4f} and "
+                 f"{first['eval_ppl']:.3f}: the KL is {last['eval_kl'] / first['eval_kl']:.3f}× step 0's")
+    return text
+
+
+def student_card(run: Path, block: dict[str, Any], hashes: TeacherHashes | None) -> str:
+    """README.md of RUN/final: the Hub's front matter (base model, the teacher's license), what
+    the student is, the run (teacher and its sha256, L, δ, stage3, the layout's kind and J, steps,
+    tokens, data, the final held-out KL and perplexity against step 0's), how to run it and, for
+    an experiment's run, the report it belongs to."""
+    from dtpshard.model.student import front_matter, usage_section
+
+    run = Path(run)
+    config = json.loads((run / rundir.CONFIG).read_text(encoding="utf-8"))
+    teacher = Path(config["teacher"])
+    digests = None if hashes is None else hashes.result()
+    if digests:
+        weights = "<br>".join(f"`{name}` {digest}" for name, digest in sorted(digests.items()))
+    else:
+        weights = f"not computed ({hashes.error})" if hashes is not None and hashes.error else "not computed"
+    steps, per_step = config.get("steps"), config.get("tokens_per_step")
+    tokens = steps * per_step if isinstance(steps, int) and isinstance(per_step, int) else None
+    rows = [
+        ("teacher", f"`{teacher}` ({block.get('family')} family)"),
+        ("teacher weights, sha256", weights),
+        ("DTP settings", f"L = {block.get('devices')}, δ = {block.get('delay')}, stage 3 `{block.get('stage3')}`"),
+        ("layout", _layout_row(config)),
+        ("training", (f"{steps} steps × {per_step} tokens = {tokens} tokens (global batch "
+                      f"{config.get('global_batch')} × {config.get('seq_len')}), seed {config.get('seed')}, "
+                      f"lr {config.get('lr')}, "
+                      f"{config.get('precision')}, {config.get('world_size')} process(es)")),
+        ("training data", f"{config.get('train_data')}"),
+        ("held-out evaluation", (f"{config.get('eval_data')}, {config.get('eval_blocks')} blocks of "
+                                 f"{config.get('seq_len')} + 1 tokens")),
+        ("result", _compared(*_evals(run))),
+        ("made by", f"dtpshard {_version()} (`dtpshard distill`)"),
+    ]
+    exp = experiment_of(run)
+    if exp is not None:
+        rows.append(("experiment report", f"`{exp / _REPORT}` (this run is `{run.name}` of that experiment)"))
+    table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
+    meta = {"base_model": base_model(teacher), **teacher_license(teacher)}
+    return (front_matter(meta) +
+            f"\n# DTP student of {teacher.name} (L = {block.get('devices')}, δ = {block.get('delay')})\n\n"
+            f"Distilled from `{teacher.name}` by `dtpshard distill` to compute its Delayed Tensor Parallelism "
+            f"form (below). The run's own records are `{run / rundir.CONFIG}` and `{run / rundir.METRICS}`.\n\n"
+            "## The run\n\n" + table + "\n" + usage_section(block))
