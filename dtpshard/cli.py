@@ -156,8 +156,18 @@ def _read_config(path: Path) -> dict[str, Any]:
     """A --config file: readable UTF-8 YAML or JSON holding a mapping, else one line naming it."""
     import yaml
 
+    from dtpshard.core.errors import UserError
+    from dtpshard.core.io import STUDY_BYTES, check_tree
+
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if path.is_file() and path.stat().st_size > STUDY_BYTES:
+            raise Refused(f"--config {path}: {path.stat().st_size} bytes, more than a config can need "
+                          f"({STUDY_BYTES} at most)")
+        data = check_tree(yaml.safe_load(path.read_text(encoding="utf-8")), f"--config {path}")
+    except UserError as e:
+        raise Refused(str(e)) from None
+    except RecursionError:
+        raise Refused(f"--config {path}: nested too deeply") from None
     except FileNotFoundError:
         raise Refused(f"--config {path}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:

@@ -90,7 +90,7 @@ def test_full_disk(disk, tiny_dirs, tmp_path, capsys):
     exp = make_experiment(d / "exp")
     lay = tmp_path / "l.json"
     assert main(["layout", str(model), "--out", str(lay), "--kind", "contiguous", "--devices", "2"]) == 0
-    (d / "old.json").write_text("{}")  # a previous output stays as it was
+    (d / "old.json").write_bytes(lay.read_bytes())  # a previous output (a layout: what layout replaces) stays
     fill()
     full_disk_refusal(capsys, ["layout", model, "--out", d / "old.json", "--kind", "random"], d, d / "old.json")
     full_disk_refusal(capsys, ["affinity", model, "--out", d / "a.st", "--text", text, "--blocks", "1",

@@ -34,7 +34,8 @@ def test_affinity_never_writes_over_the_model(model, capsys):
 
 
 def test_affinity_out_directory_refused_before_the_pass(model, tmp_path, capsys):
-    refused(capsys, ["affinity", str(model), "--out", str(tmp_path), "--blocks", "1", "--seq-len", "8",
+    (tmp_path / "d").mkdir()  # tmp_path itself holds the model: refused as containing an input
+    refused(capsys, ["affinity", str(model), "--out", str(tmp_path / "d"), "--blocks", "1", "--seq-len", "8",
                      "--no-progress"], "is a directory; give the path of the file to write")
 
 

@@ -281,7 +281,12 @@ def test_refuses_existing_output_unless_forced(env, capsys):
     assert (out / "keep").read_text() == "x"
     (tmp / "afile").write_text("y")
     refused(capsys, [src, good], tmp / "afile", "exists and is not a directory", exists=True)
-    assert main(["permute", str(src), str(good), "--out", str(out), "--force"]) == 0
+    refused(capsys, [src, good, "--force"], out, "is not a permuted checkpoint", exists=True)  # not permute's
+    assert (out / "keep").read_text() == "x"
+    out = tmp / "p"
+    assert main(["permute", str(src), str(good), "--out", str(out)]) == 0
+    (out / "keep").write_text("x")
+    assert main(["permute", str(src), str(good), "--out", str(out), "--force"]) == 0  # its own output: replaced
     assert not (out / "keep").exists() and (out / "model.safetensors").is_file() and (out / LAYOUT_JSON).is_file()
     assert not [p for p in tmp.iterdir() if ".tmp" in p.name or ".old" in p.name]
     refused(capsys, [src, good, "--force"], src, "is the source model directory", exists=True)

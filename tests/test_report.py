@@ -196,5 +196,5 @@ def test_head_start_and_side_by_side_sections(tmp_path):
     assert "top-1@100" in md
     assert rolling_median([1, None, 3, 10, 2, 4]) == [2, 3, 2.5, 3.5, 3.5, 4]  # of the known, centred
     side = md[md.index("## Side by side with"):]
-    assert f"| this study (δ = 1) | optimised | 3 | 0.600 | 0.400 |" in side
+    assert "| this study (δ = 1) | optimised | 3 | 0.600 | 0.400 |" in side
     assert f"{other} (δ = 1) | contiguous |" in side

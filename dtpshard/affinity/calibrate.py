@@ -6,7 +6,6 @@ affinity file; it returns what it did. The command only turns flags into its arg
 """
 from __future__ import annotations
 
-import json as _json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -15,12 +14,13 @@ from typing import Any
 
 import torch
 
-from dtpshard.affinity.file import Affinity, edges_for_delay
+from dtpshard.affinity.file import Affinity, edges_for_delay, is_affinity_file
 from dtpshard.affinity.offload import GiB, HiddenStates, Plan, default_budget, plan
 from dtpshard.affinity.scorer import ScoreOptions, compute_affinity
 from dtpshard.core.devices import pick_device
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import check_output_file, check_writable_dir, refuse_overwriting
+from dtpshard.core.guard import check_outputs, check_replaceable, local_paths
+from dtpshard.core.io import check_output_file, check_writable_dir, dumps
 from dtpshard.core.shape import check_delay
 from dtpshard.core.vocab import AffinityDType, Count, Delay, Device, NonNegativeInt, NonNegativeNumber, Proxy, Seed
 from dtpshard.data.blocks import load_texts, make_blocks
@@ -95,15 +95,16 @@ def plan_calibration(model: Path, out: Path, data: CalibrationData = Calibration
                      run: PassSettings = PassSettings()) -> CalibrationPlan:
     """Read the model's headers and the calibration tokens and plan the pass; every bad input
     (model, data, δ, --out) is refused here, before any scoring."""
+    check_outputs({"--out": out}, {"the model directory": model, "the tokenizer": data.tokenizer,
+                                   "the calibration text": data.text, "the dataset": local_paths([data.dataset])})
     device = pick_device(run.device)
     ckpt = open_checkpoint(model)
     shape = ckpt.shape
     check_delay(shape, delay)
     if not edges_for_delay(shape.modules, delay):
         raise UserError(f"--delay {delay}: no edges (every module sees all partials below δ = 1)")
-    weights = [*ckpt.files.files, ckpt.files.index, Path(model) / "config.json"]
-    refuse_overwriting(out, the_model_directory=Path(model), the_model_file=weights, the_tokenizer=data.tokenizer)
     check_output_file(Path(out))  # before the pass, not after it
+    check_replaceable(Path(out), is_affinity_file, "an affinity file (dtpshard.affinity/1)")
     tok = load_tokenizer(data.tokenizer or model)
     texts = load_texts(data.text, data.dataset, role="calibration", text_field=data.text_field)
     ids = make_blocks(tok, texts, data.seq_len, data.blocks, seed=data.seed)  # [blocks, seq_len]
@@ -193,5 +194,5 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
     print(f"wrote {out}: {result.edges} edges, {result.tokens} tokens ({blocks} x {seq_len}), "
           f"{result.seconds:.1f} s on {result.device}", file=sys.stderr)
     if json:
-        print(_json.dumps(result.to_json(model, delay, data)))
+        print(dumps(result.to_json(model, delay, data)))
     return 0

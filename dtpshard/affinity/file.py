@@ -15,11 +15,21 @@ from typing import Any
 import numpy as np
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import atomic_path
+from dtpshard.core.io import atomic_path, check_keys, dumps, loads
 from dtpshard.core.memory import check_fits
 from dtpshard.core.shape import UnitShape
 
 FORMAT = "dtpshard.affinity/1"
+META_KEYS = ("format", "model", "delay", "tokens", "options", "source")  # every metadata key, as save writes
+_META_BYTES = 1 << 20  # one metadata value: a few hundred bytes in practice
+
+
+def is_affinity_file(path: str | Path) -> bool:
+    """Whether `path` is an affinity file (what `dtpshard affinity --out` may replace): its header says so."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        return (f.metadata() or {}).get("format") == FORMAT
 
 
 def edges_for_delay(modules: int, delay: float) -> list[tuple[int, int]]:
@@ -48,8 +58,8 @@ class Affinity:
         from safetensors.numpy import save_file
 
         tensors = {f"edge.{a}.{b}": np.ascontiguousarray(s, dtype=np.float32) for (a, b), s in self.edges.items()}
-        meta = {"format": FORMAT, "model": json.dumps(self.model.to_json()), "delay": json.dumps(self.delay),
-                "tokens": str(int(self.tokens)), "options": json.dumps(self.options), "source": self.source}
+        meta = {"format": FORMAT, "model": dumps(self.model.to_json()), "delay": dumps(self.delay),
+                "tokens": str(int(self.tokens)), "options": dumps(self.options), "source": self.source}
         with atomic_path(path) as tmp:
             save_file(tensors, str(tmp), metadata=meta)
 
@@ -65,6 +75,11 @@ class Affinity:
         try:
             with safe_open(str(path), framework="numpy") as f:
                 meta = f.metadata() or {}
+                if meta.get("format") != FORMAT:  # the header, checked before any tensor is read
+                    raise UserError(f"{path}: format={meta.get('format')!r}, expected {FORMAT!r}")
+                check_keys(meta, META_KEYS, f"{path}: metadata")
+                model, file_delay, options, tokens = _metadata(meta, path)
+                model = UnitShape.from_json(model, f"{path}: metadata")
                 names = [k for k in f.keys() if delay is None or _needed(k, delay)]
                 sizes = [math.prod(f.get_slice(k).get_shape()) for k in names]
                 check_fits(8 * sum(sizes) + 4 * max(sizes, default=0), f"{path}: {len(names)} edges in float64",
@@ -72,15 +87,6 @@ class Affinity:
                 arrays = {k: f.get_tensor(k) for k in names}
         except (SafetensorError, OSError, ValueError) as e:
             raise UserError(f"{path}: not a safetensors affinity file ({e})") from None
-        if meta.get("format") != FORMAT:
-            raise UserError(f"{path}: format={meta.get('format')!r}, expected {FORMAT!r}")
-        try:
-            model = json.loads(meta["model"])
-            delay = json.loads(meta.get("delay", "1"))
-            options = json.loads(meta.get("options", "{}"))
-        except (KeyError, json.JSONDecodeError) as e:
-            raise UserError(f"{path}: bad metadata ({e})") from None
-        model = UnitShape.from_json(model, f"{path}: metadata")
         edges: dict[tuple[int, int], np.ndarray] = {}
         for name, arr in arrays.items():
             parts = name.split(".")
@@ -97,7 +103,7 @@ class Affinity:
             if (arr < 0).any():
                 raise UserError(f"{path}: {name} has negative scores")
             edges[(a, b)] = arr.astype(np.float64)
-        return cls(model, delay, edges, int(meta.get("tokens", 0)), options, meta.get("source", ""))
+        return cls(model, file_delay, edges, tokens, options, meta.get("source", ""))
 
     def require_edges(self, delay: float) -> list[tuple[int, int]]:
         """The edges δ needs, each present, or one line saying which is missing."""
@@ -107,3 +113,25 @@ class Affinity:
                 raise UserError(f"affinity has no edge.{e[0]}.{e[1]}, needed at delay {delay} "
                                 f"(it was computed for delay {self.delay})")
         return need
+
+
+def _metadata(meta: dict[str, str], path: Path) -> tuple[Any, float, dict[str, Any], int]:
+    """(model, delay, options, tokens) from the header's strings, each parsed within bounds."""
+    where = f"{path}: metadata"
+    for key, value in meta.items():
+        if len(value) > _META_BYTES:
+            raise UserError(f"{where}: {key} is {len(value)} bytes, more than it can need ({_META_BYTES} at most)")
+    try:
+        model = loads(meta["model"], f"{where} model")
+        delay = loads(meta.get("delay", "1"), f"{where} delay")
+        options = loads(meta.get("options", "{}"), f"{where} options")
+        tokens = loads(meta.get("tokens", "0"), f"{where} tokens")
+    except (KeyError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: bad metadata ({e})") from None
+    if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay < math.inf:
+        raise UserError(f"{where}: delay = {meta.get('delay')!r} is not a finite number >= 0")
+    if not isinstance(options, dict):
+        raise UserError(f"{where}: options must be a JSON object")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise UserError(f"{where}: tokens = {meta.get('tokens')!r} is not a count")
+    return model, delay, options, tokens

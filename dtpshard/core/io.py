@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dtpshard.core.errors import UserError, naming
+from dtpshard.core.rename import publish_new, publish_over
 
 _FULL_BYTES = 1 << 20  # a failed write with less than this free on its file system ran out of space
 
@@ -116,18 +119,6 @@ def check_output_file(path: Path, flag: str = "--out") -> None:
     check_writable_dir(Path(path), create=False)
 
 
-def refuse_overwriting(out: Path, flag: str = "--out", **inputs: "Path | list[Path] | None") -> None:
-    """An output must never replace what the command reads: refuse when `out` is one of the
-    inputs (a file, or a model/teacher directory), naming which. `inputs` maps a description
-    (underscores for spaces) to a path or a list of paths."""
-    target = Path(out).resolve()
-    for what, paths in inputs.items():
-        for p in paths if isinstance(paths, list) else [paths]:
-            if p is not None and Path(p).resolve() == target:
-                raise UserError(f"{flag} {out} is {what.replace('_', ' ')} {p}, an input of this command "
-                                "(write elsewhere)")
-
-
 def _disk_full(exc: BaseException, where: Path) -> bool:
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
@@ -161,11 +152,14 @@ def writing(path: str | Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary file path next to `path`; rename it over `path` on success."""
+    """Yield a temporary file path next to `path`; rename it over `path` on success. A `path`
+    that did not exist when the write began is published only if it still does not (another
+    writer's result is never replaced: rename.Occupied); one that existed is replaced."""
     path = Path(path)
     check_writable_dir(path)
     remove_stale_temporaries(path)
     tmp = _tmp_sibling(path)
+    existed = os.path.lexists(path)
     with exit_on_sigterm():
         try:
             with writing(path):
@@ -173,7 +167,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
                 share(tmp, 0o666)  # one mode for every output (safetensors would leave 0600)
                 with open(tmp, "rb+") as f:
                     os.fsync(f.fileno())
-                os.replace(tmp, path)
+                os.replace(tmp, path) if existed else publish_new(tmp, path)
         finally:
             if tmp.exists():
                 tmp.unlink()
@@ -186,9 +180,12 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(path: str | Path, force: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory; on success it replaces `path` (refused if it exists unless force)."""
+    """Yield a temporary directory; on success it becomes `path`. An existing `path` is refused
+    unless force, and then swapped out atomically; a `path` another writer created meanwhile is
+    never replaced (rename.Occupied, this result discarded)."""
     path = Path(path)
-    if path.exists() and not force:
+    existed = os.path.lexists(path)
+    if existed and not force:
         raise UserError(f"output {path} exists (use --force to replace it)")
     check_writable_dir(path)
     remove_stale_temporaries(path)
@@ -199,13 +196,7 @@ def atomic_dir(path: str | Path, force: bool = False) -> Iterator[Path]:
             with writing(path):
                 share(tmp, 0o777)  # mkdtemp's 0700 would hide the output from other users
                 yield tmp
-                if path.exists():
-                    old = _tmp_sibling(path, ".old")
-                    os.replace(path, old)
-                    os.replace(tmp, path)
-                    shutil.rmtree(old, ignore_errors=True)
-                else:
-                    os.replace(tmp, path)
+                publish_over(tmp, path) if existed else publish_new(tmp, path)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -237,15 +228,121 @@ def read_text(path: str | Path, what: str = "file") -> str:
         return path.read_text(encoding="utf-8")
 
 
-def read_json(path: str | Path, what: str = "file") -> Any:
-    """The JSON value in `path`; errors as in `read_text`, malformed JSON named with its line."""
+# Every JSON file dtpshard reads is parsed within bounds, so a damaged or hostile file is one
+# line, never a RecursionError, a 4300-digit ValueError or an allocation sized by a number in it.
+SMALL_JSON = 16 << 20  # bytes: a config, a record, a manifest, a results table (real ones are < 1 MiB)
+STUDY_BYTES = 1 << 20  # a study file or a --config file: a few KiB in practice
+MAX_DEPTH = 32  # nesting: our formats need at most 6
+INT_LIMIT = 2 ** 63  # no count, size or index of ours reaches it
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+class _TooBig(ValueError):
+    pass
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > 19 or not -INT_LIMIT < int(text) < INT_LIMIT:
+        raise _TooBig(text)
+    return int(text)
+
+
+def _nesting(bare: str) -> int:
+    """The deepest [ / { nesting of JSON text without its strings (numpy: a 15 MB layout in ms)."""
+    import numpy as np
+
+    b = np.frombuffer(bare.encode("utf-8", "replace"), dtype=np.uint8)
+    if not b.size:
+        return 0
+    step = ((b == 91) | (b == 123)).astype(np.int32) - ((b == 93) | (b == 125))
+    return int(np.cumsum(step).max())
+
+
+def loads(text: str, where: str, max_depth: int = MAX_DEPTH) -> Any:
+    """json.loads within bounds: refused in one line naming `where` when nested deeper than
+    `max_depth` or holding an integer of 2**63 or more; malformed JSON as `naming` says."""
+    bare = _STRING.sub("", text)
+    if _nesting(bare) > max_depth:
+        raise UserError(f"{where}: nested more than {max_depth} levels deep (not a file dtpshard wrote)")
+    # ints of at most 18 digits are all below 2**63: only text with a longer run of digits pays
+    # for a Python call per integer
+    bounded = {"parse_int": _bounded_int} if re.search(r"[0-9]{19}", bare) else {}
+    try:
+        return json.loads(text, **bounded)  # malformed JSON raises JSONDecodeError: `naming` words it
+    except _TooBig as e:
+        digits = str(e)
+        raise UserError(f"{where}: integer {digits[:20]}{'...' if len(digits) > 20 else ''} is beyond any "
+                        f"count or index (at most 2**63 - 1)") from None
+
+
+def check_tree(obj: Any, where: str, max_depth: int = MAX_DEPTH) -> Any:
+    """The same bounds for a value another parser made (TOML, YAML): depth and integers. YAML
+    aliases share one object, so each container is visited once."""
+    seen, todo = set(), [(obj, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int) and not -INT_LIMIT < value < INT_LIMIT:
+            raise UserError(f"{where}: integer {str(value)[:20]}... is beyond any count or index (at most 2**63 - 1)")
+        if isinstance(value, (dict, list)) and id(value) not in seen:
+            if depth > max_depth:
+                raise UserError(f"{where}: nested more than {max_depth} levels deep")
+            seen.add(id(value))
+            items = list(value.keys()) + list(value.values()) if isinstance(value, dict) else value
+            todo += [(v, depth + 1) for v in items]
+    return obj
+
+
+def read_json(path: str | Path, what: str = "file", max_bytes: int = SMALL_JSON) -> Any:
+    """The JSON value in `path`, within bounds: at most `max_bytes` (checked before reading), as
+    `loads`; errors as in `read_text`, malformed JSON named with its line."""
+    path = Path(path)
+    with naming(path):
+        size = path.stat().st_size if path.is_file() else 0
+    if size > max_bytes:
+        raise UserError(f"{path}: {size} bytes, more than a {what} can need ({max_bytes} at most)")
     text = read_text(path, what)
     with naming(path):
-        return json.loads(text)
+        return loads(text, str(path))
 
 
-def read_json_object(path: str | Path, what: str = "file") -> dict[str, Any]:
-    obj = read_json(path, what)
+def read_json_object(path: str | Path, what: str = "file", max_bytes: int = SMALL_JSON,
+                     keys: set[str] | None = None) -> dict[str, Any]:
+    """A JSON object as `read_json`; with `keys`, any other key is refused (a typo is not ignored)."""
+    obj = read_json(path, what, max_bytes)
     if not isinstance(obj, dict):
         raise UserError(f"{path}: expected a JSON object ({what}), found {type(obj).__name__}")
+    if keys is not None:
+        check_keys(obj, keys, f"{path}")
     return obj
+
+
+def check_keys(obj: dict[str, Any], known: set[str] | tuple[str, ...], where: str) -> None:
+    """Refuse a key that is not one of `known`, naming it and the known ones."""
+    unknown = sorted(str(k) for k in obj if k not in known)
+    if unknown:
+        raise UserError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+
+
+# -- writing JSON: strict, every non-number a null ------------------------------------------------
+def finite(obj: Any) -> Any:
+    """`obj` with every NaN or infinity (float or numpy scalar) replaced by None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    if hasattr(obj, "item") and hasattr(obj, "dtype") and getattr(obj, "ndim", 1) == 0:  # numpy/torch scalar
+        return finite(obj.item())
+    return obj
+
+
+def dumps(obj: Any, **kw: Any) -> str:
+    """The one JSON encoder of every file and --json line we write: strict JSON (RFC 8259), a
+    value that is not a finite number written as null (json.dumps would write bare NaN)."""
+    try:
+        return json.dumps(obj, allow_nan=False, **kw)
+    except (ValueError, TypeError):  # a NaN, an infinity or a numpy scalar somewhere: the slow path
+        return json.dumps(finite(obj), allow_nan=False, **kw)

@@ -18,10 +18,25 @@ from typing import Any
 import numpy as np
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import atomic_write_text
+from dtpshard.core.io import atomic_write_text, check_keys, dumps, loads
 from dtpshard.core.shape import UNIT_FIELDS, UnitShape, check_devices
 
 FORMAT = "dtpshard.layout/1"
+KEYS = ("format", "devices", "delay", "kind", "seed", "model", "layers", "score")  # a layout file's, all of them
+LAYER_KEYS = ("kv_perm", "ffn_perm")
+MAX_BYTES = 1 << 30  # before the model it is for is known: a 405B model's layout is ~50 MB
+
+
+def max_bytes(model: UnitShape) -> int:
+    """The most a layout file of `model` can need: every index with its separator and generous
+    indentation (16 characters), a few KiB per layer of score parts, 1 MiB for the rest."""
+    digits = len(str(max(model.kv_groups, model.neurons)))
+    return model.layers * ((model.kv_groups + model.neurons) * (digits + 16) + 8192) + (1 << 20)
+
+
+def is_layout_file(path: Path) -> bool:
+    """Whether `path` holds a dtpshard layout (what `dtpshard layout --out` may replace)."""
+    return Path(path).is_file() and Layout.load(path).devices >= 1
 
 
 @dataclass
@@ -115,18 +130,24 @@ class Layout:
         }
 
     def save(self, path: str | Path) -> None:
-        atomic_write_text(path, json.dumps(self.to_json()) + "\n")
+        atomic_write_text(path, dumps(self.to_json()) + "\n")
 
     @classmethod
-    def from_json(cls, obj: Any, where: str = "layout") -> "Layout":
+    def from_json(cls, obj: Any, where: str = "layout", nbytes: int | None = None) -> "Layout":
+        """A layout from its parsed file (`nbytes`: the file's size, refused when more than the
+        model it names could need), every key and value checked before any array is made."""
         if not isinstance(obj, dict):
             raise UserError(f"{where}: not a JSON object")
         if obj.get("format") != FORMAT:
             raise UserError(f"{where}: format={obj.get('format')!r}, expected {FORMAT!r}")
+        check_keys(obj, KEYS, where)
         for key in ("devices", "delay", "model", "layers"):
             if key not in obj:
                 raise UserError(f"{where}: missing field {key!r}")
         model = UnitShape.from_json(obj["model"], where)
+        if nbytes is not None and nbytes > max_bytes(model):
+            raise UserError(f"{where}: {nbytes} bytes, more than a layout of this model can need "
+                            f"({max_bytes(model)} at most)")
         devices, delay = obj["devices"], obj["delay"]
         if not _is_int(devices) or devices < 1:
             raise UserError(f"{where}: devices={devices!r} must be a positive integer")
@@ -145,6 +166,7 @@ class Layout:
         for i, entry in enumerate(layers):
             if not isinstance(entry, dict):
                 raise UserError(f"{where}: layer {i} is not an object")
+            check_keys(entry, LAYER_KEYS, f"{where}: layer {i}")
             kv.append(_check_perm(entry.get("kv_perm"), model.kv_groups, f"{where}: layer {i} kv_perm"))
             ffn.append(_check_perm(entry.get("ffn_perm"), model.neurons, f"{where}: layer {i} ffn_perm"))
         seed = obj.get("seed")
@@ -152,9 +174,17 @@ class Layout:
                    seed=seed if _is_int(seed) else None, score=dict(score))
 
     @classmethod
-    def load(cls, path: str | Path) -> "Layout":
+    def load(cls, path: str | Path, model: UnitShape | None = None) -> "Layout":
+        """The layout in `path`, parsed within bounds: at most `max_bytes(model)` when the model
+        it must fit is known (else MAX_BYTES, then the bound of the model it names), no deeper
+        nesting or larger integer than io.loads allows, no unknown key."""
         path = Path(path)
+        cap = MAX_BYTES if model is None else max_bytes(model)
         try:
+            size = path.stat().st_size
+            if path.is_file() and size > cap:
+                raise UserError(f"layout {path}: {size} bytes, more than a layout of this model can need "
+                                f"({cap} at most)")
             text = path.read_text()
         except FileNotFoundError:
             raise UserError(f"layout file not found: {path}") from None
@@ -163,10 +193,10 @@ class Layout:
         except UnicodeDecodeError:
             raise UserError(f"layout {path}: not a text (JSON) file") from None
         try:
-            obj = json.loads(text)
+            obj = loads(text, f"layout {path}")
         except json.JSONDecodeError as e:
             raise UserError(f"layout {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
-        return cls.from_json(obj, where=f"layout {path}")
+        return cls.from_json(obj, where=f"layout {path}", nbytes=len(text.encode()))
 
     def check_model(self, model: UnitShape, where: str = "layout", other: str = "the model") -> None:
         """Refuse a layout made for another model shape."""

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.shape import UnitShape, check_delay, check_devices
+from dtpshard.core.shape import FAMILIES, MAX_UNITS, UnitShape, check_delay, check_devices
 from dtpshard.core.vocab import STAGE3
 
 
@@ -73,10 +73,15 @@ def read_record(saved: Any, where: str) -> dict[str, Any] | None:
         return None
     if not isinstance(saved, dict):
         raise UserError(f"{where}: the DTP settings must be a JSON object")
-    checks = {"devices": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+    checks = {"devices": lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_UNITS,
               "delay": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
               and 0 <= v < 1e9,
-              "stage3": lambda v: v in STAGE3}
+              "stage3": lambda v: v in STAGE3,
+              "layout_sha256": lambda v: v is None or isinstance(v, str) and len(v) <= 64,
+              "family": lambda v: v in FAMILIES}  # the base family of a model_type "dtp" student
+    unknown = sorted(str(k) for k in saved if k not in checks)  # a typo ("delays") must not pass silently
+    if unknown:
+        raise UserError(f"{where}: unknown DTP setting {unknown[0]!r} (known: {', '.join(checks)})")
     for key, ok in checks.items():
         if key in saved and not ok(saved[key]):
             raise UserError(f"{where}: {key} = {json.dumps(saved[key])} is not a valid DTP setting")

@@ -52,11 +52,17 @@ class UnitShape:
 
     @classmethod
     def from_json(cls, obj: Any, where: str) -> "UnitShape":
-        """A file's `model` object, refused in one line unless it gives four positive integers."""
+        """A file's `model` object, refused in one line unless it gives four positive integers
+        (no other key), none beyond what a model can have (MAX_UNITS, MAX_LAYERS): every array
+        sized by them is made after this check."""
         ok = isinstance(obj, dict) and all(isinstance(obj.get(k), int) and not isinstance(obj.get(k), bool)
                                            and obj[k] >= 1 for k in UNIT_FIELDS)
         if not ok:
             raise UserError(f"{where}: model must give positive integer {', '.join(UNIT_FIELDS)}")
+        extra = sorted(str(k) for k in obj if k not in UNIT_FIELDS)
+        if extra:
+            raise UserError(f"{where}: model has unknown key {extra[0]!r} (known: {', '.join(UNIT_FIELDS)})")
+        check_sizes({k: obj[k] for k in UNIT_FIELDS}, where)
         return cls(*(obj[k] for k in UNIT_FIELDS))
 
 
@@ -144,12 +150,27 @@ def shape_from_hf_config(cfg: Any) -> ModelShape:
     kv = _get(cfg, "num_key_value_heads") or heads
     if heads % kv:
         raise UserError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+    check_sizes({"num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+                 "num_attention_heads": heads, "num_key_value_heads": kv,
+                 "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}, "config.json")
     head_dim = _get(cfg, "head_dim") or cfg.hidden_size // heads
     return ModelShape(
         family=family, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads_per_group=heads // kv,
         kv_groups=kv, head_dim=head_dim, neurons=cfg.intermediate_size, vocab=cfg.vocab_size,
         rms_eps=float(_get(cfg, "rms_norm_eps", 1e-6)), tied=bool(_get(cfg, "tie_word_embeddings", False)),
         qkv_bias=family == "qwen2", qk_norm=family == "qwen3")
+
+
+MAX_LAYERS = 1 << 16  # far beyond any model (405B has 126); a count beyond it is a damaged file
+MAX_UNITS = 1 << 24  # per dimension: heads, KV groups, neurons, hidden, head_dim, vocab (16.7M)
+
+
+def check_sizes(sizes: dict[str, int], where: str) -> None:
+    """Refuse a dimension no model has before anything is allocated from it."""
+    for name, n in sizes.items():
+        limit = MAX_LAYERS if name in ("layers", "num_hidden_layers") else MAX_UNITS
+        if isinstance(n, int) and n > limit:
+            raise UserError(f"{where}: {name}={n} is beyond any model (at most {limit}); the file is damaged")
 
 
 def check_devices(shape: UnitShape, devices: int, where: str | None = None) -> None:

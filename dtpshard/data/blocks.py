@@ -248,13 +248,19 @@ def _hf_texts(name: str, role: str, field: str) -> Texts:
         config = name.split(":", 1)[1]
     split = splits.get(role, "train")
     source = f"dataset:{path}" + (f":{config}" if config else "") + f"/{split} [{role}]"
+    from dtpshard.data.hub import hub_offline, offline_reason
+
+    offline = offline_reason()  # asked first: no half minute of retries without a network
 
     def fail(e: BaseException) -> UserError:
-        return UserError(f"dataset {name}: cannot load {path} from the Hugging Face hub ({_first_line(e)})")
+        where = (f"; offline ({offline}), so only the local Hugging Face cache was looked in: pass --text FILE, "
+                 "a local --dataset PATH, or neither for the built-in corpus" if offline else "")
+        return UserError(f"dataset {name}: cannot load {path} from the Hugging Face hub ({_first_line(e)}){where}")
 
     if by_article:  # small, split-partitioned: load whole, one document per article
         try:
-            rows = datasets.load_dataset(path, config, split=split)[field]
+            with hub_offline(offline is not None):
+                rows = datasets.load_dataset(path, config, split=split)[field]
         except Exception as e:  # noqa: BLE001 - network/hub errors come in many types
             raise fail(e) from None
         docs = _articles(rows)
@@ -264,13 +270,14 @@ def _hf_texts(name: str, role: str, field: str) -> Texts:
 
     def stream(seed: int) -> Iterator[str]:
         try:
-            ds = datasets.load_dataset(path, config, split=split, streaming=True)
-            if seed >= 0:
-                ds = ds.shuffle(seed=seed, buffer_size=STREAM_SHUFFLE_BUFFER)
-            for row in ds:
-                doc = row.get(field)
-                if isinstance(doc, str) and doc.strip() and _in_role(doc, role):
-                    yield doc
+            with hub_offline(offline is not None):
+                ds = datasets.load_dataset(path, config, split=split, streaming=True)
+                if seed >= 0:
+                    ds = ds.shuffle(seed=seed, buffer_size=STREAM_SHUFFLE_BUFFER)
+                for row in ds:
+                    doc = row.get(field)
+                    if isinstance(doc, str) and doc.strip() and _in_role(doc, role):
+                        yield doc
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001

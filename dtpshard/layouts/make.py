@@ -9,9 +9,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from typing import Any
+
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import check_output_file, refuse_overwriting
-from dtpshard.core.layout import Layout
+from dtpshard.core.guard import check_outputs, check_replaceable
+from dtpshard.core.io import check_output_file, dumps
+from dtpshard.core.layout import Layout, is_layout_file
 from dtpshard.core.shape import UnitShape, check_delay, check_devices
 from dtpshard.core.vocab import (FIXED_KINDS, LAYOUT_KINDS, OPTIMISING_KINDS, Count, Delay, KvSearch, LayoutKind,
                                  Seed)
@@ -88,6 +90,7 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = 4, delay: Delay = 1.
     source = Path(source)
     if not source.exists():
         raise UserError(f"{source}: no such model directory or affinity file")
+    check_outputs({"--out": out}, {"the source": source})
     affinity = None
     if source.is_dir():
         if kind not in FIXED_KINDS:
@@ -104,18 +107,16 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = 4, delay: Delay = 1.
                             f"from δ = 1, and {source} scores edges up to δ = {affinity.delay}")
     check_devices(model, devices, where=str(source))
     check_delay(model, delay)
-    refuse_overwriting(out, the_source=source)
     check_output_file(Path(out))  # before the (possibly long) optimisation, not after
+    check_replaceable(Path(out), is_layout_file, "a layout file (dtpshard.layout/1)")
     layout = make_layout(model, devices, delay, kind, affinity=affinity, layers=layers, restarts=restarts,
                          seed=seed, kv_search=kv_search, max_sweeps=max_sweeps)
     if affinity is not None:
         layout.score["affinity"] = str(source)
     layout.save(out)
     if json:
-        import json as _json
-
-        print(_json.dumps({"out": str(out), "kind": layout.kind, "devices": layout.devices, "delay": layout.delay,
-                           "seed": layout.seed, "sha256": layout.content_sha256(), "score": layout.score}))
+        print(dumps({"out": str(out), "kind": layout.kind, "devices": layout.devices, "delay": layout.delay,
+                     "seed": layout.seed, "sha256": layout.content_sha256(), "score": layout.score}))
     else:
         print(f"{_describe(layout)} -> {out}")
     return 0

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from dtpshard.core.errors import UserError, explain
-from dtpshard.core.layout import Layout
+from dtpshard.core.io import dumps
+from dtpshard.core.layout import Layout, is_layout_file
 from dtpshard.core.permutation import layout_indices
 from dtpshard.core.vocab import Count, PermuteCheck, PositiveNumber
 
@@ -26,6 +27,12 @@ CHECK_TOL = 1e-4  # --check logits: max |Δlogits| relative to max |logit|, fp32
 _CHUNK = 16 << 20  # bytes per read when copying or comparing an unpermuted tensor
 
 Gathers = dict[str, tuple[int, torch.Tensor]]
+
+
+def is_permuted_checkpoint(path: Path) -> bool:
+    """Whether `path` is a directory `permute` wrote (its layout.json a dtpshard layout): the
+    only kind of directory `permute --force` replaces."""
+    return Path(path).is_dir() and is_layout_file(Path(path) / LAYOUT_JSON)
 
 
 def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False,
@@ -46,33 +53,33 @@ def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False,
         model: the source Hugging Face checkpoint directory (safetensors)
         layout: the layout file (dtpshard.layout/1), made for this model
         out: the directory to write (weights, index, every other source file, layout.json)
-        force: replace --out if it exists
+        force: replace --out if it is a permuted checkpoint (one this command wrote)
         check: construction (tensors read back, compared exactly), logits (fp32 forward of both), or none
         check_tokens: sequence length of --check logits (random token ids, seeded)
         tolerance: --check logits: largest max |Δlogits| / max |logit| accepted
         json: print one JSON object {out, check: {kind, passed, ...}} instead of text
     """
-    from dtpshard.core.io import atomic_dir, exit_on_sigterm
+    from dtpshard.core.guard import check_outputs, check_replaceable
+    from dtpshard.core.io import atomic_dir, check_writable_dir, exit_on_sigterm
     from dtpshard.model.checkpoint import open_checkpoint
-    from dtpshard.core.io import check_writable_dir
 
     model, layout_path, out = Path(model), Path(layout), Path(out)
     if check_tokens < 1:
         raise UserError(f"--check-tokens {check_tokens}: must be at least 1")
     if not 0 < tolerance < float("inf"):
         raise UserError(f"--tolerance {tolerance}: must be a positive number")
+    check_outputs({"--out": out}, {"the source model directory": model, "the layout": layout_path})
+    if out.exists() and not out.is_dir():  # refused before the (long) read of the weights
+        raise UserError(f"output {out} exists and is not a directory")
+    check_replaceable(out, is_permuted_checkpoint, f"a permuted checkpoint (with a {LAYOUT_JSON})", force=force)
     ckpt = open_checkpoint(model)
-    lay = Layout.load(layout_path)
+    lay = Layout.load(layout_path, ckpt.shape)
     lay.check_model(ckpt.shape, where=f"layout {layout_path} (model {model})")
-    if out.resolve() == model.resolve():
-        raise UserError(f"--out {out} is the source model directory (write elsewhere)")
-    if out.exists() and not (force and out.is_dir()):  # refuse before the (long) read of the weights
-        raise UserError(f"output {out} exists (use --force to replace it)" if out.is_dir()
-                        else f"output {out} exists and is not a directory")
     check_writable_dir(out, create=False)
     gathers = layout_indices(ckpt.shape, lay)
     weights = ckpt.files.files
-    say = (lambda line: None) if json else print  # --json: stdout holds the one JSON object only
+    said: list[str] = []  # printed once the output is in place: a refused publish reports no success
+    say = said.append
     try:
         # atomic_dir also removes what killed runs left behind; SIGTERM removes this run's temporary.
         with exit_on_sigterm(), atomic_dir(out, force=force) as tmp:
@@ -81,7 +88,7 @@ def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False,
             for src in weights:
                 for i, n in enumerate(permute_file(src, tmp / src.name, gathers)):
                     counts[i] += n
-            (tmp / LAYOUT_JSON).write_text(_json.dumps(lay.to_json(), indent=1) + "\n")
+            (tmp / LAYOUT_JSON).write_text(dumps(lay.to_json(), indent=1) + "\n")
             if check == "construction":
                 for src in weights:
                     check_file(src, tmp / src.name, gathers)
@@ -98,11 +105,12 @@ def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False,
     except OSError as e:
         raise UserError(explain(e) or f"cannot write {out}: {e}") from None
     size = sum(f.stat().st_size for f in weights)
-    if json:
-        print(_json.dumps({"model": str(model), "layout": str(layout_path), "out": str(out), "kind": lay.kind,
-                           "devices": lay.devices, "layout_sha256": lay.content_sha256(), "weight_files": len(weights),
-                           "bytes": size, "check": {**summary, "passed": True}}))
+    if json:  # stdout holds the one JSON object only
+        print(dumps({"model": str(model), "layout": str(layout_path), "out": str(out), "kind": lay.kind,
+                     "devices": lay.devices, "layout_sha256": lay.content_sha256(), "weight_files": len(weights),
+                     "bytes": size, "check": {**summary, "passed": True}}))
     else:
+        print("\n".join(said))
         print(f"{lay.kind} layout (L = {lay.devices}) applied to {model} -> {out} "
               f"({len(weights)} weight file(s), {size / 2**30:.2f} GiB)")
     return 0

@@ -10,7 +10,6 @@ module's one-hot device matrix, which is what makes its block updates exact.
 """
 from __future__ import annotations
 
-import json as _json
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 
 from dtpshard.affinity.file import Affinity
 from dtpshard.core.errors import UserError
+from dtpshard.core.io import dumps
 from dtpshard.core.layout import Layout
 
 @dataclass(frozen=True)
@@ -169,5 +169,5 @@ def score_cmd(affinity: Path, layout: Path, json: bool = False) -> int:
     chosen = Layout.load(layout)
     score = colocated_score(Affinity.load(affinity, delay=chosen.delay), chosen, where=f"layout {layout}",
                             other=f"the affinity file {affinity}")
-    print(_json.dumps(score) if json else format_score(score))
+    print(dumps(score) if json else format_score(score))
     return 0

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from dtpshard.core.shape import STUDENT_TYPE, ModelShape, family_config, shape_from_hf_config
 from dtpshard.core.errors import UserError, naming
+from dtpshard.core.io import SMALL_JSON, dumps, read_json, read_json_object
+from dtpshard.core.shape import STUDENT_TYPE, ModelShape, family_config, shape_from_hf_config
 from dtpshard.model.shards import DEFAULT_MAX_SHARD_SIZE, INDEX, Weights, parse_size, write_weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -41,6 +42,7 @@ def load_hf_config(path: str | Path) -> Any:
         raise UserError(f"model directory not found: {path}")
     if not (path / "config.json").is_file():
         raise UserError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
+    read_json_object(path / "config.json", "model config")  # within bounds before transformers parses it
     from transformers import AutoConfig
 
     try:
@@ -82,10 +84,11 @@ class TensorFiles:
 
         self.index: Path | None = path / INDEX
         if self.index.is_file():
+            index = read_json(self.index, "safetensors index", 4 * SMALL_JSON)  # ~100 KB for a 405B model
             try:
-                weight_map = json.loads(self.index.read_text())["weight_map"]
+                weight_map = index["weight_map"]
                 self.where = {str(k): path / str(v) for k, v in weight_map.items()}
-            except (ValueError, KeyError, TypeError, AttributeError):  # JSON, UTF-8, shape of the object
+            except (KeyError, TypeError, AttributeError):  # the shape of the object
                 raise UserError(f"{self.index}: not a safetensors index (a JSON object with a weight_map)") from None
             outside = sorted({str(v) for v in weight_map.values() if Path(str(v)).name != str(v) or str(v) == ".."})
             if outside:  # Hugging Face reads shards from the checkpoint directory itself
@@ -139,7 +142,7 @@ class TensorFiles:
         key = self.alias[name]
         with naming(self.where[key]), safe_open(str(self.where[key]), framework="pt") as st:
             sl = st.get_slice(key)
-            return torch.cat([sl[r] if axis == 0 else sl[:, r] for r in runs], axis)
+            return _finite(torch.cat([sl[r] if axis == 0 else sl[:, r] for r in runs], axis), key, self.where[key])
 
     def get(self, name: str, rows: slice | None = None) -> torch.Tensor:
         """Tensor `name` (canonical HF name), or only its `rows` (a slice of dim 0: the streamed
@@ -149,9 +152,20 @@ class TensorFiles:
         key = self.alias[name]
         try:
             with safe_open(str(self.where[key]), framework="pt") as st:
-                return st.get_tensor(key) if rows is None else st.get_slice(key)[rows]
+                t = st.get_tensor(key) if rows is None else st.get_slice(key)[rows]
         except SafetensorError as e:
             raise UserError(f"{self.where[key]}: cannot read tensor {key} ({str(e).splitlines()[0]})") from None
+        return _finite(t, key, self.where[key])
+
+
+def _finite(t: torch.Tensor, name: str, file: Path) -> torch.Tensor:
+    """`t` as read, refused in one line naming it when it holds a NaN or an infinity (a diverged
+    or damaged checkpoint would otherwise give NaN logits and a plausible-looking exit 0). One
+    pass over each tensor as it is read, no second read of the files."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = "NaN" if bool(torch.isnan(t).any()) else "infinite"
+        raise UserError(f"{file}: tensor {name} holds {bad} values (a diverged or damaged checkpoint)")
+    return t
 
 
 def tensor_names(file: Path) -> list[str]:
@@ -271,7 +285,7 @@ def save_checkpoint(out_dir: Path, hf_config: Any, weights: Weights, source: Pat
             if (source / name).is_file():
                 shutil.copy2(source / name, out_dir / name)
     for name, obj in (extra_json or {}).items():
-        (out_dir / name).write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
+        (out_dir / name).write_text(dumps(obj, indent=1) + "\n", encoding="utf-8")
 
 
 def check_token_ids(ids: torch.Tensor, vocab: int, model: str | Path) -> None:

@@ -25,6 +25,18 @@ def _sample_filter(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return scores
 
 
+def _tempered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The sampling scores: logits / temperature (transformers' order of operations), filtered.
+    At a temperature so small that the quotient overflows (inf, then NaN in the softmax) they are
+    its T -> 0 limit instead: 0 for each row's most likely tokens, -inf for the rest, which is
+    greedy decoding (a tie shared at random)."""
+    scores = logits.float() / temperature
+    if not bool(torch.isfinite(scores).all()):
+        top = logits.float().amax(-1, keepdim=True)
+        scores = torch.zeros_like(scores).masked_fill(logits.float() < top, float("-inf"))
+    return _sample_filter(scores, top_k, top_p)
+
+
 @torch.no_grad()
 def generate_ids(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int = 0, seed: int | None = 0, eos_id: int | list[int] | None = None, *, top_p: float = 1.0,
@@ -50,8 +62,7 @@ def generate_ids(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_token
         if temperature <= 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
-            scores = _sample_filter(logits.float() / temperature, top_k, top_p)
-            nxt = torch.multinomial(scores.softmax(-1), 1, generator=g)
+            nxt = torch.multinomial(_tempered(logits, temperature, top_k, top_p).softmax(-1), 1, generator=g)
         nxt = torch.where(done[:, None], torch.full_like(nxt, pad), nxt)
         ids = torch.cat([ids, nxt], dim=1)
         done |= torch.isin(nxt[:, 0], eos)

@@ -36,8 +36,7 @@ def generate_cmd(model: Path, *, prompt: str, devices: Count | None = None, dela
         compile: torch.compile the model's forward (pays a compile, then decodes faster on long runs)
         json: print one JSON object {text, completion, new_token_ids, ...} instead of the text
     """
-    import json as _json
-
+    from dtpshard.core.io import dumps
     from dtpshard.model.checkpoint import check_token_ids, load_tokenizer
     from dtpshard.model.dtp import DTPModel
 
@@ -62,7 +61,7 @@ def generate_cmd(model: Path, *, prompt: str, devices: Count | None = None, dela
     new = out[0, ids.shape[1]:]
     completion = tok.decode(new, skip_special_tokens=True)
     if json:
-        print(_json.dumps({"model": str(model), **net.dtp_settings(), "dtype": str(net.dtype).removeprefix("torch."),
+        print(dumps({"model": str(model), **net.dtp_settings(), "dtype": str(net.dtype).removeprefix("torch."),
                            "prompt": prompt, "completion": completion, "text": prompt + completion,
                            "prompt_ids": ids[0].tolist(), "new_token_ids": new.tolist()}))
     else:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import share
+from dtpshard.core.io import dumps, share
 
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
@@ -106,7 +106,7 @@ def write_weights(out_dir: Path, specs: list[TensorSpec], produce: Callable[[Ten
     if write and len(plan) > 1:
         index = {"metadata": {"total_size": sum(s.nbytes for s in specs)},
                  "weight_map": {s.name: name for name, part in plan.items() for s in part}}
-        (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        (out_dir / INDEX).write_text(dumps(index, indent=2) + "\n", encoding="utf-8")
     return list(plan)
 
 

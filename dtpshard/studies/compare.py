@@ -123,7 +123,7 @@ def side_by_side_lines(study: Study, other: Study, other_name: str) -> list[str]
     out = [f"## Side by side with {other_name}", "",
            "Per layout group: the mean co-located fraction of each edge kind (the share of each edge's normalised "
            "affinity whose two units share a device; 1/L ignores the affinity), J over its random expectation, "
-           f"the KL at the last step and the multiplier there (its range over seed pairs).", "",
+           "the KL at the last step and the multiplier there (its range over seed pairs).", "",
            "| study | group | runs | up | down | attention→attention | FFN→FFN | J / random | KL at the end | "
            "multiplier at the end |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in ((mine, study), (theirs, other)):

@@ -280,8 +280,13 @@ def _merge(raw: Any, overrides: dict[str, Any]) -> Any:
 
 def load_config(path: Path, overrides: dict[str, Any] | None = None) -> Experiment:
     """The study file, with command-line `overrides` (nested like the file) put over it, checked."""
+    from dtpshard.core.io import MAX_DEPTH, STUDY_BYTES, check_tree
+
     path = Path(path)
     try:
+        if path.is_file() and path.stat().st_size > STUDY_BYTES:
+            raise UserError(f"config {path}: {path.stat().st_size} bytes, more than a study file can need "
+                            f"({STUDY_BYTES} at most)")
         text = path.read_text()
     except FileNotFoundError:
         raise UserError(f"config file not found: {path}") from None
@@ -296,10 +301,13 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> Experime
             import tomllib
 
             raw = tomllib.loads(text)
+    except RecursionError:
+        raise UserError(f"config {path}: nested more than {MAX_DEPTH} levels deep") from None
     except Exception as e:  # noqa: BLE001 - tomllib and yaml raise their own error types
         msg = str(e).strip().splitlines()
         raise UserError(f"config {path}: not valid {'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'TOML'}"
                         f" ({msg[0] if msg else type(e).__name__})") from None
+    check_tree(raw, f"config {path}")  # depth and integers; unknown keys are check_config's
     try:
         return check_config(_merge(raw, overrides or {}))
     except UserError as e:

@@ -106,7 +106,7 @@ def study_cmd(*, out: Path = Path("smollm2-study"), study: Path = STUDY, force: 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     t0 = time.perf_counter()
-    report = run_experiment(load_config(study), Path(out), force=force)
+    report = run_experiment(load_config(study), Path(out), force=force, study=Path(study))
     print(f"study finished in {(time.perf_counter() - t0) / 60:.1f} min; report: {report}", file=sys.stderr)
     print(report)
     return 0

@@ -56,14 +56,13 @@ run resumes from its last checkpoint).
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import atomic_write_text, read_json, read_json_object
+from dtpshard.core.io import atomic_write_text, dumps, read_json, read_json_object
 from dtpshard.studies.config import (FORMAT, OPTIMISING, OVERRIDE_FLAGS, Experiment, check_config,  # noqa: F401
                                      load_config, read_record, record, resolve_model)
 from dtpshard.studies.provenance import (LAYOUT_DIR, PROVENANCE, RUNS, SCORES, TIMINGS, ZEROSHOT, timed as _timed,
@@ -136,7 +135,7 @@ def _prepare_dir(out: Path, cfg: Experiment, force: bool) -> None:
     elif out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(saved, json.dumps(data, indent=1) + "\n")
+    atomic_write_text(saved, dumps(data, indent=1) + "\n")
 
 
 def _affinity(cfg: Experiment, model: Path, out: Path) -> dict[str, Path]:
@@ -217,7 +216,7 @@ def _proxy_scores(cfg: Experiment, affinities: _Affinities, layouts: dict[str, P
         loaded = {name: Layout.load(layouts[name]) for name in dict.fromkeys(n for n, _ in todo)}
         for name, proxy in todo:
             done.setdefault(name, {})[proxy] = colocated_score(affinities[proxy], loaded[name])["J"]
-        atomic_write_text(path, json.dumps(done, indent=1, sort_keys=True) + "\n")
+        atomic_write_text(path, dumps(done, indent=1, sort_keys=True) + "\n")
 
 
 class _CachedTeacher:
@@ -263,7 +262,7 @@ def _zero_shot(cfg: Experiment, model: Path, layouts: dict[str, Path], out: Path
                                                Layout.load(layouts[name])).to(dev)
             done[name] = evaluate(student, teacher, blocks, micro, train.precision)
             del student
-            atomic_write_text(path, json.dumps(done, indent=1) + "\n")
+            atomic_write_text(path, dumps(done, indent=1) + "\n")
         _say(f"zero-shot {name}: KL {done[name]['kl']:.4f}, ppl {done[name]['ppl']:.2f}")
 
 
@@ -312,26 +311,31 @@ def _arms(cfg: Experiment, model: Path, layouts: dict[str, Path], out: Path,
                 teacher_cache=cache, **recipe))
 
 
-def run_experiment(cfg: Experiment, out: Path, force: bool = False, tensorboard: Path | None = None) -> Path:
-    """Every stage of a checked config (`check_config`) into `out`; returns the report path."""
-    from dtpshard.model.checkpoint import read_shape
+def run_experiment(cfg: Experiment, out: Path, force: bool = False, tensorboard: Path | None = None,
+                   study: Path | None = None) -> Path:
+    """Every stage of a checked config (`check_config`) into `out`; returns the report path.
+    study: the study file it came from (an input like the model and the text files)."""
+    from dtpshard.core.guard import check_outputs, local_paths
     from dtpshard.core.shape import check_delay, check_devices
-
+    from dtpshard.model.checkpoint import read_shape
+    from dtpshard.studies.smollm2 import MODEL_KEY
     from dtpshard.training.rundir import locked, refuse_foreign, refuse_unrelated
 
     out = Path(out)
+    cal, ev, tr = cfg.calibration, cfg.evaluation, cfg.training
+    inputs = {"the model directory": local_paths([cfg.model if cfg.model != MODEL_KEY else None]),
+              "the study file": study, "the tokenizer": cfg.tokenizer, "the calibration text": cal.text,
+              "the evaluation text": ev.text, "the training text": tr.text,
+              "the dataset": local_paths([cal.dataset, ev.dataset, tr.dataset])}
+    outputs = {"--out": out, "--tensorboard": tensorboard}
+    check_outputs(outputs, inputs)  # first: the most precise refusal, and nothing read yet
     refuse_unrelated(out, force, ("config.json",), EXPERIMENT_DIR)  # before any model is read
     model = resolve_model(cfg.model)
+    check_outputs(outputs, {"the model directory": model})  # a hub id or the demo's key, now a directory
     shape = read_shape(model)
 
     check_devices(shape, cfg.devices)
     check_delay(shape, cfg.delay)
-    from dtpshard.core.io import refuse_overwriting
-
-    from dtpshard.studies.smollm2 import MODEL_KEY
-
-    study_model = None if cfg.model == MODEL_KEY else Path(cfg.model)  # the key is not a path
-    refuse_overwriting(out, the_model_directory=model, the_study_model=study_model)
     refuse_foreign(out, FORMAT.split("/")[0] + "/", EXPERIMENT_DIR)  # another command's directory
     _check_inputs(cfg, model)
     with locked(out):
@@ -364,7 +368,7 @@ def experiment_cmd(study: Path, *, out: Path, force: bool = False, tensorboard: 
         overrides: the study keys given as flags, nested as in the file
     """
     cfg = load_config(study, overrides)
-    report = run_experiment(cfg, out, force, tensorboard)
+    report = run_experiment(cfg, out, force, tensorboard, study=Path(study))
     print(report)  # stdout: the report's path alone, as report, demo and study print it
     return 0
 

@@ -3,13 +3,12 @@ files' sha256, the data and token counts), written once at the start, and timing
 seconds per phase, added up over resumed runs). Read back by the report (studies/study.py)."""
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dtpshard.core.io import atomic_write_text, read_json_object
+from dtpshard.core.io import atomic_write_text, dumps, read_json_object
 
 if TYPE_CHECKING:
     from dtpshard.studies.config import Experiment
@@ -35,7 +34,7 @@ class timed:
         if isinstance(before, bool) or not isinstance(before, (int, float)):  # absent, or a hand edit
             before = 0.0
         seconds[self.phase] = round(float(before) + time.perf_counter() - self.t0, 3)
-        atomic_write_text(path, json.dumps(seconds, indent=1) + "\n")
+        atomic_write_text(path, dumps(seconds, indent=1) + "\n")
 
 
 def _commit() -> str | None:
@@ -94,4 +93,4 @@ def write_provenance(cfg: Experiment, model: Path, out: Path) -> None:
         "tokens": {"calibration": cal.blocks * cal.seq_len, "evaluation": ev.blocks * (t.seq_len + 1),
                    "training_per_run": t.steps * t.micro_batch * t.grad_accum * t.nproc * t.seq_len},
     }
-    atomic_write_text(path, json.dumps(record, indent=1) + "\n")
+    atomic_write_text(path, dumps(record, indent=1) + "\n")

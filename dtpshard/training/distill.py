@@ -39,15 +39,17 @@ def distill(cfg: DistillConfig) -> Path:
     torchrun rank 0."""
     from contextlib import nullcontext
 
-    from dtpshard.core.io import refuse_overwriting
+    from dtpshard.core.guard import check_outputs, local_paths
     from dtpshard.training.ddp import run_distributed
     from dtpshard.training.loop import train
     from dtpshard.training.rundir import locked, refuse_foreign, refuse_unrelated
 
     check_config(cfg)
-    # --force starts a run over by removing its files, config.json among them: never the teacher's
-    refuse_overwriting(cfg.out, the_teacher_directory=cfg.teacher, the_tokenizer_directory=cfg.tokenizer,
-                       the_teacher_cache=cfg.teacher_cache)
+    # --force starts a run over by removing its files, config.json among them: never an input's
+    check_outputs({"--out": cfg.out, "--tensorboard": cfg.tensorboard},
+                  {"the teacher directory": cfg.teacher, "the tokenizer directory": cfg.tokenizer,
+                   "the layout": cfg.layout, "the teacher cache": cfg.teacher_cache, "the training text": cfg.text,
+                   "the evaluation text": cfg.eval_text, "the dataset": local_paths([cfg.dataset, cfg.eval_dataset])})
     refuse_foreign(Path(cfg.out))  # before any model is read: a model's or an experiment's directory,
     refuse_unrelated(Path(cfg.out), cfg.force)  # or unrelated files
     under_torchrun = "WORLD_SIZE" in os.environ  # each process is a rank already (ddp.setup checks --nproc)
@@ -92,13 +94,12 @@ def distill_cmd(teacher: Path, cfg: DistillConfig, *, json: bool = False) -> int
         return _print_plan(cfg, as_json)
     run = distill(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
-        import json as _json
-
+        from dtpshard.core.io import dumps, read_json_object
         from dtpshard.training.rundir import DONE
 
         if as_json:
-            summary = _json.loads((run / DONE).read_text())
-            print(_json.dumps({"student": str(run / "final"), "metrics": str(run / "metrics.jsonl"), **summary}))
+            summary = read_json_object(run / DONE, "run summary")
+            print(dumps({"student": str(run / "final"), "metrics": str(run / "metrics.jsonl"), **summary}))
         else:
             print(f"student: {run / 'final'}  metrics: {run / 'metrics.jsonl'}")
     return 0
@@ -107,9 +108,8 @@ def distill_cmd(teacher: Path, cfg: DistillConfig, *, json: bool = False) -> int
 def _print_plan(cfg: DistillConfig, as_json: bool) -> int:
     """--plan: the memory plan per process, read from config.json alone; exit 2 (one line) if the
     run cannot fit."""
-    import json as _json
-
     from dtpshard.core.devices import pick_device
+    from dtpshard.core.io import dumps
     from dtpshard.training.loop import plan_for
     from dtpshard.training.memory import refuse_unless_fits
     from dtpshard.training.recipe import resolve
@@ -118,6 +118,6 @@ def _print_plan(cfg: DistillConfig, as_json: bool) -> int:
     world = cfg.plan_world or (cfg.nproc if cfg.nproc > 1 else int(os.environ.get("WORLD_SIZE", "1")))
     local = cfg.nproc if cfg.nproc > 1 and cfg.plan_world is None else None
     plan = plan_for(resolve(cfg), world, pick_device(cfg.device), local)
-    print(_json.dumps(plan.to_json()) if as_json else plan.describe())
+    print(dumps(plan.to_json()) if as_json else plan.describe())
     refuse_unless_fits(plan)
     return 0

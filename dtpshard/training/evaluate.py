@@ -6,7 +6,6 @@ materialised for a whole batch (see losses.py).
 """
 from __future__ import annotations
 
-import json as _json
 import math
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.io import dumps
 from dtpshard.core.vocab import Count, Delay, Device, Stage3
 from dtpshard.training import losses
 from dtpshard.training.precision import Precision, autocast_for
@@ -149,7 +149,7 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
                    "teacher": None if teacher is None else str(teacher), "blocks": int(ev.shape[0]),
                    "seq_len": int(ev.shape[1] - 1), "data": source})
     if json:
-        print(_json.dumps(result))
+        print(dumps(result))
     else:
         kl = "n/a (no --teacher)" if result["kl"] is None else f"{result['kl']:.5f} nats/token".replace("-0.00000", "0.00000")
         top1 = "" if result["top1"] is None else f", top-1 agreement {result['top1']:.4f}"

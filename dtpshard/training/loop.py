@@ -16,7 +16,6 @@ reduce-scattered as soon as its backward ends, so no rank ever holds a whole gra
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.io import dumps
 from dtpshard.core.layout import as_layout
 from dtpshard.core.memory import return_freed_memory
 from dtpshard.core.shape import family_config
@@ -198,7 +198,7 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
             if d.main:
                 metrics.append(row)
         bar = _progress(cfg, d, start)
-        last_ckpt = time.perf_counter()
+        last_ckpt, saved = time.perf_counter(), start  # saved: the step of the last checkpoint on disk
         for step in range(start, cfg.steps):
             lr = sched.get_last_lr()[0]
             opt.zero_grad(set_to_none=True)
@@ -209,7 +209,8 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
             grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf))
             sums = d.sum(sums) / (G * T)
             done = step + 1
-            _stop_if_diverged(done, float(sums[0]), grad_norm, start)
+            _stop_if_diverged(done, "loss", float(sums[0]), saved)
+            _stop_if_diverged(done, "gradient norm", grad_norm, saved)
             opt.step()
             sched.step()
             row = {"kind": "train", "step": done, "tokens": done * G * T, "loss": float(sums[0]),
@@ -220,6 +221,7 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
                 erow = eval_row(done)
                 if d.main:
                     metrics.append(erow)
+                _stop_if_diverged(done, "evaluation KL", erow["eval_kl"], saved)  # before its checkpoint
                 bar.set_postfix_str(f"kl {row['kl']:.4f} eval_kl {erow['eval_kl']:.4f} ppl {erow['eval_ppl']:.2f}")
             else:
                 bar.set_postfix_str(f"kl {row['kl']:.4f} ce {row['ce']:.3f} lr {lr:.2e}")
@@ -229,7 +231,7 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
                 extra = {"step": done, "wall": wall(), "metrics_bytes": metrics.size(), "rng": rng_state(),
                          "scheduler": sched.state_dict(), "config": config}
                 strategy.save(run, done, net0, named, opt, extra)
-                last_ckpt = time.perf_counter()
+                last_ckpt, saved = time.perf_counter(), done
         bar.close()
         metrics.close()
     with peaks.phase("saving"):
@@ -241,13 +243,13 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
     return run
 
 
-def _stop_if_diverged(step: int, loss: float, grad_norm: float, start: int) -> None:
-    """A non-finite loss or gradient norm ends the run before its update, every rank alike."""
-    if math.isfinite(loss) and math.isfinite(grad_norm):
+def _stop_if_diverged(step: int, what: str, value: float, saved: int) -> None:
+    """A non-finite loss or gradient norm ends the run before its update, a non-finite evaluation
+    before its checkpoint (the weights already diverged), every rank alike (the values are
+    reduced across ranks). `saved`: the step of the last checkpoint, which stays as it is."""
+    if math.isfinite(value):
         return
-    what = "loss" if not math.isfinite(loss) else "gradient norm"
-    value = loss if not math.isfinite(loss) else grad_norm
-    kept = f"the checkpoint after step {start} is kept" if start else "no checkpoint was written yet"
+    kept = f"the checkpoint after step {saved} is kept" if saved else "no checkpoint was written yet"
     raise UserError(f"step {step}: the {what} is {value} (the run diverged; try a lower --lr); {kept}, "
                     "no student was written")
 
@@ -281,7 +283,7 @@ def _save_student(run: Path, student: torch.nn.Module, strategy: Replicated, cfg
         student.save_pretrained(tmp, source, weights, dtype, cfg.max_shard_size, card=card)
         provenance = {k: config[k] for k in ("teacher", "layout", "layout_kind", "layout_sha256", "steps", "seed",
                                               "train_data", "eval_data")}
-        (tmp / "distill.json").write_text(json.dumps(provenance, indent=1) + "\n")
+        (tmp / "distill.json").write_text(dumps(provenance, indent=1) + "\n")
 
 
 def _record_memory(run: Path, plan: memory.MemoryPlan, peaks: memory.PhasePeaks, d: Dist) -> None:
@@ -301,7 +303,7 @@ def _record_memory(run: Path, plan: memory.MemoryPlan, peaks: memory.PhasePeaks,
               "how": "peak resident set per phase (VmHWM)" if plan.setup.device_type == "cpu"
               else "peak allocated by torch per phase, plus the CUDA runtime",
               "measured_over_planned": None if peak is None else peak / plan.total}
-    atomic_write_text(run / rundir.MEMORY, json.dumps(record, indent=1) + "\n")
+    atomic_write_text(run / rundir.MEMORY, dumps(record, indent=1) + "\n")
 
 
 def _mark_done(run: Path, cfg: DistillConfig) -> None:

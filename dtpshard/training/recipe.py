@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dtpshard.core.io import dumps
 # the recipe and a run's settings, defined without torch (the CLI, a study file and the report read them)
 from dtpshard.training.settings import (FORMAT, OPERATIONAL, Derived, DistillConfig, Recipe,  # noqa: F401
                                         check_config, compared_fields, compared_keys)
@@ -145,7 +146,7 @@ def run_config(cfg: DistillConfig, shape: Any, layout: Any, world: int, device: 
         eval_data=eval_src, eval_data_sha256=_sha(ev.numpy().tobytes()),
         teacher_cache_id=None if cache is None else cache.identity(),
         torch=torch.__version__)))
-    return json.loads(json.dumps(out))  # compared with a config.json read back: same types
+    return json.loads(dumps(out))  # compared with a config.json read back: same types (and nulls)
 
 
 def rng_state() -> dict[str, Any]:

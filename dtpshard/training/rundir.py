@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import torch
 
 from dtpshard.core.errors import UserError, naming
-from dtpshard.core.io import atomic_path, atomic_write_text, check_writable_dir, read_json, writing
+from dtpshard.core.io import atomic_path, atomic_write_text, check_writable_dir, dumps, loads, read_json, writing
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -37,6 +37,7 @@ FINAL = "final"
 DONE = "DONE"
 MEMORY = "memory.json"
 LOCK = ".lock"
+_ROW_BYTES = 1 << 16  # a metrics row is ~200 bytes
 OWNED = (CONFIG, METRICS, CHECKPOINT, SHARDED_CHECKPOINT, FINAL, MEMORY, DONE)
 
 
@@ -89,18 +90,24 @@ def _lock(path: Path, run: Path) -> int:
 
 
 def _show(v: Any) -> str:
-    return json.dumps(v) if not isinstance(v, str) else v
+    return dumps(v) if not isinstance(v, str) else v
 
 
 def config_differences(old: dict[str, Any], new: dict[str, Any], keys: list[str]) -> list[str]:
-    """'name OLD (now NEW)' for every compared setting that differs."""
+    """'name OLD (now NEW)' for every compared setting that differs. A content hash that differs
+    names what it is the hash of and shows both hashes: the file or data may have the same name
+    and description and still hold something else."""
     out = []
     for k in keys:
         if old.get(k) == new.get(k):
             continue
         base = k.removesuffix("_sha256")
-        if base != k and base in new:  # a content hash: name what it is the hash of
-            out.append(f"{base} content changed ({_show(old.get(base))} vs now {_show(new.get(base))})")
+        if base != k and base in new:
+            hashes = f"sha256 {_show(old.get(k))}, now {_show(new.get(k))}"
+            if old.get(base) == new.get(base):
+                out.append(f"{base} {_show(new.get(base))}: content changed ({hashes})")
+            else:
+                out.append(f"{base} content changed ({_show(old.get(base))} vs now {_show(new.get(base))}; {hashes})")
         else:
             out.append(f"{k} {_show(old.get(k))} (now {_show(new.get(k))})")
     return out
@@ -116,8 +123,8 @@ def refuse_foreign(out: Path, expect: str = "", what: str = "a distillation run"
 
         expect = FORMAT.split("/")[0] + "/"
     try:
-        old = json.loads((out / CONFIG).read_text())
-    except (OSError, ValueError):
+        old = read_json(out / CONFIG, "run config")
+    except (OSError, UserError):  # damaged, or beyond the bounds of a config: left to --force
         return
     if not isinstance(old, dict):
         return
@@ -200,7 +207,7 @@ def clean_temporaries(run: Path) -> None:
 
 def write_config(run: Path, config: dict[str, Any]) -> None:
     run.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run / CONFIG, json.dumps(config, indent=1, sort_keys=True) + "\n")
+    atomic_write_text(run / CONFIG, dumps(config, indent=1, sort_keys=True) + "\n")
 
 
 def is_done(run: Path) -> bool:
@@ -208,7 +215,7 @@ def is_done(run: Path) -> bool:
 
 
 def mark_done(run: Path, summary: dict[str, Any]) -> None:
-    atomic_write_text(run / DONE, json.dumps(summary) + "\n")
+    atomic_write_text(run / DONE, dumps(summary) + "\n")
 
 
 class Metrics:
@@ -244,7 +251,7 @@ class Metrics:
 
     def append(self, row: dict[str, Any]) -> None:
         with writing(self.path), open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(dumps(row) + "\n")  # strict JSON: a NaN is written null
             f.flush()
             os.fsync(f.fileno())
         if self.writer is not None:
@@ -270,8 +277,10 @@ def read_metrics(run: Path) -> list[dict[str, Any]]:
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
+            if len(line) > _ROW_BYTES:
+                raise UserError(f"{path}:{n}: {len(line)} bytes, more than a metrics row can need")
             try:
-                row = json.loads(line)
+                row = loads(line, f"{path}:{n}")
             except json.JSONDecodeError as e:
                 if n == len(lines):  # no newline after it: a write cut short by a kill
                     break

@@ -23,18 +23,19 @@ different teacher, is refused in one line.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import atomic_path, atomic_write_text
+from dtpshard.core.io import atomic_path, atomic_write_text, dumps, read_json_object
 from dtpshard.core.vocab import Count, Device, Seed
 
 FORMAT = "dtpshard.teacher-cache/1"
 MANIFEST, PLAN = "manifest.json", "plan.json"
+PLAN_KEYS = {"format", "k", "dtype", "seq_len", "blocks", "teacher_sha256", "tokenizer_sha256", "blocks_sha256"}
+MANIFEST_KEYS = PLAN_KEYS | {"shards"}
 SHARD_BLOCKS = 256
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
@@ -92,11 +93,6 @@ def build_cache(teacher_dir: Path, blocks: torch.Tensor, out: Path, k: int = 64,
                 micro_batch: int = 4, device: str = "cpu", precision: str = "auto", progress: bool = True,
                 force: bool = False, tokenizer: Path | None = None) -> Path:
     """Write (or finish, or keep) the cache of `blocks` [n, seq_len + 1] under `out`."""
-    from tqdm import tqdm
-
-    from dtpshard.model.dtp import DTPModel
-    from dtpshard.training.precision import autocast_for
-
     if k < 1:
         raise UserError(f"--k {k}: must be at least 1")
     if dtype not in DTYPES:
@@ -106,19 +102,41 @@ def build_cache(teacher_dir: Path, blocks: torch.Tensor, out: Path, k: int = 64,
             "blocks": int(blocks.shape[0]), **teacher_hashes(teacher_dir, tokenizer),
             "blocks_sha256": hashlib.sha256(blocks.numpy().tobytes()).hexdigest()[:16]}
     if (out / MANIFEST).is_file():
-        old = json.loads((out / MANIFEST).read_text())
+        old = _read(out, MANIFEST)
         if {key: old.get(key) for key in plan} == plan:
             return out
-    if out.exists() and any(out.iterdir()):
-        old = json.loads((out / PLAN).read_text()) if (out / PLAN).is_file() else None
-        if old != plan:
-            if not force:
-                raise UserError(f"--out {out}: exists and holds something else (use --force to rebuild it)")
-            for p in out.iterdir():
-                if p.name in (MANIFEST, PLAN) or p.name.startswith("shard-"):
-                    p.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / PLAN, json.dumps(plan, indent=1) + "\n")
+    from dtpshard.training.rundir import LOCK, locked
+
+    with locked(out):  # one builder at a time: a second is refused ("in use by process PID")
+        if any(p.name != LOCK for p in out.iterdir()):
+            old = _read(out, PLAN) if (out / PLAN).is_file() else None
+            if old != plan:
+                if not force:
+                    raise UserError(f"--out {out}: exists and holds something else (use --force to rebuild it)")
+                for p in out.iterdir():
+                    if p.name in (MANIFEST, PLAN) or p.name.startswith("shard-"):
+                        p.unlink()
+        atomic_write_text(out / PLAN, dumps(plan, indent=1) + "\n")
+        return _build(teacher_dir, blocks, out, plan, k, dtype, micro_batch, device, precision, progress)
+
+
+def _read(out: Path, name: str) -> dict[str, Any]:
+    keys = MANIFEST_KEYS if name == MANIFEST else PLAN_KEYS
+    return read_json_object(out / name, f"teacher cache {name}", keys=keys)
+
+
+def is_cache(path: Path) -> bool:
+    """Whether `path` is a teacher cache (its plan or manifest says so): what --force rebuilds."""
+    return any((Path(path) / n).is_file() and _read(Path(path), n).get("format") == FORMAT for n in (PLAN, MANIFEST))
+
+
+def _build(teacher_dir: Path, blocks: torch.Tensor, out: Path, plan: dict[str, Any], k: int, dtype: str,
+           micro_batch: int, device: str, precision: str, progress: bool) -> Path:
+    from tqdm import tqdm
+
+    from dtpshard.model.dtp import DTPModel
+    from dtpshard.training.precision import autocast_for
+
     teacher = DTPModel.from_pretrained(teacher_dir, devices=1, delay=0, dtype=torch.float32, device=device).eval()  # as distill
     k = min(k, teacher.shape.vocab)
     shards = []
@@ -132,7 +150,7 @@ def build_cache(teacher_dir: Path, blocks: torch.Tensor, out: Path, k: int = 64,
                          lambda: autocast_for(device, precision))
         bar.update(int(part.shape[0]))
     bar.close()
-    atomic_write_text(out / MANIFEST, json.dumps({**plan, "k": k, "shards": shards}, indent=1) + "\n")
+    atomic_write_text(out / MANIFEST, dumps({**plan, "k": k, "shards": shards}, indent=1) + "\n")
     return out
 
 
@@ -163,7 +181,7 @@ class TeacherCache:
         if not (self.path / MANIFEST).is_file():
             why = "unfinished (rerun the teacher-cache command)" if (self.path / PLAN).is_file() else "no cache there"
             raise UserError(f"--teacher-cache {self.path}: {why}")
-        self.manifest = m = json.loads((self.path / MANIFEST).read_text())
+        self.manifest = m = _read(self.path, MANIFEST)
         if m.get("format") != FORMAT:
             raise UserError(f"--teacher-cache {self.path}: format {m.get('format')!r}, expected {FORMAT}")
         self.k, self.seq_len = m["k"], m["seq_len"]
@@ -228,9 +246,12 @@ def teacher_cache_cmd(teacher: Path, *, out: Path, k: Count = 64, dtype: Literal
         force: rebuild a cache directory that holds something else
     """
     from dtpshard.core.devices import pick_device
-    from dtpshard.core.io import refuse_overwriting
+    from dtpshard.core.guard import check_outputs, check_replaceable, local_paths
 
-    refuse_overwriting(out, the_teacher_directory=Path(teacher))
+    check_outputs({"--out": out}, {"the teacher directory": teacher, "the tokenizer directory": tokenizer,
+                                   "the training text": text, "the dataset": local_paths([dataset])})
+    if Path(out).is_dir() and any(Path(out).iterdir()) and force:  # --force rebuilds only a teacher cache
+        check_replaceable(Path(out), is_cache, "a teacher cache (with a plan.json or manifest.json)", force=True)
     blocks = cache_blocks(teacher, seeds or [0], steps, seq_len, micro_batch, grad_accum, nproc, text, dataset,
                           text_field, tokenizer)
     path = build_cache(Path(teacher), blocks, Path(out), k, dtype, micro_batch, pick_device(device), "auto", progress,
