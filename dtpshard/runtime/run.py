@@ -10,7 +10,6 @@ Start: `torchrun --nproc-per-node L -m dtpshard run MODEL --prompt TEXT --delay 
 """
 from __future__ import annotations
 
-import json as _json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 
 from dtpshard.core.devices import DTYPES, pick_device
 from dtpshard.core.errors import UserError
+from dtpshard.core.io import dumps
 from dtpshard.core.launch import (RankExit, RankFailure, check_threads, launch_local, process_group, root_cause,
                                   set_threads, world_from_env)
 from dtpshard.core.settings import DTPSettings, resolve_dtp
@@ -108,7 +108,7 @@ def serve_rank(job: RunJob) -> int:
             new = out[0, ids.shape[1]:]
             completion = tok.decode(new, skip_special_tokens=True)
             if job.json:
-                print(_json.dumps({"model": str(job.model), "devices": world, "delay": s.delay, "stage3": s.stage3,
+                print(dumps({"model": str(job.model), "devices": world, "delay": s.delay, "stage3": s.stage3,
                                    "prompt": job.prompt, "completion": completion, "text": job.prompt + completion,
                                    "prompt_ids": ids[0].tolist(), "new_token_ids": new.tolist()}), flush=True)
             else:
