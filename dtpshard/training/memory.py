@@ -180,9 +180,13 @@ def advice(shape: ModelShape, hf_config: Any, s: Setup, **kw: Any) -> list[str]:
     remedies += [(f"--micro-batch {mb}", {"micro_batch": mb}) for mb in (s.micro_batch // 2, 1) if 0 < mb < s.micro_batch]
     remedies += [(f"{k} processes with --fsdp", {"world": k, "sharded": True})
                  for k in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if k > s.world]
-    alone = [flag for flag, change in remedies if fits(dataclasses.replace(s, **change))]
+    alone: list[str] = []
+    for flag, change in remedies:
+        more_ranks = "world" in change
+        if (not more_ranks or not any("processes" in f for f in alone)) and fits(dataclasses.replace(s, **change)):
+            alone.append(flag)  # of the process counts, only the smallest that fits
     if alone:
-        return alone[:4]
+        return alone
     chosen: dict[str, str] = {}  # setting -> the flag that sets it (a later remedy replaces an earlier one)
     current = s
     for flag, change in remedies:
