@@ -49,7 +49,6 @@ def child(args: argparse.Namespace) -> None:
     from dtpshard.affinity.scorer import compute_affinity
     from dtpshard.model.checkpoint import open_checkpoint
     from dtpshard.model.dense import DenseModel, StreamedDense
-
     from dtpshard.model.dtp import rotary_for
 
     ids = torch.load(args.ckpt / "ids.pt")

@@ -30,11 +30,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dtpshard.training.recipe import FROZEN, DistillConfig, Student, Teacher
-from dtpshard.training.loop import accumulate
-from dtpshard.training.evaluate import autocast_for
-from dtpshard.training.losses import kl_ce_sums
 from dtpshard.model.dtp import DTPModel
+from dtpshard.training.evaluate import autocast_for
+from dtpshard.training.loop import accumulate
+from dtpshard.training.losses import kl_ce_sums
+from dtpshard.training.recipe import FROZEN, DistillConfig, Student, Teacher
 
 
 def qwen3_config(vocab: int, layers: int):

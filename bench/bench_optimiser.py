@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtpshard.affinity.file import Affinity, edges_for_delay
 from dtpshard.core.layout import Layout
+from dtpshard.core.shape import UnitShape
 from dtpshard.layouts.optimise import optimise_layout
 from dtpshard.layouts.score import colocated_score
-from dtpshard.core.shape import UnitShape
 
 SHAPES = {
     "Qwen3-0.6B": UnitShape(28, 8, 2, 3072),

@@ -30,7 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -50,8 +49,8 @@ def today(src: Path, layout: Path, out: Path) -> None:
 
     from dtpshard.core.layout import Layout
     from dtpshard.core.permutation import permutation_spec, unit_index
-    from dtpshard.model.checkpoint import load_hf_config
     from dtpshard.core.shape import shape_from_hf_config
+    from dtpshard.model.checkpoint import load_hf_config
 
     cfg = load_hf_config(src)
     shape = shape_from_hf_config(cfg)

@@ -32,9 +32,8 @@ def check(name: str, ok: bool, detail: str) -> bool:
 
 
 def exactness() -> bool:
-    from tiny import tiny_hf_model
-
     from dtpshard.model.dtp import DTPModel
+    from tiny import tiny_hf_model
 
     ok = True
     for fam in ("qwen3", "qwen2", "llama_tied"):
@@ -100,11 +99,10 @@ def throughput() -> None:
 
 
 def distillation() -> bool:
-    from tiny import save_tiny
-
-    from dtpshard.training.distill import DistillConfig, distill
     from dtpshard.core.layout import Layout
     from dtpshard.model.dtp import DTPModel
+    from dtpshard.training.distill import DistillConfig, distill
+    from tiny import save_tiny
 
     with tempfile.TemporaryDirectory() as tmp:
         teacher = save_tiny(Path(tmp) / "teacher", "qwen3")
@@ -124,12 +122,12 @@ def distillation() -> bool:
 
 
 def compiled() -> bool:
-    from tiny import tiny_hf_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dtpshard.model.compiled import compile_module
     from dtpshard.model.dtp import DTPModel
     from dtpshard.training.recipe import Teacher  # a model's LM-head input as a module's forward
+    from tiny import tiny_hf_model
 
     m = DTPModel.from_hf(tiny_hf_model("qwen3"), devices=4, delay=1).cuda()
     ids = torch.randint(0, 384, (2, 33), device="cuda")
@@ -171,10 +169,9 @@ def compiled() -> bool:
 def teacher_cache() -> bool:
     import json
 
-    from tiny import save_tiny
-
     from dtpshard.training.distill import DistillConfig, distill
     from dtpshard.training.teacher_cache import build_cache, cache_blocks
+    from tiny import save_tiny
 
     with tempfile.TemporaryDirectory() as tmp:
         teacher = save_tiny(Path(tmp) / "teacher", "qwen3")
@@ -191,8 +188,8 @@ def teacher_cache() -> bool:
 
 
 def _graph_timing(model_dir: str, out: str) -> int:
-    from dtpshard.runtime.graphs import GraphDecoder
     from dtpshard.core.launch import process_group
+    from dtpshard.runtime.graphs import GraphDecoder
     from dtpshard.runtime.ranks import RankModel, check_world
 
     with process_group(timeout=300, backend="nccl") as (rank, world):
@@ -219,10 +216,10 @@ def _graph_timing(model_dir: str, out: str) -> int:
 
 def cuda_graphs() -> bool:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from test_graphs import _check
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dtpshard.core.launch import launch_local
+    from test_graphs import _check
 
     world = 2 if torch.cuda.device_count() >= 2 else 1
     with tempfile.TemporaryDirectory() as tmp:

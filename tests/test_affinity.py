@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dtpshard.affinity.scorer import ScoreOptions, compute_affinity
 from dtpshard.affinity.file import Affinity, edges_for_delay
-from dtpshard.model.checkpoint import open_checkpoint
+from dtpshard.affinity.scorer import ScoreOptions, compute_affinity
 from dtpshard.cli import main
-from dtpshard.model.dense import DenseModel
 from dtpshard.core.shape import UnitShape
+from dtpshard.model.checkpoint import open_checkpoint
+from dtpshard.model.dense import DenseModel
 
 try:
     from test_dense import VOCAB, tiny_model, tiny_tokenizer
@@ -203,8 +203,8 @@ TEXT = "\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog 
 
 
 def test_command_writes_the_affinity_file(tmp_path, model_dir, capsys):
-    from dtpshard.model.checkpoint import load_tokenizer
     from dtpshard.data.blocks import load_texts, make_blocks
+    from dtpshard.model.checkpoint import load_tokenizer
 
     txt = tmp_path / "cal.txt"
     txt.write_text(TEXT)

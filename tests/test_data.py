@@ -8,10 +8,18 @@ import types
 import pytest
 import torch
 
-from dtpshard.data import blocks as data
-from dtpshard.data.corpus import build_documents, corpus_source, stdlib_documents
-from dtpshard.data.blocks import Texts, doc_separators, is_eval_doc, iter_blocks, load_texts, make_blocks, read_text_files
 from dtpshard.core.errors import UserError
+from dtpshard.data import blocks as data
+from dtpshard.data.blocks import (
+    Texts,
+    doc_separators,
+    is_eval_doc,
+    iter_blocks,
+    load_texts,
+    make_blocks,
+    read_text_files,
+)
+from dtpshard.data.corpus import build_documents, corpus_source, stdlib_documents
 
 try:
     from test_dense import tiny_tokenizer

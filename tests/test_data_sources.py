@@ -81,8 +81,8 @@ def test_dataset_save_to_disk(tmp_path):
 
 
 def test_every_command_defaults_to_the_offline_corpus(tiny_dirs, tmp_path, capsys, no_hub):
-    from dtpshard.training.distill import DistillConfig, resolve, train_blocks_for
     from dtpshard.model.checkpoint import load_tokenizer
+    from dtpshard.training.distill import DistillConfig, resolve, train_blocks_for
 
     model = tiny_dirs["llama"]
     assert main(["eval", str(model), "--devices", "2", "--blocks", "1", "--seq-len", "8", "--json",

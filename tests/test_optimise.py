@@ -10,12 +10,20 @@ from scipy.optimize import linear_sum_assignment
 from dtpshard.affinity.file import Affinity, edges_for_delay
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout
+from dtpshard.core.shape import UnitShape
 from dtpshard.layouts import assignment
 from dtpshard.layouts.assignment import assign, price_start
-from dtpshard.layouts.optimise import (Problem, ascend, balanced_assignment, evenly_spaced_layers,
-                               exhaustive_assignment, family_blocks, labelled_partitions, optimise_layout)
+from dtpshard.layouts.optimise import (
+    Problem,
+    ascend,
+    balanced_assignment,
+    evenly_spaced_layers,
+    exhaustive_assignment,
+    family_blocks,
+    labelled_partitions,
+    optimise_layout,
+)
 from dtpshard.layouts.score import colocated_score, j_of_devices
-from dtpshard.core.shape import UnitShape
 
 
 def structured_affinity(model, delay=1, seed=0, rank=3) -> Affinity:

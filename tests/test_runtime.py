@@ -9,15 +9,15 @@ import time
 
 import pytest
 import torch
-from tiny import save_tiny
 
 from dtpshard import cli
+from dtpshard.core.launch import launch_local
+from dtpshard.core.layout import Layout
+from dtpshard.core.permutation import permutation_spec
 from dtpshard.model.checkpoint import open_checkpoint
 from dtpshard.model.decode import generate_ids
-from dtpshard.core.layout import Layout
 from dtpshard.model.dtp import DTPModel
-from dtpshard.core.permutation import permutation_spec
-from dtpshard.core.launch import launch_local
+from tiny import save_tiny
 
 TOL = 1e-4
 DELAYS = (0, 1, 2, 1.5)

@@ -14,7 +14,6 @@ from dtpshard.training.losses import kl_ce_sums, teacher_topk, topk_kl_ce_sums
 from dtpshard.training.teacher_cache import TeacherCache, cache_blocks, teacher_targets
 
 
-
 def literal(h_s, w_s, t_logits, targets, k, ce_weight):
     """KL over the teacher's top k plus the tail bucket, written out with autograd."""
     logq = torch.log_softmax(h_s @ w_s.T, -1)
@@ -159,10 +158,9 @@ def test_compile_mode_resolution():
 @pytest.mark.slow
 def test_compiled_dtp_equals_eager(tmp_path, monkeypatch):
     """A minute of CPU compile (less with a warm inductor cache): slow."""
-    from tiny import tiny_hf_model
-
     from dtpshard.model.compiled import compile_module
     from dtpshard.model.dtp import DTPModel
+    from tiny import tiny_hf_model
 
     class Hidden(torch.nn.Module):  # the student's LM-head input, what distillation trains through
         def __init__(self, model):
@@ -187,9 +185,8 @@ def test_compiled_dtp_equals_eager(tmp_path, monkeypatch):
 
 
 def test_experiment_builds_one_cache_for_every_arm(tiny_dirs, tmp_path, monkeypatch):
-    from test_experiment import config_text, corpus
-
     import dtpshard.training.teacher_cache as tc
+    from test_experiment import config_text, corpus
 
     cfg = tmp_path / "study.toml"
     text = config_text(tiny_dirs["llama"], corpus(tmp_path / "corpus.txt"))

@@ -64,7 +64,7 @@ class Affinity:
             save_file(tensors, str(tmp), metadata=meta)
 
     @classmethod
-    def load(cls, path: str | Path, delay: float | None = None) -> "Affinity":
+    def load(cls, path: str | Path, delay: float | None = None) -> Affinity:
         """Every edge, or only those `delay` needs (a δ = 1 layout from a δ = 2 file skips
         the neurons x neurons edges); refused in one line if they do not fit in memory."""
         from safetensors import SafetensorError, safe_open

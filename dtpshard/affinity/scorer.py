@@ -69,7 +69,7 @@ class ScoreOptions:
     rho: Rho = "held"  # held: δn = γ⊙c/ρ (the paper's); jacobian: the exact RMSNorm Jacobian; ablation: leave-one-out
 
     @classmethod
-    def of(cls, proxy: str) -> "ScoreOptions":
+    def of(cls, proxy: str) -> ScoreOptions:
         return PROXY_OPTIONS[proxy]
 
     @property
@@ -107,7 +107,7 @@ class Target:
     act: torch.Tensor | None = None  # FFN: [T, N] silu(g)·u
     w: torch.Tensor | None = None  # attention: [T, G, (r+2)·hd] = W_g (γ⊙x), no bias
 
-    def rows(self, sl: slice) -> "Target":
+    def rows(self, sl: slice) -> Target:
         return Target(*(None if v is None else v[sl] for v in (self.x, self.rho, self.g, self.u, self.act, self.w)))
 
 

@@ -18,8 +18,9 @@ import shutil
 import signal
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from dtpshard.core.errors import UserError, naming
 from dtpshard.core.rename import publish_new, publish_over

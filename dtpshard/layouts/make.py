@@ -15,8 +15,7 @@ from dtpshard.core.guard import check_outputs, check_replaceable
 from dtpshard.core.io import check_output_file, dumps
 from dtpshard.core.layout import Layout, is_layout_file
 from dtpshard.core.shape import UnitShape, check_delay, check_devices
-from dtpshard.core.vocab import (FIXED_KINDS, LAYOUT_KINDS, OPTIMISING_KINDS, Count, Delay, KvSearch, LayoutKind,
-                                 Seed)
+from dtpshard.core.vocab import FIXED_KINDS, LAYOUT_KINDS, OPTIMISING_KINDS, Count, Delay, KvSearch, LayoutKind, Seed
 
 
 def _shape_of_model_dir(path: Path) -> UnitShape:

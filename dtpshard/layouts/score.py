@@ -21,6 +21,7 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.io import dumps
 from dtpshard.core.layout import Layout
 
+
 @dataclass(frozen=True)
 class Edge:
     """One edge's raw scores S [units(a), units(b)] and weight 1/ΣS, so Ŝ = weight · S.

@@ -132,7 +132,7 @@ class TensorFiles:
     def shape(self, name: str) -> list[int]:
         return self.shapes[self.alias[name]]
 
-    def get_units(self, name: str, idx: "np.ndarray", axis: int) -> torch.Tensor:
+    def get_units(self, name: str, idx: np.ndarray, axis: int) -> torch.Tensor:
         """Rows (axis 0) or columns (axis 1) `idx` of tensor `name`, read run by run from the file
         (a run of consecutive indices is one slice), so only those are read."""
         from safetensors import safe_open

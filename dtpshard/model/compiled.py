@@ -17,6 +17,7 @@ DTP's peak RSS in the last run (fewer temporaries alive at once), for a compile 
 from __future__ import annotations
 
 import os
+
 import torch
 
 from dtpshard.core.errors import UserError

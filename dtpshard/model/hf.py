@@ -113,7 +113,7 @@ class PretrainedMixin:
 
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module, devices: int | None = None, delay: float | None = None,
-                **kw: Any) -> "DTPModel":
+                **kw: Any) -> DTPModel:
         """From an in-memory transformers model (e.g. one dequantised from GGUF)."""
         sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
         return cls.from_state_dict(hf_model.config, sd, devices, delay, **kw)
@@ -121,7 +121,7 @@ class PretrainedMixin:
     @classmethod
     def from_pretrained(cls, path: str | Path, devices: int | None = None, delay: float | None = None,
                         dtype: torch.dtype | str = "auto", layout: Any = None, stage3: str | None = None,
-                        device: str | torch.device = "cpu") -> "DTPModel":
+                        device: str | torch.device = "cpu") -> DTPModel:
         """Load a local HF checkpoint directory. L, δ and stage3: the arguments, else what a distilled
         student recorded (the `dtp` block of its config.json, or its dtp.json), else the layout's,
         else 4, 1, 'sqrt' (core.settings.resolve_dtp). dtype "auto" keeps the checkpoint's (a bf16

@@ -118,11 +118,11 @@ class Weights:
     produce: Callable[[TensorSpec], torch.Tensor]
 
     @classmethod
-    def of(cls, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> "Weights":
+    def of(cls, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> Weights:
         """A state dict's tensors, floating ones saved in `dtype` (None: as they are)."""
         specs = [TensorSpec(k, tuple(v.shape), dtype if dtype is not None and v.is_floating_point() else v.dtype)
                  for k, v in state_dict.items()]
         return cls(specs, lambda s: state_dict[s.name])
 
-    def without(self, names: set[str]) -> "Weights":
+    def without(self, names: set[str]) -> Weights:
         return Weights([s for s in self.specs if s.name not in names], self.produce)

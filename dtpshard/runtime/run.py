@@ -18,8 +18,16 @@ from typing import Any
 from dtpshard.core.devices import DTYPES, pick_device
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import dumps
-from dtpshard.core.launch import (RankExit, RankFailure, check_threads, launch_local, process_group, root_cause,
-                                  set_threads, world_from_env)
+from dtpshard.core.launch import (
+    RankExit,
+    RankFailure,
+    check_threads,
+    launch_local,
+    process_group,
+    root_cause,
+    set_threads,
+    world_from_env,
+)
 from dtpshard.core.settings import DTPSettings, resolve_dtp
 from dtpshard.core.shape import check_context
 from dtpshard.core.vocab import Count, Delay, Device, DType, NonNegativeInt, NonNegativeNumber, Seconds, Stage3

@@ -19,9 +19,20 @@ from typing import Any
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.typed import Invalid, from_table
-from dtpshard.core.vocab import (OPTIMISING_KINDS, Count, Delay, Device, KvSearch, LayoutKind, NonNegativeInt, Proxy,
-                                 Seed, Stage3)
-from dtpshard.training.settings import Recipe, check_config as check_recipe
+from dtpshard.core.vocab import (
+    OPTIMISING_KINDS,
+    Count,
+    Delay,
+    Device,
+    KvSearch,
+    LayoutKind,
+    NonNegativeInt,
+    Proxy,
+    Seed,
+    Stage3,
+)
+from dtpshard.training.settings import Recipe
+from dtpshard.training.settings import check_config as check_recipe
 
 FORMAT = "dtpshard.experiment/1"
 OPTIMISING = OPTIMISING_KINDS

@@ -63,10 +63,19 @@ from typing import Any
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_write_text, dumps, read_json, read_json_object
-from dtpshard.studies.config import (FORMAT, OPTIMISING, OVERRIDE_FLAGS, Experiment, check_config,  # noqa: F401
-                                     load_config, read_record, record, resolve_model)
-from dtpshard.studies.provenance import (LAYOUT_DIR, PROVENANCE, RUNS, SCORES, TIMINGS, ZEROSHOT, timed as _timed,
-                                        write_provenance)
+from dtpshard.studies.config import (  # noqa: F401
+    FORMAT,
+    OPTIMISING,
+    OVERRIDE_FLAGS,
+    Experiment,
+    check_config,
+    load_config,
+    read_record,
+    record,
+    resolve_model,
+)
+from dtpshard.studies.provenance import LAYOUT_DIR, PROVENANCE, RUNS, SCORES, TIMINGS, ZEROSHOT, write_provenance
+from dtpshard.studies.provenance import timed as _timed
 
 AFFINITY, TEACHER_CACHE = "affinity.safetensors", "teacher-cache"
 
@@ -242,11 +251,11 @@ def _zero_shot(cfg: Experiment, model: Path, layouts: dict[str, Path], out: Path
         return
     import torch
 
-    from dtpshard.model.checkpoint import load_tokenizer, open_checkpoint
-    from dtpshard.training.evaluate import eval_blocks_for, evaluate
     from dtpshard.core.devices import pick_device
     from dtpshard.core.layout import Layout
+    from dtpshard.model.checkpoint import load_tokenizer, open_checkpoint
     from dtpshard.model.dtp import DTPModel
+    from dtpshard.training.evaluate import eval_blocks_for, evaluate
 
     dev = pick_device(cfg.device)
     ckpt = open_checkpoint(model)

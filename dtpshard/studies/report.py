@@ -20,8 +20,16 @@ from pathlib import Path
 
 from dtpshard.core.io import atomic_write_text
 from dtpshard.studies.compare import optional_sections
-from dtpshard.studies.stats import (bootstrap_pearson, bootstrap_pearson_difference, correlate, mean_curve, mean_sd,
-                                    pair_matching, rank_correlate, step_matching)
+from dtpshard.studies.stats import (
+    bootstrap_pearson,
+    bootstrap_pearson_difference,
+    correlate,
+    mean_curve,
+    mean_sd,
+    pair_matching,
+    rank_correlate,
+    step_matching,
+)
 from dtpshard.studies.study import LayoutInfo, Study, distinct, groups, layout_kl, load_study, mid_step
 from dtpshard.training.settings import Recipe
 

@@ -36,8 +36,17 @@ from dtpshard.training.ddp import Dist
 from dtpshard.training.evaluate import eval_blocks_for, summarise
 from dtpshard.training.fsdp import full_norm
 from dtpshard.training.precision import resolve_precision
-from dtpshard.training.recipe import (DistillConfig, compared_keys, lr_factor, resolve, rng_state, run_config,
-                                      save_dtype, set_rng_state, train_blocks_for)
+from dtpshard.training.recipe import (
+    DistillConfig,
+    compared_keys,
+    lr_factor,
+    resolve,
+    rng_state,
+    run_config,
+    save_dtype,
+    set_rng_state,
+    train_blocks_for,
+)
 from dtpshard.training.strategy import Replicated, strategy_for
 
 

@@ -250,7 +250,7 @@ class PhasePeaks:
         return int(torch.cuda.max_memory_allocated(self.device)) + CUDA_RUNTIME if self.cuda else _hwm()
 
     class _Phase:
-        def __init__(self, owner: "PhasePeaks", name: str):
+        def __init__(self, owner: PhasePeaks, name: str):
             self.owner, self.name = owner, name
 
         def __enter__(self) -> None:
@@ -261,7 +261,7 @@ class PhasePeaks:
             if peak is not None:
                 self.owner.peaks[self.name] = max(peak, self.owner.peaks.get(self.name, 0))
 
-    def phase(self, name: str) -> "PhasePeaks._Phase":
+    def phase(self, name: str) -> PhasePeaks._Phase:
         return PhasePeaks._Phase(self, name)
 
 

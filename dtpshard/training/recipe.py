@@ -26,9 +26,18 @@ import numpy as np
 import torch
 
 from dtpshard.core.io import dumps
+
 # the recipe and a run's settings, defined without torch (the CLI, a study file and the report read them)
-from dtpshard.training.settings import (FORMAT, OPERATIONAL, Derived, DistillConfig, Recipe,  # noqa: F401
-                                        check_config, compared_fields, compared_keys)
+from dtpshard.training.settings import (  # noqa: F401
+    FORMAT,
+    OPERATIONAL,
+    Derived,
+    DistillConfig,
+    Recipe,
+    check_config,
+    compared_fields,
+    compared_keys,
+)
 
 FROZEN = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -95,9 +104,8 @@ def save_dtype(cfg: DistillConfig, ckpt: Any) -> torch.dtype:
 def train_blocks_for(cfg: DistillConfig, world: int, tokenizer: Any) -> tuple[torch.Tensor, str]:
     """All training blocks of the run, in training order: [steps × global batch, seq_len + 1]."""
     n = cfg.steps * cfg.micro_batch * cfg.grad_accum * world
-    from dtpshard.training.evaluate import source_blocks
-
     from dtpshard.model.checkpoint import check_token_ids, read_shape
+    from dtpshard.training.evaluate import source_blocks
 
     blocks, source = source_blocks(tokenizer, cfg.text, cfg.dataset, "train", cfg.seq_len, n, cfg.text_field,
                                    seed=cfg.seed, shuffle=True, repeat=True)

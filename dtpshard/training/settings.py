@@ -14,8 +14,20 @@ from typing import Any, Literal
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.typed import Invalid, check
-from dtpshard.core.vocab import (Beta, CompileMode, Count, Delay, Device, Fraction, NonNegativeInt, NonNegativeNumber,
-                                 PositiveNumber, Seconds, Seed, Stage3)
+from dtpshard.core.vocab import (
+    Beta,
+    CompileMode,
+    Count,
+    Delay,
+    Device,
+    Fraction,
+    NonNegativeInt,
+    NonNegativeNumber,
+    PositiveNumber,
+    Seconds,
+    Seed,
+    Stage3,
+)
 
 Precision = Literal["auto", "fp32", "bf16-mixed"]  # resolved per device by training/precision.py
 SaveDType = Literal["auto", "float32", "bfloat16", "float16"]
