@@ -60,7 +60,9 @@ def bench_model(name: str, hf, ids: torch.Tensor, micro_batch: int, repeat: int,
           + (" peak GPU memory (GiB) |" if gpu else ""))
     print("|---|---|---|---|---|" + ("---|" if gpu else ""))
     for label, delay, opts in variants:
-        run = lambda: compute_affinity(dense, ids, delay, opts, micro_batch=micro_batch)  # noqa: E731
+        def run(delay: float = delay, opts: ScoreOptions = opts) -> None:
+            compute_affinity(dense, ids, delay, opts, micro_batch=micro_batch)
+
         run()  # warm-up
         if gpu:
             torch.cuda.reset_peak_memory_stats()

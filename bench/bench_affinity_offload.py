@@ -116,7 +116,8 @@ def main() -> None:
         build_checkpoint(ckpt, args)
         on_disk = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
         shards = len(list(ckpt.glob("*.safetensors")))
-        torch.save(torch.randint(0, args.vocab, (args.blocks, args.seq_len), generator=torch.Generator().manual_seed(0)),
+        gen = torch.Generator().manual_seed(0)
+        torch.save(torch.randint(0, args.vocab, (args.blocks, args.seq_len), generator=gen),
                    ckpt / "ids.pt")
         print(f"checkpoint: {on_disk / 1e9:.2f} GB in {shards} bf16 shards ({args.layers} layers, D {args.hidden}, "
               f"N {args.neurons}, {args.heads} heads / {args.kv_groups} KV groups x {args.head_dim}, vocab "

@@ -56,7 +56,8 @@ def exactness() -> bool:
         ok &= check(f"{fam} KV-cache decode vs full (cuda)", d <= 1e-4, f"{d:.2e}")
         b16 = DTPModel.from_hf(hf, devices=4, delay=1, dtype=torch.bfloat16).cuda()
         d = (b16(ids.cuda()).logits.float().cpu() - cpu).abs().max().item()
-        ok &= check(f"{fam} bf16 vs fp32", d < 0.1 * cpu.abs().max().item(), f"{d:.3f} (max |logit| {cpu.abs().max():.2f})")
+        ok &= check(f"{fam} bf16 vs fp32", d < 0.1 * cpu.abs().max().item(),
+                    f"{d:.3f} (max |logit| {cpu.abs().max():.2f})")
     return ok
 
 
@@ -74,7 +75,7 @@ def throughput() -> None:
     for name, model in (("transformers dense", hf), ("DTP L=4 δ=1", DTPModel.from_hf(hf, devices=4, delay=1).cuda())):
         model.train()
 
-        def step():
+        def step(model=model):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 out = model(ids)
                 logits = out.logits if hasattr(out, "logits") else out
@@ -143,7 +144,7 @@ def compiled() -> bool:
             "DTP L=4 δ=1 compiled": compile_module(dtp)}
     tps = {}
     for name, model in arms.items():
-        def step():
+        def step(model=model):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 out = model(ids)
                 loss = (out.logits if hasattr(out, "logits") else out).float().logsumexp(-1).mean()

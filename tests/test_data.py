@@ -38,7 +38,8 @@ def tok():
 def test_corpus_extraction_rules(tmp_path):
     (tmp_path / "b.py").write_text('"""Module b: a docstring that is long enough to keep here."""\n'
                                    'def f():\n    """Short."""\n'
-                                   'if True:\n    class C:\n        """Class C, nested in an if, also long enough."""\n')
+                                   'if True:\n    class C:\n'
+                                   '        """Class C, nested in an if, also long enough."""\n')
     (tmp_path / "a.py").write_text('def g():\n    """Module b: a docstring that is long enough to keep here."""\n'
                                    'def h():\n    """The function h, documented at sufficient length."""\n')
     (tmp_path / "test").mkdir()
@@ -192,7 +193,8 @@ class FakeStream:
 
 
 def fake_datasets(calls):
-    wiki = {"train": [" = Alpha = \n", " alpha text \n", " = = Sub = = \n", " more alpha \n", " = Beta = \n", " beta \n"],
+    wiki = {"train": [" = Alpha = \n", " alpha text \n", " = = Sub = = \n", " more alpha \n", " = Beta = \n",
+                      " beta \n"],
             "test": [" = Gamma = \n", " gamma text \n"]}
 
     def load_dataset(path, config=None, split=None, streaming=False):

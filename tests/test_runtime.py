@@ -156,7 +156,8 @@ def test_launcher_refuses_before_spawning_any_rank(ckpt_dirs, capfd, monkeypatch
     for flags, said in ((["--prompt", ""], "the prompt encodes to no tokens"),
                         (["--prompt", "x", "--latency-ms", "1e12", "--timeout", "5"],
                          "--latency-ms 1e+12: every transfer would outlast --timeout 5 s"),
-                        (["--prompt", "x", "--timeout", "1e300"], "--timeout 1e300: must be a finite number > 0 (seconds, at most 1e6)")):
+                        (["--prompt", "x", "--timeout", "1e300"],
+                         "--timeout 1e300: must be a finite number > 0 (seconds, at most 1e6)")):
         assert cli.main(["run", str(ckpt_dirs[2]), "--nproc", "2", *flags]) == 2
         err = capfd.readouterr().err.strip()
         assert said in err and len(err.splitlines()) == 1, err

@@ -62,7 +62,8 @@ def cached(tiny_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("tcache")
     (root / "docs.txt").write_text("\n\n".join(random_docs(300, 0)))
     model = tiny_dirs["llama"]
-    data = ["--steps", "8", "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--text", str(root / "docs.txt")]
+    data = ["--steps", "8", "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2",
+            "--text", str(root / "docs.txt")]
     assert main(["teacher-cache", str(model), "--out", str(root / "cache"), "--k", "16", "--seeds", "0", "1",
                  "--no-progress", *data]) == 0
     return {"root": root, "model": model, "data": data, "cache": root / "cache"}

@@ -206,9 +206,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_PRELOAD = ("dtpshard.runtime.run", "dtpshard.training.loop", "dtpshard.model.generate", "transformers.models.llama.modeling_llama",
-            "transformers.models.qwen2.modeling_qwen2", "transformers.models.qwen3.modeling_qwen3",
-            "transformers.models.mistral.modeling_mistral", "transformers.tokenization_utils_fast")
+_PRELOAD = ("dtpshard.runtime.run", "dtpshard.training.loop", "dtpshard.model.generate",
+            "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+            "transformers.models.qwen3.modeling_qwen3", "transformers.models.mistral.modeling_mistral",
+            "transformers.tokenization_utils_fast")
 STOP_GRACE = 3.0  # seconds a stopped rank has between SIGTERM (its temporaries removed) and SIGKILL
 
 

@@ -202,7 +202,8 @@ class Layout:
         """Refuse a layout made for another model shape."""
         for key in UNIT_FIELDS:
             if getattr(self.model, key) != getattr(model, key):
-                raise UserError(f"{where}: {key}={getattr(self.model, key)} but {other} has {key}={getattr(model, key)}")
+                raise UserError(f"{where}: {key}={getattr(self.model, key)} but {other} has "
+                                f"{key}={getattr(model, key)}")
 
 
 def as_layout(layout: Layout | str | Path | None) -> Layout | None:

@@ -90,7 +90,8 @@ class ModelShape(UnitShape):
 
     def layer_params(self) -> int:
         """Weights of one decoder layer's projections (norm gains are negligible)."""
-        attention = self.hidden * (self.heads + 2 * self.kv_groups) * self.head_dim + self.heads * self.head_dim * self.hidden
+        qkv = self.hidden * (self.heads + 2 * self.kv_groups) * self.head_dim
+        attention = qkv + self.heads * self.head_dim * self.hidden  # + o_proj
         return attention + 3 * self.neurons * self.hidden
 
     def params(self) -> int:

@@ -261,7 +261,8 @@ def load_tokenizer(path: str | Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kw)
     except (OSError, ValueError) as e:
-        raise UserError(f"{path}: no usable tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{path}: no usable tokenizer ({why})") from None
 
 
 def save_checkpoint(out_dir: Path, hf_config: Any, weights: Weights, source: Path | None = None,

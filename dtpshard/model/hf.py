@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +72,8 @@ def student_record(path: Path, hf_config: Any) -> dict[str, Any] | None:
 def warn_if_student(where: Any, block: dict[str, Any] | None, devices: int, delay: float) -> None:
     """One line when a DTP student is about to run dense: its logits would not be the ones it was
     trained to produce (a distilled student differs from its DTP self by O(1) logits)."""
-    if block is not None and (devices == 1 or delay == 0) and (block.get("devices", 1) != 1 and block.get("delay", 0) != 0):
+    trained_dtp = block is not None and block.get("devices", 1) != 1 and block.get("delay", 0) != 0
+    if trained_dtp and (devices == 1 or delay == 0):
         log.warning(f"warning: {where} is a DTP student (devices={block.get('devices')}, delay={block.get('delay')}); "
                     f"loading it with devices={devices}, delay={delay} runs it as a dense model, not the "
                     "function it was distilled for")
@@ -113,7 +114,7 @@ class PretrainedMixin:
 
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module, devices: int | None = None, delay: float | None = None,
-                **kw: Any) -> DTPModel:
+                **kw: Any) -> Self:
         """From an in-memory transformers model (e.g. one dequantised from GGUF)."""
         sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
         return cls.from_state_dict(hf_model.config, sd, devices, delay, **kw)
@@ -121,7 +122,7 @@ class PretrainedMixin:
     @classmethod
     def from_pretrained(cls, path: str | Path, devices: int | None = None, delay: float | None = None,
                         dtype: torch.dtype | str = "auto", layout: Any = None, stage3: str | None = None,
-                        device: str | torch.device = "cpu") -> DTPModel:
+                        device: str | torch.device = "cpu") -> Self:
         """Load a local HF checkpoint directory. L, δ and stage3: the arguments, else what a distilled
         student recorded (the `dtp` block of its config.json, or its dtp.json), else the layout's,
         else 4, 1, 'sqrt' (core.settings.resolve_dtp). dtype "auto" keeps the checkpoint's (a bf16

@@ -69,7 +69,8 @@ def _header(specs: list[TensorSpec]) -> bytes:
     for s in specs:
         if s.dtype not in _DTYPES:
             raise ValueError(f"{s.name}: dtype {s.dtype} has no safetensors name")
-        entries[s.name] = {"dtype": _DTYPES[s.dtype], "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+        entries[s.name] = {"dtype": _DTYPES[s.dtype], "shape": list(s.shape),
+                           "data_offsets": [offset, offset + s.nbytes]}
         offset += s.nbytes
     head = json.dumps(entries, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it

@@ -135,7 +135,8 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay | None = None, layout: Pat
     Args:
         model: Hugging Face checkpoint directory (the world size L must divide its KV groups and neurons)
         prompt: the text to continue
-        delay: δ in modules (fractional allowed); 0 is tensor parallelism with a blocking all-reduce; default a student's recorded δ, else the layout's, else 1
+        delay: δ in modules (fractional allowed); 0 is tensor parallelism with a blocking all-reduce; default a
+            student's recorded δ, else the layout's, else 1
         layout: a layout JSON made for L devices, applied while each rank reads its slices
         max_new_tokens: how many tokens to generate
         timeout: seconds to wait for the ranks to join and for any one transfer before giving up

@@ -130,9 +130,12 @@ class ReportOptions:
     """What the report adds to its standard sections (docs/design.md §5).
 
     Args:
-        steps: a table of optimised against contiguous at these steps, as the paper's Table 2: both KLs, the gap, the gap over contiguous's KL, the multiplier and top-1 agreement; with it, the same at every evaluation and a figure
+        steps: a table of optimised against contiguous at these steps, as the paper's Table 2: both KLs, the gap, the
+            gap over contiguous's KL, the multiplier and top-1 agreement; with it, the same at every evaluation and a
+            figure
         log_steps: draw the training curves on a log step axis
-        compare: another experiment directory, set side by side with this one: the co-located fraction per edge kind, J over random, the KLs and the multiplier
+        compare: another experiment directory, set side by side with this one: the co-located fraction per edge kind, J
+            over random, the KLs and the multiplier
     """
 
     steps: list[Count] = field(default_factory=list)

@@ -31,8 +31,9 @@ def demo_config(model: Path, *, steps: int, seq_len: int, calibration_blocks: in
         "model": str(model), "devices": 3, "delay": 1, "device": device,
         "calibration": {"dataset": "offline", "blocks": calibration_blocks, "seq_len": seq_len},
         "evaluation": {"dataset": "offline", "blocks": eval_blocks},
-        "training": {"dataset": "offline", "steps": steps, "seq_len": seq_len, "micro_batch": micro_batch, "grad_accum": grad_accum,
-                     "lr": lr, "warmup": warmup, "eval_every": eval_every, "checkpoint_every": eval_every},
+        "training": {"dataset": "offline", "steps": steps, "seq_len": seq_len, "micro_batch": micro_batch,
+                     "grad_accum": grad_accum, "lr": lr, "warmup": warmup, "eval_every": eval_every,
+                     "checkpoint_every": eval_every},
         "arms": [
             {"kind": "optimised", "seeds": list(range(seeds))},
             {"kind": "contiguous", "seeds": list(range(seeds))},

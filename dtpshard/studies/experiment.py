@@ -159,8 +159,8 @@ def _affinity(cfg: Experiment, model: Path, out: Path) -> dict[str, Path]:
 
         cal = cfg.calibration
         _say(f"affinity ({proxy}): {cal.blocks} blocks x {cal.seq_len} tokens")
-        data = CalibrationData(cal.text, cal.dataset, cfg.text_field, None if cfg.tokenizer is None else Path(cfg.tokenizer),
-                               cal.blocks, cal.seq_len, cal.seed)
+        tokenizer = None if cfg.tokenizer is None else Path(cfg.tokenizer)
+        data = CalibrationData(cal.text, cal.dataset, cfg.text_field, tokenizer, cal.blocks, cal.seq_len, cal.seed)
         with _timed(out, f"affinity {proxy}"):
             calibrate(model, path, data, delay=cfg.delay, proxy=proxy,
                       run=PassSettings(micro_batch=cal.micro_batch, device=cfg.device), progress=cfg.training.progress)

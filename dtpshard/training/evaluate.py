@@ -95,19 +95,21 @@ def eval_blocks_for(model: Path, text: list[str] | None = None, dataset: str | N
 def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None = None, layout: Path | None = None,
              teacher: Path | None = None, text: list[str] | None = None, dataset: str | None = None,
              text_field: str = "text", tokenizer: Path | None = None, blocks: Count = 16, seq_len: Count = 1024,
-             micro_batch: Count = 4, stage3: Stage3 | None = None, device: Device = "auto", precision: Precision = "auto",
-             compile: bool = False, json: bool = False) -> int:
+             micro_batch: Count = 4, stage3: Stage3 | None = None, device: Device = "auto",
+             precision: Precision = "auto", compile: bool = False, json: bool = False) -> int:
     """Perplexity of MODEL run as L devices with delay δ and, with --teacher, KL(teacher ‖ model) in
     nats per token, on held-out evaluation blocks (never the calibration or training blocks).
 
     Args:
         model: a Hugging Face checkpoint directory or a distilled student (RUN/final)
-        devices: L, the number of (simulated) devices; default a student's recorded one (config.json's dtp block), else 4
+        devices: L, the number of (simulated) devices; default a student's recorded one (config.json's dtp block), else
+            4
         delay: δ in modules (fractional allowed, 0 is tensor parallelism); default a student's recorded one, else 1
         layout: a layout JSON applied to MODEL's weights before sharding
         teacher: the dense teacher checkpoint; without it kl is null
         text: local .txt/.jsonl/.json/.parquet files to evaluate on (their held-out share)
-        dataset: a save_to_disk directory, a parquet file or directory, or a hub name (wikitext-2, ...); default the offline corpus
+        dataset: a save_to_disk directory, a parquet file or directory, or a hub name (wikitext-2, ...); default the
+            offline corpus
         text_field: the column or JSON field that holds the text
         tokenizer: tokenizer directory, where MODEL has no tokenizer files
         blocks: number of evaluation blocks of seq_len + 1 tokens
@@ -151,7 +153,8 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
     if json:
         print(dumps(result))
     else:
-        kl = "n/a (no --teacher)" if result["kl"] is None else f"{result['kl']:.5f} nats/token".replace("-0.00000", "0.00000")
+        kl = ("n/a (no --teacher)" if result["kl"] is None else
+              f"{result['kl']:.5f} nats/token".replace("-0.00000", "0.00000"))
         top1 = "" if result["top1"] is None else f", top-1 agreement {result['top1']:.4f}"
         print(f"{model}: L = {result['devices']}, delay {result['delay']}: ppl {result['ppl']:.4f}, KL {kl}{top1}, "
               f"{result['tokens']} tokens ({source})")

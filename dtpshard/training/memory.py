@@ -177,7 +177,8 @@ def advice(shape: ModelShape, hf_config: Any, s: Setup, **kw: Any) -> list[str]:
         remedies.append(("--precision bf16-mixed", {"precision": "bf16-mixed"}))
     if not s.sharded and s.world > 1:
         remedies.append(("--fsdp", {"sharded": True}))
-    remedies += [(f"--micro-batch {mb}", {"micro_batch": mb}) for mb in (s.micro_batch // 2, 1) if 0 < mb < s.micro_batch]
+    remedies += [(f"--micro-batch {mb}", {"micro_batch": mb}) for mb in (s.micro_batch // 2, 1)
+                 if 0 < mb < s.micro_batch]
     remedies += [(f"{k} processes with --fsdp", {"world": k, "sharded": True})
                  for k in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if k > s.world]
     alone = [flag for flag, change in remedies if fits(dataclasses.replace(s, **change))]

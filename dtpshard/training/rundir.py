@@ -258,7 +258,8 @@ class Metrics:
         if self.writer is not None:
             kind = row.get("kind", "train")
             for key, value in row.items():
-                if key not in ("kind", "step", "tokens", "wall") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if number and key not in ("kind", "step", "tokens", "wall"):
                     self.writer.add_scalar(f"{kind}/{key.removeprefix(kind + '_')}", value, row["step"])
             self.writer.flush()
 

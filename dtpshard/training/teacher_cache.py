@@ -137,7 +137,8 @@ def _build(teacher_dir: Path, blocks: torch.Tensor, out: Path, plan: dict[str, A
     from dtpshard.model.dtp import DTPModel
     from dtpshard.training.precision import autocast_for
 
-    teacher = DTPModel.from_pretrained(teacher_dir, devices=1, delay=0, dtype=torch.float32, device=device).eval()  # as distill
+    # dense fp32, as distill's teacher
+    teacher = DTPModel.from_pretrained(teacher_dir, devices=1, delay=0, dtype=torch.float32, device=device).eval()
     k = min(k, teacher.shape.vocab)
     shards = []
     bar = tqdm(total=int(blocks.shape[0]), desc="teacher cache", unit="block", disable=not progress)
