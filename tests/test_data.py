@@ -250,7 +250,5 @@ def test_role_names_are_checked():
 
 
 def test_offline_dataset_name_is_the_builtin_corpus():
-    from dtpshard.data.blocks import load_texts
-
     named, default = load_texts(dataset="offline", role="eval"), load_texts(role="eval")
     assert named.source == default.source and list(named.docs) == list(default.docs)

@@ -46,6 +46,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from dtpshard.affinity.file import edges_for_delay
 from dtpshard.affinity.offload import DiskArray, HiddenStates, MemoryArray
@@ -309,8 +310,6 @@ def compute_affinity(model: DenseModel, blocks: torch.Tensor, delay: float = 1, 
     in memory); micro_batch sequences go through a module at once, `chunk` caps the tokens per
     score chunk. The result does not depend on the model class or on where `hidden` keeps them.
     """
-    from tqdm import tqdm
-
     s = model.shape
     M = s.modules
     hidden = HiddenStates() if hidden is None else hidden

@@ -23,6 +23,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
+from multiprocessing import forkserver, reduction
 from pathlib import Path
 from typing import Any
 
@@ -223,8 +224,6 @@ def _context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOAD))
     if threading.current_thread() is threading.main_thread():
-        from multiprocessing import forkserver
-
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             forkserver.ensure_running()  # a no-op once it runs
@@ -243,8 +242,6 @@ class _Stdio:
     (a forkserver's children would otherwise inherit the forkserver's, from whenever it started)."""
 
     def __reduce__(self) -> tuple:
-        from multiprocessing import reduction
-
         return _adopt_stdio, (reduction.DupFd(1), reduction.DupFd(2))
 
 

@@ -9,6 +9,7 @@ permutations by layer.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -99,8 +100,6 @@ class Layout:
     def content_sha256(self) -> str:
         """A hash of what the layout does (L and every permutation), not of its file: a layout
         rescored or saved with other timings keeps its hash. First 16 hex digits of SHA-256."""
-        import hashlib
-
         perms = [[int(i) for i in p] for p in self.kv_perms + self.ffn_perms]
         data = json.dumps({"devices": self.devices, "perms": perms}, separators=(",", ":"))
         return hashlib.sha256(data.encode()).hexdigest()[:16]

@@ -5,6 +5,9 @@ filling it; comparing the known size with what the OS says is available avoids t
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 from dtpshard.core.errors import UserError
 
 GIB = 2 ** 30
@@ -36,9 +39,6 @@ def return_freed_memory() -> bool:
     glibc's dynamic threshold, 3.3 GB fixed at 32 MiB, 2.3 GB at 4 MiB, 2.1 GB at 128 KiB; a SmolLM2
     distillation step took 3.9 s, 3.4 s, 3.6-4.1 s and 5.4 s (2-core CPU). 4 MiB keeps the speed.
     Linux/glibc only; False elsewhere."""
-    import ctypes
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         return bool(libc.mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD

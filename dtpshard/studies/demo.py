@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from dtpshard.core.vocab import Count, Device, NonNegativeInt, PositiveNumber
+from dtpshard.studies import smollm2
+from dtpshard.studies.experiment import check_config, load_config, run_experiment
 
 
 def demo_config(model: Path, *, steps: int, seq_len: int, calibration_blocks: int, eval_blocks: int,
@@ -68,14 +70,11 @@ def demo_cmd(*, out: Path = Path("dtpshard-demo"), steps: Count = 20, seq_len: C
         device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         force: start over a demo directory made with other settings
     """
-    from dtpshard.studies.experiment import check_config, run_experiment
-    from dtpshard.studies.smollm2 import smollm2_checkpoint
-
     # the offline corpus is the point of the demo: never wait on the hub for WikiText / FineWeb
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     t0 = time.perf_counter()
-    model = smollm2_checkpoint()
+    model = smollm2.smollm2_checkpoint()
     cfg = check_config(demo_config(model, steps=steps, seq_len=seq_len, calibration_blocks=calibration_blocks,
                                    eval_blocks=eval_blocks, micro_batch=micro_batch, grad_accum=grad_accum,
                                    eval_every=eval_every, lr=lr, warmup=warmup, random_layouts=random_layouts,
@@ -102,8 +101,6 @@ def study_cmd(*, out: Path = Path("smollm2-study"), study: Path = STUDY, force: 
         study: the study file (default: the packaged smollm2_study.toml)
         force: start over a directory made with other settings
     """
-    from dtpshard.studies.experiment import load_config, run_experiment
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     t0 = time.perf_counter()

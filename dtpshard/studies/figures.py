@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dtpshard.core.io import atomic_path
+from dtpshard.studies.compare import head_start, rolling_median
 from dtpshard.studies.stats import correlate, mean_curve, rank_correlate
+from dtpshard.studies.study import distinct as distinct_layouts
+from dtpshard.studies.study import layout_kl, mid_step
 
 if TYPE_CHECKING:
     from dtpshard.studies.study import LayoutInfo, Study
@@ -38,8 +41,6 @@ def colour(info: LayoutInfo, extra: dict[str, str]) -> str:
 def _sorted(study: Study, distinct: bool = False) -> list[LayoutInfo]:
     """Random layouts first (drawn underneath), then the families in a fixed order; `distinct`:
     without layouts identical to another (one point per function in a correlation)."""
-    from dtpshard.studies.study import distinct as distinct_layouts
-
     rank = {k: i for i, k in enumerate(ORDER)}
     infos = distinct_layouts(study) if distinct else list(study.layouts.values())
     return sorted(infos, key=lambda i: (i.kind != "random", rank.get(i.kind, len(ORDER)), i.name))
@@ -101,8 +102,6 @@ def draw_curves(study: Study, path: Path) -> Path | None:
 
 def draw_j_vs_kl(study: Study, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
-
-    from dtpshard.studies.study import layout_kl, mid_step
 
     infos = [i for i in _sorted(study, distinct=True) if i.J is not None]
     if not infos:
@@ -173,8 +172,6 @@ def _legend(fig, axes, several_seeds: bool, line: bool = True) -> None:
 def draw_proxies(study: Study, path: Path) -> Path | None:
     """The trained layouts' seed-mean KL at the end against J under each proxy, one panel each."""
     import matplotlib.pyplot as plt
-
-    from dtpshard.studies.study import layout_kl
 
     end = study.steps
     pts = [(i, layout_kl(i, end)) for i in _sorted(study, distinct=True) if i.runs]
@@ -247,8 +244,6 @@ def draw_head_start(study: Study, path: Path) -> Path | None:
     """The gap as a fraction of contiguous's KL, and the multiplier with its rolling median of five,
     at every evaluation (only for an experiment whose [report] table asks for the head start)."""
     import matplotlib.pyplot as plt
-
-    from dtpshard.studies.compare import head_start, rolling_median
 
     if not (study.config and study.config.report.steps):
         return None

@@ -18,8 +18,11 @@ import math
 import shutil
 from pathlib import Path
 
+from dtpshard.core.guard import check_outputs
 from dtpshard.core.io import atomic_write_text
+from dtpshard.studies import provenance as p
 from dtpshard.studies.compare import optional_sections
+from dtpshard.studies.figures import draw_all
 from dtpshard.studies.stats import (
     bootstrap_pearson,
     bootstrap_pearson_difference,
@@ -287,10 +290,6 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
 
 
 def write_report(directory: Path) -> Path:
-    from dtpshard.core.guard import check_outputs
-    from dtpshard.studies import provenance as p
-    from dtpshard.studies.figures import draw_all
-
     d = Path(directory)
     # report.md and figures/ live in the experiment directory they report on, but never are (or
     # lead through a symlink to) a file it reads

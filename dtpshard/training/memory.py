@@ -21,12 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.shape import ModelShape
+from dtpshard.model.dtp import DTPModel
 from dtpshard.training.losses import chunk_tokens
 from dtpshard.training.precision import param_dtype
+from dtpshard.training.recipe import FROZEN
 
 GiB = 1 << 30
 CUDA_RUNTIME = 1 << 30  # the CUDA context and the allocator's slack, not in any tensor
@@ -101,11 +105,6 @@ def saved_bytes(hf_config: Any, devices: int, delay: float, stage3: str, micro_b
 
 def _trace(hf_config: Any, devices: int, delay: float, stage3: str, micro_batch: int, seq_len: int,
            dtype: torch.dtype, grad_checkpointing: bool) -> int:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from dtpshard.model.dtp import DTPModel
-    from dtpshard.training.recipe import FROZEN
-
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -201,8 +200,6 @@ def available_bytes(device: str, local_ranks: int, given: int | None = None) -> 
         return given
     if torch.device(device).type == "cuda":
         return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
-    import psutil
-
     return int(psutil.virtual_memory().available / max(1, local_ranks)) + process_bytes("cpu")
 
 
@@ -211,8 +208,6 @@ def process_bytes(device: str) -> int:
     runtime's share on a GPU."""
     if torch.device(device).type == "cuda":
         return CUDA_RUNTIME
-    import psutil
-
     return int(psutil.Process().memory_info().rss)
 
 
