@@ -1,4 +1,4 @@
-"""Benchmark of the affinity pass (issue 4).
+"""Benchmark of the affinity pass.
 
 1. Ratio: affinity pass time / one dense forward pass on the same tokens, on a random model with
    Qwen3-0.6B's widths and 4 layers (target <= 4). The dense forward is transformers' own model

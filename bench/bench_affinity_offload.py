@@ -1,4 +1,4 @@
-"""Benchmark of the streamed affinity pass (issue 12): peak memory and time of `--offload` against the
+"""Benchmark of the streamed affinity pass: peak memory and time of `--offload` against the
 in-memory pass.
 
 Builds a synthetic sharded bf16 checkpoint on /tmp (Llama family; by default 8 layers, D 2048,

@@ -1,12 +1,12 @@
-"""Benchmark of `dtpshard permute` (issue 12): streaming, one tensor at a time, against today's path.
+"""Benchmark of `dtpshard permute`: streaming, one tensor at a time, against the whole-state-dict path.
 
 Builds a synthetic Llama-family checkpoint under /tmp (random bf16 weights written shard by shard,
 never the whole model in memory; default D 2048, N 5632, 32 query heads in 4 KV groups, 16 layers,
 vocab 32000, untied: 1.67 GB in 4 shards of at most 500 MB, an index, config.json), a random
 L = 4 layout, then runs each arm in a fresh subprocess, interleaved (A B C A B C ...):
 
-  today   the path before issue 12, copied here: the whole state dict, apply_layout, config
-          through save_pretrained, one model.safetensors. (It then also loaded two fp32 models
+  today   the path the streaming one replaced, copied here: the whole state dict, apply_layout,
+          config through save_pretrained, one model.safetensors. (It then also loaded two fp32 models
           for its logits check; that is left out, so today's memory is understated.)
   stream  `dtpshard permute`, default check: every tensor read back and compared exactly
   nocheck `dtpshard permute --check none`

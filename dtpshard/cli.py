@@ -49,7 +49,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("dtpshard.studies.report:report_cmd", "Markdown report with figures for an experiment directory"),
     "demo": ("dtpshard.studies.demo:demo_cmd", "the whole pipeline on SmolLM2-135M, offline, on a CPU"),
     "study": ("dtpshard.studies.demo:study_cmd",
-              "the SmolLM2 study: does J predict the KL after training? (75.7 min on a 2-core CPU)"),
+              "the SmolLM2 study: does J predict the KL after training? (18 distillation runs, resumable)"),
     "run": ("dtpshard.runtime.run:run_cmd", "DTP across processes (use under torchrun)"),
 }
 REQUIRED = inspect.Parameter.empty  # an Option's default when it has none

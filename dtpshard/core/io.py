@@ -250,7 +250,7 @@ def _bounded_int(text: str) -> int:
 
 
 def _nesting(bare: str) -> int:
-    """The deepest [ / { nesting of JSON text without its strings (numpy: a 15 MB layout in ms)."""
+    """The deepest [ / { nesting of JSON text without its strings (numpy: one pass, not a Python loop)."""
     b = np.frombuffer(bare.encode("utf-8", "replace"), dtype=np.uint8)
     if not b.size:
         return 0

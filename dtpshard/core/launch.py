@@ -83,8 +83,7 @@ def check_threads(threads: int) -> None:
 def set_threads(threads: int = 0) -> None:
     """Split the cores between this machine's ranks, leaving each rank two for its transfers unless
     told otherwise: gloo's worker and I/O threads progress the asynchronous sums, and behind
-    spinning OpenMP threads they starve (measured: 3 ranks x 4 threads on 16 cores hid no transfer
-    at all, 3 x 3 hid most of them)."""
+    spinning OpenMP threads they starve (docs/benchmarks.md, "Threads per rank")."""
     check_threads(threads)
     local = _env_int("LOCAL_WORLD_SIZE") or 1
     torch.set_num_threads(threads or max(1, cores() // local - 2))

