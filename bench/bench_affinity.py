@@ -1,4 +1,4 @@
-"""Benchmark of the affinity pass (issue 4).
+"""Benchmark of the affinity pass.
 
 1. Ratio: affinity pass time / one dense forward pass on the same tokens, on a random model with
    Qwen3-0.6B's widths and 4 layers (target <= 4). The dense forward is transformers' own model
@@ -60,7 +60,9 @@ def bench_model(name: str, hf, ids: torch.Tensor, micro_batch: int, repeat: int,
           + (" peak GPU memory (GiB) |" if gpu else ""))
     print("|---|---|---|---|---|" + ("---|" if gpu else ""))
     for label, delay, opts in variants:
-        run = lambda: compute_affinity(dense, ids, delay, opts, micro_batch=micro_batch)  # noqa: E731
+        def run(delay: float = delay, opts: ScoreOptions = opts) -> None:
+            compute_affinity(dense, ids, delay, opts, micro_batch=micro_batch)
+
         run()  # warm-up
         if gpu:
             torch.cuda.reset_peak_memory_stats()

@@ -1,4 +1,4 @@
-"""Benchmark of the streamed affinity pass (issue 12): peak memory and time of `--offload` against the
+"""Benchmark of the streamed affinity pass: peak memory and time of `--offload` against the
 in-memory pass.
 
 Builds a synthetic sharded bf16 checkpoint on /tmp (Llama family; by default 8 layers, D 2048,
@@ -49,7 +49,6 @@ def child(args: argparse.Namespace) -> None:
     from dtpshard.affinity.scorer import compute_affinity
     from dtpshard.model.checkpoint import open_checkpoint
     from dtpshard.model.dense import DenseModel, StreamedDense
-
     from dtpshard.model.dtp import rotary_for
 
     ids = torch.load(args.ckpt / "ids.pt")
@@ -117,7 +116,8 @@ def main() -> None:
         build_checkpoint(ckpt, args)
         on_disk = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
         shards = len(list(ckpt.glob("*.safetensors")))
-        torch.save(torch.randint(0, args.vocab, (args.blocks, args.seq_len), generator=torch.Generator().manual_seed(0)),
+        gen = torch.Generator().manual_seed(0)
+        torch.save(torch.randint(0, args.vocab, (args.blocks, args.seq_len), generator=gen),
                    ckpt / "ids.pt")
         print(f"checkpoint: {on_disk / 1e9:.2f} GB in {shards} bf16 shards ({args.layers} layers, D {args.hidden}, "
               f"N {args.neurons}, {args.heads} heads / {args.kv_groups} KV groups x {args.head_dim}, vocab "

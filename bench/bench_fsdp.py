@@ -56,6 +56,7 @@ def _before(ckpt: Path, text: Path, out: Path, a: argparse.Namespace) -> int:
     """One rank of the replaced path, phase by phase."""
     import torch.distributed as dist
 
+    from dtpshard.core.memory import return_freed_memory
     from dtpshard.model.checkpoint import load_tokenizer, open_checkpoint
     from dtpshard.model.dtp import DTPModel
     from dtpshard.training import fsdp
@@ -64,8 +65,6 @@ def _before(ckpt: Path, text: Path, out: Path, a: argparse.Namespace) -> int:
     from dtpshard.training.memory import PhasePeaks
     from dtpshard.training.recipe import FROZEN, DistillConfig, Student, Teacher, resolve, train_blocks_for
     from dtpshard.training.strategy import Sharded
-
-    from dtpshard.core.memory import return_freed_memory
 
     torch.set_num_threads(1)
     return_freed_memory()  # as distill does now: both paths measured with the same allocator setting
@@ -168,7 +167,7 @@ def report(before: list[dict], arms: dict[str, dict]) -> None:
     for name, rec in arms.items():
         s, t, v = (peak(rec, p) for p in ("setup", "training", "saving"))
         print(f"{name:<38} {s / MB:9.0f} {t / MB:9.0f} {v / MB:9.0f}   {s / base['setup']:14.2f}")
-    print(f"\nmemory plan against the measured peak (largest rank, any phase)")
+    print("\nmemory plan against the measured peak (largest rank, any phase)")
     for name, rec in arms.items():
         planned = rec["plan"]["total"]
         measured = max(peak(rec, p) for p in ("setup", "training", "saving"))

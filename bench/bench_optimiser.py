@@ -1,7 +1,7 @@
 """Benchmark of the layout optimiser (issues 5, 12) on synthetic affinity tensors of real model shapes.
 
 Shapes: Qwen3-0.6B (28 layers, 8 KV groups, 3072 neurons) and Danube3-500M (16, 8, 4096) at L =
---devices (4), Llama-3-70B (80, 8, 28672) at L = 8 (issue 12: one restart within 30 s on 2 cores).
+--devices (4), Llama-3-70B (80, 8, 28672) at L = 8 (target: one restart within 30 s on 2 cores).
 The scores are structured like real affinities: every module has latent unit factors, an
 edge's scores are exp(low rank + noise) times per-unit heavy-tailed (log-normal) scales, so
 there is structure to find and a few units dominate. One restart, timed end to end (normalising
@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtpshard.affinity.file import Affinity, edges_for_delay
 from dtpshard.core.layout import Layout
+from dtpshard.core.shape import UnitShape
 from dtpshard.layouts.optimise import optimise_layout
 from dtpshard.layouts.score import colocated_score
-from dtpshard.core.shape import UnitShape
 
 SHAPES = {
     "Qwen3-0.6B": UnitShape(28, 8, 2, 3072),

@@ -1,12 +1,12 @@
-"""Benchmark of `dtpshard permute` (issue 12): streaming, one tensor at a time, against today's path.
+"""Benchmark of `dtpshard permute`: streaming, one tensor at a time, against the whole-state-dict path.
 
 Builds a synthetic Llama-family checkpoint under /tmp (random bf16 weights written shard by shard,
 never the whole model in memory; default D 2048, N 5632, 32 query heads in 4 KV groups, 16 layers,
 vocab 32000, untied: 1.67 GB in 4 shards of at most 500 MB, an index, config.json), a random
 L = 4 layout, then runs each arm in a fresh subprocess, interleaved (A B C A B C ...):
 
-  today   the path before issue 12, copied here: the whole state dict, apply_layout, config
-          through save_pretrained, one model.safetensors. (It then also loaded two fp32 models
+  today   the path the streaming one replaced, copied here: the whole state dict, apply_layout,
+          config through save_pretrained, one model.safetensors. (It then also loaded two fp32 models
           for its logits check; that is left out, so today's memory is understated.)
   stream  `dtpshard permute`, default check: every tensor read back and compared exactly
   nocheck `dtpshard permute --check none`
@@ -30,7 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -50,8 +49,8 @@ def today(src: Path, layout: Path, out: Path) -> None:
 
     from dtpshard.core.layout import Layout
     from dtpshard.core.permutation import permutation_spec, unit_index
-    from dtpshard.model.checkpoint import load_hf_config
     from dtpshard.core.shape import shape_from_hf_config
+    from dtpshard.model.checkpoint import load_hf_config
 
     cfg = load_hf_config(src)
     shape = shape_from_hf_config(cfg)

@@ -1,4 +1,4 @@
-"""Benchmark of the multi-process runtime (issue 8): DTP (δ = 1, 2) against tensor parallelism (δ = 0).
+"""Benchmark of the multi-process runtime : DTP (δ = 1, 2) against tensor parallelism (δ = 0).
 
 L local gloo ranks (--threads each, default 1: one core per rank on a 2-core machine) run a random Qwen3-0.6B-width
 model (D 1024, N 3072, head dim 128; 12 heads in 6 KV groups so that L = 2 and 3 both divide;

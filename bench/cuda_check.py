@@ -32,9 +32,8 @@ def check(name: str, ok: bool, detail: str) -> bool:
 
 
 def exactness() -> bool:
-    from tiny import tiny_hf_model
-
     from dtpshard.model.dtp import DTPModel
+    from tiny import tiny_hf_model
 
     ok = True
     for fam in ("qwen3", "qwen2", "llama_tied"):
@@ -57,7 +56,8 @@ def exactness() -> bool:
         ok &= check(f"{fam} KV-cache decode vs full (cuda)", d <= 1e-4, f"{d:.2e}")
         b16 = DTPModel.from_hf(hf, devices=4, delay=1, dtype=torch.bfloat16).cuda()
         d = (b16(ids.cuda()).logits.float().cpu() - cpu).abs().max().item()
-        ok &= check(f"{fam} bf16 vs fp32", d < 0.1 * cpu.abs().max().item(), f"{d:.3f} (max |logit| {cpu.abs().max():.2f})")
+        ok &= check(f"{fam} bf16 vs fp32", d < 0.1 * cpu.abs().max().item(),
+                    f"{d:.3f} (max |logit| {cpu.abs().max():.2f})")
     return ok
 
 
@@ -75,7 +75,7 @@ def throughput() -> None:
     for name, model in (("transformers dense", hf), ("DTP L=4 δ=1", DTPModel.from_hf(hf, devices=4, delay=1).cuda())):
         model.train()
 
-        def step():
+        def step(model=model):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 out = model(ids)
                 logits = out.logits if hasattr(out, "logits") else out
@@ -100,11 +100,10 @@ def throughput() -> None:
 
 
 def distillation() -> bool:
-    from tiny import save_tiny
-
-    from dtpshard.training.distill import DistillConfig, distill
     from dtpshard.core.layout import Layout
     from dtpshard.model.dtp import DTPModel
+    from dtpshard.training.distill import DistillConfig, distill
+    from tiny import save_tiny
 
     with tempfile.TemporaryDirectory() as tmp:
         teacher = save_tiny(Path(tmp) / "teacher", "qwen3")
@@ -124,12 +123,12 @@ def distillation() -> bool:
 
 
 def compiled() -> bool:
-    from tiny import tiny_hf_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dtpshard.model.compiled import compile_module
     from dtpshard.model.dtp import DTPModel
     from dtpshard.training.recipe import Teacher  # a model's LM-head input as a module's forward
+    from tiny import tiny_hf_model
 
     m = DTPModel.from_hf(tiny_hf_model("qwen3"), devices=4, delay=1).cuda()
     ids = torch.randint(0, 384, (2, 33), device="cuda")
@@ -145,7 +144,7 @@ def compiled() -> bool:
             "DTP L=4 δ=1 compiled": compile_module(dtp)}
     tps = {}
     for name, model in arms.items():
-        def step():
+        def step(model=model):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 out = model(ids)
                 loss = (out.logits if hasattr(out, "logits") else out).float().logsumexp(-1).mean()
@@ -171,10 +170,9 @@ def compiled() -> bool:
 def teacher_cache() -> bool:
     import json
 
-    from tiny import save_tiny
-
     from dtpshard.training.distill import DistillConfig, distill
     from dtpshard.training.teacher_cache import build_cache, cache_blocks
+    from tiny import save_tiny
 
     with tempfile.TemporaryDirectory() as tmp:
         teacher = save_tiny(Path(tmp) / "teacher", "qwen3")
@@ -191,8 +189,8 @@ def teacher_cache() -> bool:
 
 
 def _graph_timing(model_dir: str, out: str) -> int:
-    from dtpshard.runtime.graphs import GraphDecoder
     from dtpshard.core.launch import process_group
+    from dtpshard.runtime.graphs import GraphDecoder
     from dtpshard.runtime.ranks import RankModel, check_world
 
     with process_group(timeout=300, backend="nccl") as (rank, world):
@@ -219,10 +217,10 @@ def _graph_timing(model_dir: str, out: str) -> int:
 
 def cuda_graphs() -> bool:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from test_graphs import _check
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dtpshard.core.launch import launch_local
+    from test_graphs import _check
 
     world = 2 if torch.cuda.device_count() >= 2 else 1
     with tempfile.TemporaryDirectory() as tmp:

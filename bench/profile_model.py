@@ -1,6 +1,6 @@
 """Where a training step's time goes: torch.profiler self CPU time by kind of op, for transformers'
 dense model and DTPModel (L = 4, δ = 1), eager and compiled, on the model and tokens of
-bench/bench_model.py. Backs the README's account of what separates DTP from the dense model.
+bench/bench_model.py. Backs docs/benchmarks.md's account of what separates DTP from the dense model.
 
     python bench/profile_model.py [--vocab 8192] [--tokens 1024] [--seq 512]
 

@@ -28,7 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-from dtpshard.core.errors import explain
+import docstring_parser
+
+from dtpshard.core.errors import UserError, explain
+from dtpshard.core.io import STUDY_BYTES, check_tree
 from dtpshard.core.typed import Invalid, check, choices, is_bool, is_list, wants, words
 
 # name -> (module:function, one-line summary)
@@ -46,7 +49,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("dtpshard.studies.report:report_cmd", "Markdown report with figures for an experiment directory"),
     "demo": ("dtpshard.studies.demo:demo_cmd", "the whole pipeline on SmolLM2-135M, offline, on a CPU"),
     "study": ("dtpshard.studies.demo:study_cmd",
-              "the SmolLM2 study: does J predict the KL after training? (75.7 min on a 2-core CPU)"),
+              "the SmolLM2 study: does J predict the KL after training? (18 distillation runs, resumable)"),
     "run": ("dtpshard.runtime.run:run_cmd", "DTP across processes (use under torchrun)"),
 }
 REQUIRED = inspect.Parameter.empty  # an Option's default when it has none
@@ -87,8 +90,6 @@ class Option:
 
 def _arg_docs(obj: Any) -> dict[str, str]:
     """name -> its `Args:` line, from the docstring of a function or of a class and its bases."""
-    import docstring_parser
-
     docs: dict[str, str] = {}
     for o in reversed(getattr(obj, "__mro__", (obj,))):
         for p in docstring_parser.parse(inspect.getdoc(o) or "").params:
@@ -155,9 +156,6 @@ def _help_line(o: Option, required: bool) -> str:
 def _read_config(path: Path) -> dict[str, Any]:
     """A --config file: readable UTF-8 YAML or JSON holding a mapping, else one line naming it."""
     import yaml
-
-    from dtpshard.core.errors import UserError
-    from dtpshard.core.io import STUDY_BYTES, check_tree
 
     try:
         if path.is_file() and path.stat().st_size > STUDY_BYTES:

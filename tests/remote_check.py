@@ -20,11 +20,11 @@ def check(out: Path) -> dict:
     import torch
     import transformers
     import transformers.dynamic_module_utils as dmu
-    from tiny import save_tiny
     from transformers import AutoModelForCausalLM
 
     from dtpshard.core.layout import Layout
     from dtpshard.model.dtp import DTPModel
+    from tiny import save_tiny
 
     dmu.HF_MODULES_CACHE = os.environ["HF_MODULES_CACHE"]  # also read at import: the same directory
     result = {"transformers": transformers.__version__, "modules_cache": dmu.HF_MODULES_CACHE, "cases": []}

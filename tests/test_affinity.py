@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dtpshard.affinity.scorer import ScoreOptions, compute_affinity
 from dtpshard.affinity.file import Affinity, edges_for_delay
-from dtpshard.model.checkpoint import open_checkpoint
+from dtpshard.affinity.scorer import ScoreOptions, compute_affinity
 from dtpshard.cli import main
-from dtpshard.model.dense import DenseModel
 from dtpshard.core.shape import UnitShape
+from dtpshard.model.checkpoint import open_checkpoint
+from dtpshard.model.dense import DenseModel
 
 try:
     from test_dense import VOCAB, tiny_model, tiny_tokenizer
@@ -33,7 +33,8 @@ MODES = {"first_order": {}, "exact": {"rho": "jacobian"}, "ablation": {"rho": "a
 def setup(tmp_path_factory):
     """A 3-layer Qwen2 (q/k/v biases; 6 heads in 2 KV groups), its float64 HF twin, tokens, HF trace."""
     path = tmp_path_factory.mktemp("tiny")
-    hf = tiny_model(path, "qwen2", layers=3, heads=6, kv=2, head_dim=8, hidden=32, neurons=24).double().requires_grad_(False)
+    hf = tiny_model(path, "qwen2", layers=3, heads=6, kv=2, head_dim=8, hidden=32, neurons=24)
+    hf = hf.double().requires_grad_(False)
     dense = DenseModel.from_checkpoint(open_checkpoint(path), dtype=torch.float64)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
     return path, hf, dense, ids, trace(hf, ids)
@@ -100,7 +101,7 @@ def reference(hf, tr, a: int, b: int, u: int, v: int, mode: str, group_unit: boo
         if mode == "ablation":
             diff = f(x) - f(x - c)
         else:  # d/dε at 0 of f(x − ε c), one ε per token (tokens are independent)
-            _, diff = torch.func.jvp(lambda e: f(x - e[:, None] * c), (torch.zeros(n_tok, dtype=x.dtype),),
+            _, diff = torch.func.jvp(lambda e, c=c: f(x - e[:, None] * c), (torch.zeros(n_tok, dtype=x.dtype),),
                                      (torch.ones(n_tok, dtype=x.dtype),))
         total += float(diff.pow(2).sum(-1).mean())
     return total
@@ -203,8 +204,8 @@ TEXT = "\n\n".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog 
 
 
 def test_command_writes_the_affinity_file(tmp_path, model_dir, capsys):
-    from dtpshard.model.checkpoint import load_tokenizer
     from dtpshard.data.blocks import load_texts, make_blocks
+    from dtpshard.model.checkpoint import load_tokenizer
 
     txt = tmp_path / "cal.txt"
     txt.write_text(TEXT)
@@ -249,7 +250,8 @@ def test_command_bad_inputs_give_one_line(tmp_path, model_dir, capsys):
     (tmp_path / "empty.txt").write_text("\n  \n")
     _one_line_error(capsys, base + ["--text", str(tmp_path / "empty.txt")], "empty")
     (tmp_path / "short.txt").write_text("the quick brown fox jumps over the lazy dog")
-    _one_line_error(capsys, base + ["--text", str(tmp_path / "short.txt"), "--seq-len", "512"], "shorter than one block")
+    _one_line_error(capsys, base + ["--text", str(tmp_path / "short.txt"), "--seq-len", "512"],
+                    "shorter than one block")
     (tmp_path / "cal.txt").write_text(TEXT)
     _one_line_error(capsys, base + ["--text", str(tmp_path / "cal.txt"), "--seq-len", "64", "--blocks", "500"],
                     "blocks of 64 tokens")

@@ -54,7 +54,8 @@ def test_streamed_pass_reads_each_layer_once_and_no_head(tiny_dirs):
     compute_affinity(StreamedDense(ckpt, dtype=torch.float64), ids, delay=2, micro_batch=1)
     names = [n for n, _ in reads]
     layer_names = [n for n in names if n.startswith("model.layers.")]
-    assert len(layer_names) == len(set(layer_names)) == len([k for k in ckpt.files.keys() if k.startswith("model.layers.")])
+    in_layers = [k for k in ckpt.files.keys() if k.startswith("model.layers.")]
+    assert len(layer_names) == len(set(layer_names)) == len(in_layers)
     assert "lm_head.weight" not in names and "model.norm.weight" not in names
     assert all(rows is not None for n, rows in reads if n == "model.embed_tokens.weight")
     # layers are read in order: layer i+1 only after everything of layer i

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_experiment import config_text, corpus
 
 from dtpshard.cli import main
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import dumps, loads
 from dtpshard.core.layout import max_bytes
 from dtpshard.core.shape import UnitShape
+from test_experiment import config_text, corpus
 
 DISTILL = ["--seq-len", "8", "--micro-batch", "1", "--grad-accum", "1", "--eval-blocks", "1", "--eval-every", "1",
            "--checkpoint-every", "1", "--device", "cpu", "--no-progress", "--devices", "2"]
@@ -163,9 +163,8 @@ def test_study_and_config_files_within_bounds(model, tmp_path, capsys, suffix):
 
 
 def test_run_files_within_bounds(tmp_path, capsys):
-    from test_report import make_experiment
-
     from dtpshard.training.rundir import check_run, read_metrics
+    from test_report import make_experiment
 
     d = make_experiment(tmp_path / "exp")
     run = next((d / "runs").iterdir())

@@ -8,10 +8,18 @@ import types
 import pytest
 import torch
 
-from dtpshard.data import blocks as data
-from dtpshard.data.corpus import build_documents, corpus_source, stdlib_documents
-from dtpshard.data.blocks import Texts, doc_separators, is_eval_doc, iter_blocks, load_texts, make_blocks, read_text_files
 from dtpshard.core.errors import UserError
+from dtpshard.data import blocks as data
+from dtpshard.data.blocks import (
+    Texts,
+    doc_separators,
+    is_eval_doc,
+    iter_blocks,
+    load_texts,
+    make_blocks,
+    read_text_files,
+)
+from dtpshard.data.corpus import build_documents, corpus_source, stdlib_documents
 
 try:
     from test_dense import tiny_tokenizer
@@ -30,7 +38,8 @@ def tok():
 def test_corpus_extraction_rules(tmp_path):
     (tmp_path / "b.py").write_text('"""Module b: a docstring that is long enough to keep here."""\n'
                                    'def f():\n    """Short."""\n'
-                                   'if True:\n    class C:\n        """Class C, nested in an if, also long enough."""\n')
+                                   'if True:\n    class C:\n'
+                                   '        """Class C, nested in an if, also long enough."""\n')
     (tmp_path / "a.py").write_text('def g():\n    """Module b: a docstring that is long enough to keep here."""\n'
                                    'def h():\n    """The function h, documented at sufficient length."""\n')
     (tmp_path / "test").mkdir()
@@ -184,7 +193,8 @@ class FakeStream:
 
 
 def fake_datasets(calls):
-    wiki = {"train": [" = Alpha = \n", " alpha text \n", " = = Sub = = \n", " more alpha \n", " = Beta = \n", " beta \n"],
+    wiki = {"train": [" = Alpha = \n", " alpha text \n", " = = Sub = = \n", " more alpha \n", " = Beta = \n",
+                      " beta \n"],
             "test": [" = Gamma = \n", " gamma text \n"]}
 
     def load_dataset(path, config=None, split=None, streaming=False):
@@ -240,7 +250,5 @@ def test_role_names_are_checked():
 
 
 def test_offline_dataset_name_is_the_builtin_corpus():
-    from dtpshard.data.blocks import load_texts
-
     named, default = load_texts(dataset="offline", role="eval"), load_texts(role="eval")
     assert named.source == default.source and list(named.docs) == list(default.docs)

@@ -36,7 +36,8 @@ def test_text_file_kinds(tmp_path):
     assert read_text_files([tmp_path / "a.txt"]) == DOCS[:2]
     got = read_text_files([tmp_path / n for n in ("b.jsonl", "c.json", "d.json", "e.parquet")], text_field="body")
     assert got == DOCS[2:10]
-    (tmp_path / "f.json").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[:2]))  # JSON lines named .json
+    # JSON lines named .json
+    (tmp_path / "f.json").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[:2]))
     assert read_text_files([tmp_path / "f.json"]) == DOCS[:2]
     with pytest.raises(UserError, match=r"c.json: item 0 is not a string or an object with a string field 'text'"):
         read_text_files([tmp_path / "c.json"])
@@ -81,8 +82,8 @@ def test_dataset_save_to_disk(tmp_path):
 
 
 def test_every_command_defaults_to_the_offline_corpus(tiny_dirs, tmp_path, capsys, no_hub):
-    from dtpshard.training.distill import DistillConfig, resolve, train_blocks_for
     from dtpshard.model.checkpoint import load_tokenizer
+    from dtpshard.training.distill import DistillConfig, resolve, train_blocks_for
 
     model = tiny_dirs["llama"]
     assert main(["eval", str(model), "--devices", "2", "--blocks", "1", "--seq-len", "8", "--json",

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtpshard.training import rundir
 from dtpshard.cli import main
+from dtpshard.core.layout import Layout
+from dtpshard.core.shape import UnitShape
+from dtpshard.model.dtp import DTPModel
+from dtpshard.training import rundir
 from dtpshard.training.distill import DistillConfig, distill_cmd, lr_factor, resolve, train_blocks_for
 from dtpshard.training.evaluate import eval_blocks_for, evaluate
-from dtpshard.core.layout import Layout
-from dtpshard.model.dtp import DTPModel
-from dtpshard.core.shape import UnitShape
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_KEYS = {"kind", "step", "tokens", "loss", "kl", "ce", "lr", "grad_norm", "wall"}
@@ -119,7 +119,8 @@ def test_eval_at_step_zero_equals_direct_evaluation(setup, straight):
     student = DTPModel.from_pretrained(setup["model"], 2, 1, layout=setup["layout"])
     r = evaluate(student, DTPModel.from_pretrained(setup["model"], 1, 0), blocks, micro_batch=2)
     assert first["kind"] == "eval" and first["step"] == 0
-    assert first["eval_kl"] == pytest.approx(r["kl"], rel=1e-6) and first["eval_ppl"] == pytest.approx(r["ppl"], rel=1e-6)
+    assert first["eval_kl"] == pytest.approx(r["kl"], rel=1e-6)
+    assert first["eval_ppl"] == pytest.approx(r["ppl"], rel=1e-6)
 
 
 def test_tensor_parallel_student_starts_at_kl_zero(setup, tmp_path):
@@ -147,8 +148,8 @@ def test_cli_flags_are_the_config_fields():
 
 
 def test_training_and_calibration_never_see_eval_documents(setup, tiny_dirs):
-    from dtpshard.model.checkpoint import load_tokenizer
     from dtpshard.data.blocks import is_eval_doc, load_texts, make_blocks
+    from dtpshard.model.checkpoint import load_tokenizer
 
     tok = load_tokenizer(setup["model"])
     specials = {tok.bos_token_id, tok.eos_token_id}

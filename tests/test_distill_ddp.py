@@ -61,7 +61,8 @@ def test_two_processes_match_one_process_with_the_same_global_batch(single, two)
     a = DTPModel.from_pretrained(single / "final").state_dict()
     b = DTPModel.from_pretrained(two / "final").state_dict()
     for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)  # all-reduce order changes the float rounding of summed grads
+        # all-reduce order changes the float rounding of summed grads
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
 
 
 def test_resume_after_a_kill(setup, two, tmp_path, monkeypatch, capsys):

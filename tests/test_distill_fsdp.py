@@ -12,8 +12,8 @@ from dtpshard.core.launch import launch_local, root_cause
 from dtpshard.model.dtp import DTPModel
 from dtpshard.training.evaluate import evaluate
 from dtpshard.training.recipe import FROZEN
-from test_distill_ddp import assert_same_curves, ddp_args, setup, single  # noqa: F401 - fixtures
 from test_distill import rows_without_wall
+from test_distill_ddp import assert_same_curves, ddp_args, setup, single  # noqa: F401 - fixtures
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +51,16 @@ def test_resume_after_a_kill_while_checkpointing(setup, sharded, tmp_path, monke
 
 
 def test_a_run_refuses_to_resume_with_another_fsdp_setting(setup, single, capsys):  # noqa: F811
-    from test_distill_ddp import STEPS
     from test_distill import args_for
+    from test_distill_ddp import STEPS
 
     assert main(args_for(setup, single, **STEPS) + ["--fsdp"]) == 2
     assert "fsdp false (now true)" in capsys.readouterr().err
 
 
 def test_a_run_from_before_the_flag_is_not_refused(setup, single, tmp_path, capsys):  # noqa: F811
-    from test_distill_ddp import STEPS
     from test_distill import args_for
+    from test_distill_ddp import STEPS
 
     old = tmp_path / "old"
     shutil.copytree(single, old)

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from dtpshard.cli import main
-from dtpshard.training.evaluate import eval_blocks_for, evaluate
 from dtpshard.core.layout import Layout
-from dtpshard.training.losses import kl_ce_sums
-from dtpshard.model.dtp import DTPModel
 from dtpshard.core.shape import UnitShape
+from dtpshard.model.dtp import DTPModel
+from dtpshard.training.evaluate import eval_blocks_for, evaluate
+from dtpshard.training.losses import kl_ce_sums
 
 
 def reference_sums(h_s, w_s, h_t, w_t, y, ce_weight):

@@ -74,7 +74,8 @@ def test_experiment_end_to_end(study, tmp_path, capsys):
 
 def test_interrupted_experiment_resumes_and_skips_finished_arms(study, tmp_path):
     out = tmp_path / "exp"
-    env = dict(os.environ, DTPSHARD_TEST_CRASH="step:2", PYTHONPATH=os.environ["PYTHONPATH"])  # die inside the first arm
+    # die inside the first arm
+    env = dict(os.environ, DTPSHARD_TEST_CRASH="step:2", PYTHONPATH=os.environ["PYTHONPATH"])
     died = subprocess.run([sys.executable, "-m", "dtpshard", "experiment", str(study), "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert died.returncode != 0, died.stderr
@@ -122,7 +123,8 @@ def test_other_config_refused_unless_force(study, tmp_path, capsys):
     (lambda t: t.replace("lr = 0.001", "lr = -0.001"), "training.lr = -0.001: must be a finite number > 0"),
     (lambda t: t.replace("steps = 2", "steps = 0"), "training.steps = 0: must be an integer >= 1"),
     (lambda t: t.replace("steps = 2", "steps = 2.5"), "training.steps = 2.5: must be an integer"),
-    (lambda t: t.replace("blocks = 2\nseq_len", "blocks = 0\nseq_len"), "calibration.blocks = 0: must be an integer >= 1"),
+    (lambda t: t.replace("blocks = 2\nseq_len", "blocks = 0\nseq_len"),
+     "calibration.blocks = 0: must be an integer >= 1"),
     (lambda t: t.replace('kind = "anti"', 'kind = "best"'), "arms[3].kind = 'best'"),
     (lambda t: t.replace("layout_seeds = [3]", "layout_seeds = [3, 3]"), "arms[2].layout_seeds = [3, 3]: repeats"),
     (lambda t: t.replace('kind = "anti"', 'kind = "anti"\nlayout_seeds = [1]'), "arms[3].layout_seeds: only random"),

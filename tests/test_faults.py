@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from dtpshard.cli import main
 from test_experiment import config_text, corpus
 from test_report import make_experiment
 from tiny import save_tiny
-
-from dtpshard.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 DISTILL = ["--steps", "2", "--seq-len", "8", "--micro-batch", "1", "--grad-accum", "1", "--eval-blocks", "1",

@@ -2,17 +2,17 @@
 step runs without a graph (2 gloo ranks); on a GPU (skipped here) the captured graph, 1 NCCL rank."""
 import pytest
 import torch
-from tiny import save_tiny
 
-from dtpshard.model.decode import generate_ids
 from dtpshard.core.launch import launch_local
+from dtpshard.model.decode import generate_ids
+from tiny import save_tiny
 
 DELAYS = (0, 1, 2)
 
 
 def _worker(model_dir, out_dir, backend):
-    from dtpshard.runtime.graphs import GraphDecoder
     from dtpshard.core.launch import process_group, set_threads
+    from dtpshard.runtime.graphs import GraphDecoder
     from dtpshard.runtime.ranks import RankModel, check_world
 
     set_threads()

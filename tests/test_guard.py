@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_experiment import config_text, corpus
 
 from dtpshard.cli import main
+from test_experiment import config_text, corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 

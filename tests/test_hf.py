@@ -6,11 +6,11 @@ import shutil
 
 import pytest
 import torch
-from tiny import save_tiny, tiny_hf_model
 
 from dtpshard.cli import main
 from dtpshard.core.layout import Layout
 from dtpshard.model.dtp import DTPModel
+from tiny import save_tiny, tiny_hf_model
 
 TOL = 1e-4
 

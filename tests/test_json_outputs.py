@@ -1,10 +1,9 @@
 """`--json`: every command that prints a result prints exactly one JSON object on stdout."""
 import json
 
-from test_layout_cli import write_affinity
-
 from dtpshard.cli import main
 from dtpshard.core.layout import Layout
+from test_layout_cli import write_affinity
 
 
 def _one_object(capsys):

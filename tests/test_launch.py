@@ -13,7 +13,6 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from test_distill import args_for, random_docs
 
 from dtpshard import cli
 from dtpshard.core.errors import UserError
@@ -28,6 +27,7 @@ from dtpshard.core.launch import (
 )
 from dtpshard.core.layout import Layout
 from dtpshard.model.dtp import DTPModel
+from test_distill import args_for, random_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 GLOO_THREADS = {"gloo_tcp_loop", "pt_gloo_runloop"}

@@ -3,6 +3,7 @@ and one clear line for each bad input."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,10 +11,8 @@ import pytest
 from dtpshard.affinity.file import Affinity, edges_for_delay
 from dtpshard.cli import main
 from dtpshard.core.layout import Layout
-from dtpshard.layouts.score import colocated_score
-from dataclasses import replace
-
 from dtpshard.core.shape import UnitShape
+from dtpshard.layouts.score import colocated_score
 
 MODEL = UnitShape(4, 8, 2, 24)
 

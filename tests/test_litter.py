@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_faults import DISTILL, ROOT, tree
-from test_report import make_experiment
 
 from dtpshard.cli import main
 from dtpshard.core.errors import explain
 from dtpshard.core.shape import UnitShape
+from test_faults import DISTILL, ROOT, tree
+from test_report import make_experiment
 
 
 def _mount(path: Path, size: str) -> bool:

@@ -1,10 +1,10 @@
 """DTPModel against transformers (δ = 0, L = 1) and against the literal transcription of docs/design.md §1."""
 import pytest
 import torch
-from reference import literal_dtp_logits
-from tiny import FAMILIES, tiny_hf_model
 
 from dtpshard.model.dtp import DTPModel
+from reference import literal_dtp_logits
+from tiny import FAMILIES, tiny_hf_model
 
 TOL = 1e-4
 

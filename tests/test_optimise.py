@@ -10,12 +10,20 @@ from scipy.optimize import linear_sum_assignment
 from dtpshard.affinity.file import Affinity, edges_for_delay
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout
+from dtpshard.core.shape import UnitShape
 from dtpshard.layouts import assignment
 from dtpshard.layouts.assignment import assign, price_start
-from dtpshard.layouts.optimise import (Problem, ascend, balanced_assignment, evenly_spaced_layers,
-                               exhaustive_assignment, family_blocks, labelled_partitions, optimise_layout)
+from dtpshard.layouts.optimise import (
+    Problem,
+    ascend,
+    balanced_assignment,
+    evenly_spaced_layers,
+    exhaustive_assignment,
+    family_blocks,
+    labelled_partitions,
+    optimise_layout,
+)
 from dtpshard.layouts.score import colocated_score, j_of_devices
-from dtpshard.core.shape import UnitShape
 
 
 def structured_affinity(model, delay=1, seed=0, rank=3) -> Affinity:
@@ -268,7 +276,9 @@ def test_exhaustive_kv_option_reaches_the_same_j():
 def test_relabelled_optimum_scores_the_same():
     aff = structured_affinity(MODEL, 1, seed=9)
     layout = optimise_layout(aff, 4, 1, "optimised")
-    rotate = lambda p: np.roll(p, len(p) // 4)  # device d's block moves to device d+1
+    def rotate(p):  # device d's block moves to device d+1
+        return np.roll(p, len(p) // 4)
+
     moved = Layout(4, 1, "moved", MODEL, [rotate(p) for p in layout.kv_perms],
                    [rotate(p) for p in layout.ffn_perms])
     assert colocated_score(aff, moved)["J"] == pytest.approx(layout.score["J"], rel=1e-12)

@@ -3,9 +3,9 @@ teacher, the affinity file) is refused in one line before any work, and the inpu
 import shutil
 
 import pytest
-from test_experiment import config_text, corpus
 
 from dtpshard.cli import main
+from test_experiment import config_text, corpus
 
 
 def snapshot(root):

@@ -6,25 +6,25 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from dataclasses import replace
 import os
 import re
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
-from reference import literal_dtp_logits
 from safetensors.torch import load_file
-from tiny import FAMILIES, tiny_hf_model
 
 from dtpshard.cli import main
-from dtpshard.core.shape import shape_from_hf_config
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout
-from dtpshard.model.dtp import DTPModel
-from dtpshard.layouts.permute import LAYOUT_JSON
 from dtpshard.core.permutation import apply_layout, permutation_spec
+from dtpshard.core.shape import shape_from_hf_config
+from dtpshard.layouts.permute import LAYOUT_JSON
+from dtpshard.model.dtp import DTPModel
+from reference import literal_dtp_logits
+from tiny import FAMILIES, tiny_hf_model
 
 TOL = 1e-4
 

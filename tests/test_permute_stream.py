@@ -16,8 +16,6 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_permute import TOL, ids_for, no_identity_layout
-from tiny import tiny_hf_model, tiny_tokenizer
 
 from dtpshard.cli import main
 from dtpshard.core.errors import UserError
@@ -27,6 +25,8 @@ from dtpshard.core.permutation import apply_layout
 from dtpshard.core.shape import shape_from_hf_config
 from dtpshard.layouts.permute import LAYOUT_JSON
 from dtpshard.model.dtp import DTPModel
+from test_permute import TOL, ids_for, no_identity_layout
+from tiny import tiny_hf_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 # As Llama-3 checkpoints on the hub have it: transformers 5 rewrites both fields when it saves.

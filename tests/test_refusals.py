@@ -3,11 +3,11 @@ import json
 
 import pytest
 from safetensors.torch import load_file, save_file
-from tiny import save_tiny, tiny_config
 
 from dtpshard.cli import main
 from dtpshard.core.errors import UserError
 from dtpshard.model.dtp import DTPModel
+from tiny import save_tiny, tiny_config
 
 
 def _config_dir(tmp_path, config):

@@ -19,16 +19,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_distill import random_docs
 
 from dtpshard.cli import main
 from dtpshard.core.io import file_sha256
 from dtpshard.core.layout import Layout
 from dtpshard.model.checkpoint import load_tokenizer, save_checkpoint
 from dtpshard.model.dtp import DTPModel
-from dtpshard.model.student import AUTO_MAP, REMOTE_CODE
 from dtpshard.model.shards import Weights
+from dtpshard.model.student import AUTO_MAP, REMOTE_CODE
 from dtpshard.training import rundir
+from test_distill import random_docs
 
 HERE = Path(__file__).parent
 CASES = [("llama", 2, 1), ("llama", 4, 2), ("qwen3", 2, 2), ("qwen3", 4, 1)]

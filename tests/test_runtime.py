@@ -9,15 +9,15 @@ import time
 
 import pytest
 import torch
-from tiny import save_tiny
 
 from dtpshard import cli
+from dtpshard.core.launch import launch_local
+from dtpshard.core.layout import Layout
+from dtpshard.core.permutation import permutation_spec
 from dtpshard.model.checkpoint import open_checkpoint
 from dtpshard.model.decode import generate_ids
-from dtpshard.core.layout import Layout
 from dtpshard.model.dtp import DTPModel
-from dtpshard.core.permutation import permutation_spec
-from dtpshard.core.launch import launch_local
+from tiny import save_tiny
 
 TOL = 1e-4
 DELAYS = (0, 1, 2, 1.5)
@@ -156,7 +156,8 @@ def test_launcher_refuses_before_spawning_any_rank(ckpt_dirs, capfd, monkeypatch
     for flags, said in ((["--prompt", ""], "the prompt encodes to no tokens"),
                         (["--prompt", "x", "--latency-ms", "1e12", "--timeout", "5"],
                          "--latency-ms 1e+12: every transfer would outlast --timeout 5 s"),
-                        (["--prompt", "x", "--timeout", "1e300"], "--timeout 1e300: must be a finite number > 0 (seconds, at most 1e6)")):
+                        (["--prompt", "x", "--timeout", "1e300"],
+                         "--timeout 1e300: must be a finite number > 0 (seconds, at most 1e6)")):
         assert cli.main(["run", str(ckpt_dirs[2]), "--nproc", "2", *flags]) == 2
         err = capfd.readouterr().err.strip()
         assert said in err and len(err.splitlines()) == 1, err

@@ -10,8 +10,8 @@ from dtpshard.affinity.file import Affinity, edges_for_delay
 from dtpshard.cli import main
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout
-from dtpshard.layouts.score import colocated_score, layout_devices, perm_from_devices
 from dtpshard.core.shape import UnitShape
+from dtpshard.layouts.score import colocated_score, layout_devices, perm_from_devices
 
 MODEL = UnitShape(3, 4, 2, 8)
 

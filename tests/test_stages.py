@@ -66,3 +66,17 @@ def test_no_import_cycles_even_inside_functions():
         if m not in state:
             visit(m, [m])
     assert not cycles, cycles
+
+
+def test_every_package_export_resolves():
+    """A package's lazy exports (core/lazy.py) name the module that defines each."""
+    broken = []
+    for m in pkgutil.iter_modules(dtpshard.__path__, "dtpshard."):
+        if m.ispkg:
+            package = importlib.import_module(m.name)
+            for name in package.__all__:
+                try:
+                    getattr(package, name)
+                except (AttributeError, ImportError) as e:
+                    broken.append(f"{m.name}.{name}: {e}")
+    assert not broken, broken

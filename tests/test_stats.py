@@ -125,8 +125,8 @@ def test_step_matching_over_seed_pairs():
     got = [m.multiplier for m in pm.matches]
     assert got[0] == pytest.approx(expected[0]) and got[2] == pytest.approx(expected[2])
     assert got[1] is None and got[3] is None and pm.unreached == 2
-    assert pm.format() == f"{min(expected[0], expected[2]):.1f}–{max(expected[0], expected[2]):.1f}× over 2 seed pairs; " \
-                          "2 of 4 pairs never reached it"
+    lo, hi = min(expected[0], expected[2]), max(expected[0], expected[2])
+    assert pm.format() == f"{lo:.1f}–{hi:.1f}× over 2 seed pairs; 2 of 4 pairs never reached it"
     start = pair_matching([make_curve(steps, [0.5, 0.45, 0.42])], cont, 20)  # below 1.0 from step 0, never 0.4
     assert start.at_start == 1 and start.unreached == 1 and start.format() == "1 of 2 pairs at the start; " \
                                                                                "1 of 2 pairs never reached it"

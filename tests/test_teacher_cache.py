@@ -14,7 +14,6 @@ from dtpshard.training.losses import kl_ce_sums, teacher_topk, topk_kl_ce_sums
 from dtpshard.training.teacher_cache import TeacherCache, cache_blocks, teacher_targets
 
 
-
 def literal(h_s, w_s, t_logits, targets, k, ce_weight):
     """KL over the teacher's top k plus the tail bucket, written out with autograd."""
     logq = torch.log_softmax(h_s @ w_s.T, -1)
@@ -63,7 +62,8 @@ def cached(tiny_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("tcache")
     (root / "docs.txt").write_text("\n\n".join(random_docs(300, 0)))
     model = tiny_dirs["llama"]
-    data = ["--steps", "8", "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--text", str(root / "docs.txt")]
+    data = ["--steps", "8", "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2",
+            "--text", str(root / "docs.txt")]
     assert main(["teacher-cache", str(model), "--out", str(root / "cache"), "--k", "16", "--seeds", "0", "1",
                  "--no-progress", *data]) == 0
     return {"root": root, "model": model, "data": data, "cache": root / "cache"}
@@ -159,10 +159,9 @@ def test_compile_mode_resolution():
 @pytest.mark.slow
 def test_compiled_dtp_equals_eager(tmp_path, monkeypatch):
     """A minute of CPU compile (less with a warm inductor cache): slow."""
-    from tiny import tiny_hf_model
-
     from dtpshard.model.compiled import compile_module
     from dtpshard.model.dtp import DTPModel
+    from tiny import tiny_hf_model
 
     class Hidden(torch.nn.Module):  # the student's LM-head input, what distillation trains through
         def __init__(self, model):
@@ -187,9 +186,8 @@ def test_compiled_dtp_equals_eager(tmp_path, monkeypatch):
 
 
 def test_experiment_builds_one_cache_for_every_arm(tiny_dirs, tmp_path, monkeypatch):
-    from test_experiment import config_text, corpus
-
     import dtpshard.training.teacher_cache as tc
+    from test_experiment import config_text, corpus
 
     cfg = tmp_path / "study.toml"
     text = config_text(tiny_dirs["llama"], corpus(tmp_path / "corpus.txt"))

@@ -1,5 +1,6 @@
-"""Stage 2, affinity (paper section 3.1): the per-edge scorer, the affinity file format and the
-calibration pass (`dtpshard affinity`). Imports core and model."""
+"""Stage 3, affinity (paper section 3.1): the per-edge scorer, the affinity file format, the
+streamed pass for models bigger than memory, and the calibration pass (`dtpshard affinity`).
+Imports core, model and data."""
 from dtpshard.core.lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {

@@ -139,7 +139,8 @@ def run_calibration(p: CalibrationPlan, proxy: str = "first-order", progress: bo
 
 
 def calibrate(model: Path, out: Path, data: CalibrationData = CalibrationData(), *, delay: float = 1,
-              proxy: str = "first-order", run: PassSettings = PassSettings(), progress: bool = False) -> CalibrationResult:
+              proxy: str = "first-order", run: PassSettings = PassSettings(),
+              progress: bool = False) -> CalibrationResult:
     """The whole pass: plan_calibration, then run_calibration."""
     return run_calibration(plan_calibration(model, out, data, delay=delay, run=run), proxy, progress)
 
@@ -168,21 +169,27 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
         model: Hugging Face checkpoint directory (llama, mistral, qwen2 or qwen3 family)
         out: affinity file to write (required; safetensors, format dtpshard.affinity/1)
         text: calibration text files or directories (.txt split at blank lines, .jsonl/.json records, .parquet)
-        dataset: a save_to_disk directory, a parquet file or directory, or a hub name: fineweb-edu, wikitext-2, owner/name[:config]
+        dataset: a save_to_disk directory, a parquet file or directory, or a hub name: fineweb-edu, wikitext-2,
+            owner/name[:config]
         text_field: the column or JSON field that holds the text
         tokenizer: tokenizer directory, where MODEL has no tokenizer files
         blocks: number of calibration blocks
         seq_len: tokens per block
         delay: DTP delay δ; every edge b-δ <= a <= b-1 is scored (δ >= 2 adds attention->attention, FFN->FFN, ...)
         seed: seed of the document order
-        proxy: the score: first-order (the paper's), group-unit (a KV group's heads summed before squaring), exact-jacobian (ρ moves with the contribution), ablation (the contribution actually removed, norm and unit recomputed)
+        proxy: the score: first-order (the paper's), group-unit (a KV group's heads summed before squaring),
+            exact-jacobian (ρ moves with the contribution), ablation (the contribution actually removed, norm and
+            unit recomputed)
         micro_batch: sequences per module call (memory)
         chunk: cap on tokens per score chunk; 0 = automatic (memory)
         device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         dtype: compute dtype of the pass (sums are always accumulated in float64)
-        offload: --offload reads one decoder layer at a time from the checkpoint, --no-offload holds the whole model; default: offload only when the model does not fit --memory-budget
-        memory_budget: GiB the pass may hold (model and calibration hidden states); 0 = 0.8 x the memory available now (RAM, or the GPU's free memory)
-        spill_dir: directory for the hidden states that do not fit the budget, in anonymous temporary files (default: the directory of --out)
+        offload: --offload reads one decoder layer at a time from the checkpoint, --no-offload holds the whole model;
+            default: offload only when the model does not fit --memory-budget
+        memory_budget: GiB the pass may hold (model and calibration hidden states); 0 = 0.8 x the memory available
+            now (RAM, or the GPU's free memory)
+        spill_dir: directory for the hidden states that do not fit the budget, in anonymous temporary files
+            (default: the directory of --out)
         progress: show a progress bar
         json: print one JSON object {out, edges, tokens, seconds, ...} on stdout
     """

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_path, check_keys, dumps, loads
@@ -26,8 +28,6 @@ _META_BYTES = 1 << 20  # one metadata value: a few hundred bytes in practice
 
 def is_affinity_file(path: str | Path) -> bool:
     """Whether `path` is an affinity file (what `dtpshard affinity --out` may replace): its header says so."""
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="numpy") as f:
         return (f.metadata() or {}).get("format") == FORMAT
 
@@ -55,8 +55,6 @@ class Affinity:
     source: str = ""
 
     def save(self, path: str | Path) -> None:
-        from safetensors.numpy import save_file
-
         tensors = {f"edge.{a}.{b}": np.ascontiguousarray(s, dtype=np.float32) for (a, b), s in self.edges.items()}
         meta = {"format": FORMAT, "model": dumps(self.model.to_json()), "delay": dumps(self.delay),
                 "tokens": str(int(self.tokens)), "options": dumps(self.options), "source": self.source}
@@ -64,11 +62,9 @@ class Affinity:
             save_file(tensors, str(tmp), metadata=meta)
 
     @classmethod
-    def load(cls, path: str | Path, delay: float | None = None) -> "Affinity":
+    def load(cls, path: str | Path, delay: float | None = None) -> Affinity:
         """Every edge, or only those `delay` needs (a δ = 1 layout from a δ = 2 file skips
         the neurons x neurons edges); refused in one line if they do not fit in memory."""
-        from safetensors import SafetensorError, safe_open
-
         path = Path(path)
         if not path.is_file():
             raise UserError(f"affinity file not found: {path}")

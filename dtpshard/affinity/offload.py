@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from dtpshard.core.shape import ModelShape
@@ -150,6 +151,4 @@ def default_budget(device: str) -> int:
     if device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(DEFAULT_BUDGET_FRACTION * free)
-    import psutil
-
     return int(DEFAULT_BUDGET_FRACTION * psutil.virtual_memory().available)

@@ -46,6 +46,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from dtpshard.affinity.file import edges_for_delay
 from dtpshard.affinity.offload import DiskArray, HiddenStates, MemoryArray
@@ -69,7 +70,7 @@ class ScoreOptions:
     rho: Rho = "held"  # held: δn = γ⊙c/ρ (the paper's); jacobian: the exact RMSNorm Jacobian; ablation: leave-one-out
 
     @classmethod
-    def of(cls, proxy: str) -> "ScoreOptions":
+    def of(cls, proxy: str) -> ScoreOptions:
         return PROXY_OPTIONS[proxy]
 
     @property
@@ -107,7 +108,7 @@ class Target:
     act: torch.Tensor | None = None  # FFN: [T, N] silu(g)·u
     w: torch.Tensor | None = None  # attention: [T, G, (r+2)·hd] = W_g (γ⊙x), no bias
 
-    def rows(self, sl: slice) -> "Target":
+    def rows(self, sl: slice) -> Target:
         return Target(*(None if v is None else v[sl] for v in (self.x, self.rho, self.g, self.u, self.act, self.w)))
 
 
@@ -309,8 +310,6 @@ def compute_affinity(model: DenseModel, blocks: torch.Tensor, delay: float = 1, 
     in memory); micro_batch sequences go through a module at once, `chunk` caps the tokens per
     score chunk. The result does not depend on the model class or on where `hidden` keeps them.
     """
-    from tqdm import tqdm
-
     s = model.shape
     M = s.modules
     hidden = HiddenStates() if hidden is None else hidden

@@ -10,5 +10,6 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "UserError": "errors", "ModelShape": "shape", "shape_from_hf_config": "shape", "check_devices": "shape",
     "check_delay": "shape", "Layout": "layout", "as_layout": "layout", "permutation_spec": "permutation",
     "apply_layout": "permutation", "pick_device": "devices", "DTYPES": "devices", "launch_local": "launch",
-    "root_cause": "launch", "UnitShape": "shape", "resolve_dtp": "settings", "LayoutKind": "vocab", "Stage3": "vocab", "KvSearch": "vocab",
+    "root_cause": "launch", "UnitShape": "shape", "resolve_dtp": "settings", "LayoutKind": "vocab", "Stage3": "vocab",
+    "KvSearch": "vocab",
 })

@@ -12,8 +12,8 @@ import contextlib
 import errno
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 class UserError(Exception):

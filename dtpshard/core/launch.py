@@ -23,6 +23,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
+from multiprocessing import forkserver, reduction
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +83,7 @@ def check_threads(threads: int) -> None:
 def set_threads(threads: int = 0) -> None:
     """Split the cores between this machine's ranks, leaving each rank two for its transfers unless
     told otherwise: gloo's worker and I/O threads progress the asynchronous sums, and behind
-    spinning OpenMP threads they starve (measured: 3 ranks x 4 threads on 16 cores hid no transfer
-    at all, 3 x 3 hid most of them)."""
+    spinning OpenMP threads they starve (docs/benchmarks.md, "Threads per rank")."""
     check_threads(threads)
     local = _env_int("LOCAL_WORLD_SIZE") or 1
     torch.set_num_threads(threads or max(1, cores() // local - 2))
@@ -206,9 +206,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_PRELOAD = ("dtpshard.runtime.run", "dtpshard.training.loop", "dtpshard.model.generate", "transformers.models.llama.modeling_llama",
-            "transformers.models.qwen2.modeling_qwen2", "transformers.models.qwen3.modeling_qwen3",
-            "transformers.models.mistral.modeling_mistral", "transformers.tokenization_utils_fast")
+_PRELOAD = ("dtpshard.runtime.run", "dtpshard.training.loop", "dtpshard.model.generate",
+            "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+            "transformers.models.qwen3.modeling_qwen3", "transformers.models.mistral.modeling_mistral",
+            "transformers.tokenization_utils_fast")
 STOP_GRACE = 3.0  # seconds a stopped rank has between SIGTERM (its temporaries removed) and SIGKILL
 
 
@@ -222,8 +223,6 @@ def _context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOAD))
     if threading.current_thread() is threading.main_thread():
-        from multiprocessing import forkserver
-
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             forkserver.ensure_running()  # a no-op once it runs
@@ -242,8 +241,6 @@ class _Stdio:
     (a forkserver's children would otherwise inherit the forkserver's, from whenever it started)."""
 
     def __reduce__(self) -> tuple:
-        from multiprocessing import reduction
-
         return _adopt_stdio, (reduction.DupFd(1), reduction.DupFd(2))
 
 

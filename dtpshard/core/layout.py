@@ -9,6 +9,7 @@ permutations by layer.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -52,14 +53,14 @@ class Layout:
 
     # -- construction --------------------------------------------------------------------
     @classmethod
-    def contiguous(cls, model: UnitShape, devices: int, delay: float = 1) -> "Layout":
+    def contiguous(cls, model: UnitShape, devices: int, delay: float = 1) -> Layout:
         check_devices(model, devices)
         n = model.layers
         return cls(devices, delay, "contiguous", model.unit_shape(),
                    [np.arange(model.kv_groups) for _ in range(n)], [np.arange(model.neurons) for _ in range(n)])
 
     @classmethod
-    def random(cls, model: UnitShape, devices: int, delay: float = 1, seed: int = 0) -> "Layout":
+    def random(cls, model: UnitShape, devices: int, delay: float = 1, seed: int = 0) -> Layout:
         check_devices(model, devices)
         rng = np.random.default_rng(seed)
         kv = [rng.permutation(model.kv_groups) for _ in range(model.layers)]
@@ -68,7 +69,7 @@ class Layout:
 
     @classmethod
     def from_module_perms(cls, model: UnitShape, devices: int, delay: float, kind: str,
-                          perms: list[np.ndarray], seed: int | None = None) -> "Layout":
+                          perms: list[np.ndarray], seed: int | None = None) -> Layout:
         """From perms[m], one per module (2 per layer)."""
         return cls(devices, delay, kind, model.unit_shape(), list(perms[0::2]), list(perms[1::2]), seed=seed)
 
@@ -99,8 +100,6 @@ class Layout:
     def content_sha256(self) -> str:
         """A hash of what the layout does (L and every permutation), not of its file: a layout
         rescored or saved with other timings keeps its hash. First 16 hex digits of SHA-256."""
-        import hashlib
-
         perms = [[int(i) for i in p] for p in self.kv_perms + self.ffn_perms]
         data = json.dumps({"devices": self.devices, "perms": perms}, separators=(",", ":"))
         return hashlib.sha256(data.encode()).hexdigest()[:16]
@@ -133,7 +132,7 @@ class Layout:
         atomic_write_text(path, dumps(self.to_json()) + "\n")
 
     @classmethod
-    def from_json(cls, obj: Any, where: str = "layout", nbytes: int | None = None) -> "Layout":
+    def from_json(cls, obj: Any, where: str = "layout", nbytes: int | None = None) -> Layout:
         """A layout from its parsed file (`nbytes`: the file's size, refused when more than the
         model it names could need), every key and value checked before any array is made."""
         if not isinstance(obj, dict):
@@ -174,7 +173,7 @@ class Layout:
                    seed=seed if _is_int(seed) else None, score=dict(score))
 
     @classmethod
-    def load(cls, path: str | Path, model: UnitShape | None = None) -> "Layout":
+    def load(cls, path: str | Path, model: UnitShape | None = None) -> Layout:
         """The layout in `path`, parsed within bounds: at most `max_bytes(model)` when the model
         it must fit is known (else MAX_BYTES, then the bound of the model it names), no deeper
         nesting or larger integer than io.loads allows, no unknown key."""
@@ -202,10 +201,11 @@ class Layout:
         """Refuse a layout made for another model shape."""
         for key in UNIT_FIELDS:
             if getattr(self.model, key) != getattr(model, key):
-                raise UserError(f"{where}: {key}={getattr(self.model, key)} but {other} has {key}={getattr(model, key)}")
+                raise UserError(f"{where}: {key}={getattr(self.model, key)} but {other} has "
+                                f"{key}={getattr(model, key)}")
 
 
-def as_layout(layout: "Layout | str | Path | None") -> "Layout | None":
+def as_layout(layout: Layout | str | Path | None) -> Layout | None:
     if layout is None or isinstance(layout, Layout):
         return layout
     return Layout.load(layout)

@@ -5,6 +5,9 @@ filling it; comparing the known size with what the OS says is available avoids t
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 from dtpshard.core.errors import UserError
 
 GIB = 2 ** 30
@@ -32,13 +35,9 @@ def return_freed_memory() -> bool:
     """Make glibc give freed large blocks back to the OS (mallopt M_MMAP_THRESHOLD, fixed): otherwise
     it raises the threshold to the largest block freed so far and keeps such blocks in its heap, and
     a training process's resident set grows by freed activations and all-gathered weights that no
-    tensor holds. Measured on bench/bench_fsdp.py's model, 2 ranks, peak RSS per rank: 3.1 GB with
-    glibc's dynamic threshold, 3.3 GB fixed at 32 MiB, 2.3 GB at 4 MiB, 2.1 GB at 128 KiB; a SmolLM2
-    distillation step took 3.9 s, 3.4 s, 3.6-4.1 s and 5.4 s (2-core CPU). 4 MiB keeps the speed.
-    Linux/glibc only; False elsewhere."""
-    import ctypes
-    import ctypes.util
-
+    tensor holds. 4 MiB gives most of a smaller threshold's saving in resident memory at the speed
+    of glibc's default (docs/benchmarks.md, "glibc's mmap threshold"). Linux/glibc only; False
+    elsewhere."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         return bool(libc.mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD

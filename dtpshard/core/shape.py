@@ -36,13 +36,13 @@ class UnitShape:
         """Units of module m: KV groups for attention (even m), neurons for FFNs (odd m)."""
         return self.kv_groups if module % 2 == 0 else self.neurons
 
-    def unit_shape(self) -> "UnitShape":
+    def unit_shape(self) -> UnitShape:
         return UnitShape(self.layers, self.kv_groups, self.heads_per_group, self.neurons)
 
-    def same_units(self, other: "UnitShape") -> bool:
+    def same_units(self, other: UnitShape) -> bool:
         return self.unit_shape() == other.unit_shape()
 
-    def differences(self, other: "UnitShape") -> list[str]:
+    def differences(self, other: UnitShape) -> list[str]:
         """'field=A vs B' for every field of this shape that differs in `other`."""
         return [f"{f.name}={getattr(self, f.name)} vs {getattr(other, f.name, None)}" for f in fields(self)
                 if getattr(self, f.name) != getattr(other, f.name, None)]
@@ -51,7 +51,7 @@ class UnitShape:
         return {k: int(getattr(self, k)) for k in UNIT_FIELDS}
 
     @classmethod
-    def from_json(cls, obj: Any, where: str) -> "UnitShape":
+    def from_json(cls, obj: Any, where: str) -> UnitShape:
         """A file's `model` object, refused in one line unless it gives four positive integers
         (no other key), none beyond what a model can have (MAX_UNITS, MAX_LAYERS): every array
         sized by them is made after this check."""
@@ -83,14 +83,15 @@ class ModelShape(UnitShape):
     def heads(self) -> int:  # H query heads
         return self.kv_groups * self.heads_per_group
 
-    def shard(self, devices: int) -> "ModelShape":
+    def shard(self, devices: int) -> ModelShape:
         """The shape of one device's share: G/L KV groups (with their heads) and N/L neurons."""
         check_devices(self, devices)
         return replace(self, kv_groups=self.kv_groups // devices, neurons=self.neurons // devices)
 
     def layer_params(self) -> int:
         """Weights of one decoder layer's projections (norm gains are negligible)."""
-        attention = self.hidden * (self.heads + 2 * self.kv_groups) * self.head_dim + self.heads * self.head_dim * self.hidden
+        qkv = self.hidden * (self.heads + 2 * self.kv_groups) * self.head_dim
+        attention = qkv + self.heads * self.head_dim * self.hidden  # + o_proj
         return attention + 3 * self.neurons * self.hidden
 
     def params(self) -> int:

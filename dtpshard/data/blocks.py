@@ -46,15 +46,19 @@ import hashlib
 import json
 import random
 import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from dtpshard.core.errors import UserError, naming
+from dtpshard.data.corpus import corpus_source, stdlib_documents
+from dtpshard.data.hub import hub_offline, offline_reason
+from dtpshard.data.local import is_local_dataset, read_local_dataset, read_parquet
 
 ROLES = ("calibration", "train", "eval", "all")
 OFFLINE = "offline"
@@ -112,16 +116,12 @@ def load_texts(text: Sequence[str | Path] | None = None, dataset: str | None = N
         dataset = None
     by_split = False
     if dataset is not None:
-        from dtpshard.data.local import is_local_dataset, read_local_dataset
-
         if not is_local_dataset(dataset):
             return _hf_texts(dataset, role, text_field)
         docs, source, by_split = read_local_dataset(dataset, role, text_field)
     elif text is not None:
         docs, source = read_text_files(text, text_field), "text:" + ",".join(str(p) for p in text)
     else:
-        from dtpshard.data.corpus import corpus_source, stdlib_documents
-
         docs, source = list(stdlib_documents()), corpus_source()
     kept = [d for d in docs if d.strip() and (by_split or _in_role(d, role))]
     if not kept:
@@ -213,8 +213,6 @@ def _read_json(path: Path, field: str) -> list[str]:
 
 
 def _read_parquet(path: Path, field: str) -> list[str]:
-    from dtpshard.data.local import read_parquet
-
     return read_parquet(path, field)
 
 
@@ -248,8 +246,6 @@ def _hf_texts(name: str, role: str, field: str) -> Texts:
         config = name.split(":", 1)[1]
     split = splits.get(role, "train")
     source = f"dataset:{path}" + (f":{config}" if config else "") + f"/{split} [{role}]"
-    from dtpshard.data.hub import hub_offline, offline_reason
-
     offline = offline_reason()  # asked first: no half minute of retries without a network
 
     def fail(e: BaseException) -> UserError:

@@ -26,8 +26,8 @@ import os
 import platform
 import sysconfig
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import cache_dir

@@ -9,8 +9,10 @@ loaded in offline mode: a cached one still loads, any other is one line at once.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from urllib.parse import urlparse
 
@@ -41,9 +43,6 @@ def hub_offline(offline: bool) -> Iterator[None]:
     if not offline:
         yield
         return
-    import importlib
-    import sys
-
     saved = []
     for module, name in (("huggingface_hub.constants", "HF_HUB_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE"),
                          ("datasets.config", "HF_DATASETS_OFFLINE")):

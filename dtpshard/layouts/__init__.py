@@ -1,4 +1,4 @@
-"""Stage 3, layouts: the co-located score J, the optimiser (exact balanced block updates), the
+"""Stage 4, layouts: the co-located score J, the optimiser (exact balanced block updates), the
 `layout` command that makes every layout family, and `permute`, which writes the permuted
 checkpoint. Imports core, model and affinity."""
 from dtpshard.core.lazy import lazy_exports

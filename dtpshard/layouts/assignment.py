@@ -3,8 +3,8 @@
 Maximise Σ_u gain[u, dev(u)] over the assignments of U units to L devices, U/L units each: a
 transportation problem with L sinks, solved exactly by cycle cancelling on the L-device
 residual graph, started from the device prices (LP duals) found by Gauss-Seidel when the
-given start is far from the optimum. numpy only: at the 70B shape (U = 28672, L = 8) a block
-is a few dozen ms, where a dense [U, U] linear assignment would not fit in memory.
+given start is far from the optimum. numpy only: at the 70B shape (U = 28672, L = 8) a dense
+[U, U] linear assignment would not fit in memory, and L is small.
 """
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def _top(values: np.ndarray, k: int) -> np.ndarray:
 
 
 def _rowwise_argmax(rows: np.ndarray) -> np.ndarray:
-    """argmax over the L rows of an [L, U] array (first on ties), in L passes over U:
-    numpy's own argmax along a short axis is ~20x slower."""
+    """argmax over the L rows of an [L, U] array (first on ties), in L passes over U, which is
+    faster than numpy's own argmax along a short axis (docs/benchmarks.md, "the optimiser")."""
     top = rows.max(axis=0)
     arg = np.full(rows.shape[1], len(rows) - 1)
     for d in range(len(rows) - 2, -1, -1):

@@ -10,13 +10,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dtpshard.affinity.file import Affinity, edges_for_delay
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, check_replaceable
 from dtpshard.core.io import check_output_file, dumps
 from dtpshard.core.layout import Layout, is_layout_file
 from dtpshard.core.shape import UnitShape, check_delay, check_devices
-from dtpshard.core.vocab import (FIXED_KINDS, LAYOUT_KINDS, OPTIMISING_KINDS, Count, Delay, KvSearch, LayoutKind,
-                                 Seed)
+from dtpshard.core.vocab import FIXED_KINDS, LAYOUT_KINDS, OPTIMISING_KINDS, Count, Delay, KvSearch, LayoutKind, Seed
+from dtpshard.layouts.optimise import Problem, optimise_layout, score_record
+from dtpshard.layouts.score import layout_devices
 
 
 def _shape_of_model_dir(path: Path) -> UnitShape:
@@ -44,8 +46,6 @@ def make_layout(model: UnitShape, devices: int, delay: float, kind: str, *, affi
     if kind in OPTIMISING_KINDS:
         if affinity is None:
             raise UserError(f"kind {kind} optimises J and needs an affinity file")
-        from dtpshard.layouts.optimise import optimise_layout
-
         return optimise_layout(affinity, devices, delay, kind, layers=layers, restarts=restarts, seed=seed,
                                kv_search=kv_search, max_sweeps=max_sweeps)
     if kind not in FIXED_KINDS:
@@ -58,9 +58,6 @@ def make_layout(model: UnitShape, devices: int, delay: float, kind: str, *, affi
     if affinity is None:
         layout.score = {"kind": kind, "seconds": time.perf_counter() - t0}
         return layout
-    from dtpshard.layouts.optimise import Problem, score_record
-    from dtpshard.layouts.score import layout_devices
-
     problem = Problem.build(affinity, devices, delay)
     layout.score = score_record(problem, layout_devices(layout), kind, time.perf_counter() - t0, [], 1, None,
                                 kv_search, None)
@@ -98,8 +95,6 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = 4, delay: Delay = 1.
                             "directory (run `dtpshard affinity` first)")
         model = _shape_of_model_dir(source)
     else:
-        from dtpshard.affinity.file import Affinity, edges_for_delay
-
         affinity = Affinity.load(source, delay=delay)
         model = affinity.model
         if not edges_for_delay(model.modules, delay):

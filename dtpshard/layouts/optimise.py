@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -23,8 +23,15 @@ from dtpshard.core.layout import Layout
 from dtpshard.core.shape import UnitShape, check_delay, check_devices
 from dtpshard.core.vocab import KV_SEARCHES, OPTIMISING_KINDS, KvSearch
 from dtpshard.layouts.assignment import balanced_assignment
-from dtpshard.layouts.score import (Edge, Edges, blas_threads, normalised_edges, one_hot, perm_from_devices,
-                                    score_devices)
+from dtpshard.layouts.score import (
+    Edge,
+    Edges,
+    blas_threads,
+    normalised_edges,
+    one_hot,
+    perm_from_devices,
+    score_devices,
+)
 
 MAX_PARTITIONS = 200_000  # the exhaustive KV search is the paper's 2520 for G=8, L=4
 
@@ -86,7 +93,7 @@ class Problem:
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, affinity: Affinity, devices: int, delay: float) -> "Problem":
+    def build(cls, affinity: Affinity, devices: int, delay: float) -> Problem:
         check_devices(affinity.model, devices, where="affinity model")
         edges = normalised_edges(affinity, delay)
         partners: dict[int, list[tuple[bool, int, Edge]]] = {}

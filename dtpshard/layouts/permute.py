@@ -15,12 +15,15 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from dtpshard.core.errors import UserError, explain
-from dtpshard.core.io import dumps
+from dtpshard.core.guard import check_outputs, check_replaceable
+from dtpshard.core.io import atomic_dir, check_writable_dir, dumps, exit_on_sigterm
 from dtpshard.core.layout import Layout, is_layout_file
 from dtpshard.core.permutation import layout_indices
 from dtpshard.core.vocab import Count, PermuteCheck, PositiveNumber
+from dtpshard.model.checkpoint import canonical, open_checkpoint, tensor_names
 
 LAYOUT_JSON = "layout.json"  # the applied layout, saved next to the permuted weights
 CHECK_TOL = 1e-4  # --check logits: max |Δlogits| relative to max |logit|, fp32 (docs/design.md §3)
@@ -59,10 +62,6 @@ def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False,
         tolerance: --check logits: largest max |Δlogits| / max |logit| accepted
         json: print one JSON object {out, check: {kind, passed, ...}} instead of text
     """
-    from dtpshard.core.guard import check_outputs, check_replaceable
-    from dtpshard.core.io import atomic_dir, check_writable_dir, exit_on_sigterm
-    from dtpshard.model.checkpoint import open_checkpoint
-
     model, layout_path, out = Path(model), Path(layout), Path(out)
     if check_tokens < 1:
         raise UserError(f"--check-tokens {check_tokens}: must be at least 1")
@@ -121,8 +120,6 @@ def read_header(file: Path) -> tuple[bytes, list[tuple[str, int, int]]]:
     """A safetensors file's header as stored (length prefix included) and its tensors as (name,
     start, end) byte ranges of the data section, in file order. The file is first opened with
     safetensors itself, which refuses a damaged one."""
-    from dtpshard.model.checkpoint import tensor_names
-
     names = tensor_names(file)
     with open(file, "rb") as f:
         n = int.from_bytes(f.read(8), "little")  # the format: u64 little-endian length, JSON, data
@@ -136,10 +133,6 @@ def permute_file(src: Path, dst: Path, gathers: Gathers) -> tuple[int, int]:
     """Write safetensors file `src` to `dst` with each tensor named in `gathers` permuted and the
     rest copied; returns (permuted, copied) tensor counts. Peak memory: about the largest
     permuted tensor twice (its source pages and its gathered copy)."""
-    from safetensors import safe_open
-
-    from dtpshard.model.checkpoint import canonical
-
     head, ranges = read_header(src)
     counts = [0, 0]
     with open(src, "rb") as fin, open(dst, "wb") as fout:
@@ -167,10 +160,6 @@ def check_file(src: Path, dst: Path, gathers: Gathers) -> None:
     """`dst` read back has `src`'s header (names, dtypes, shapes, offsets, metadata), its copied
     tensors byte for byte and its permuted ones equal, bit for bit, to the source's gathered by
     the layout's indices; else UserError. Memory: the largest permuted tensor three times."""
-    from safetensors import safe_open
-
-    from dtpshard.model.checkpoint import canonical
-
     head, ranges = read_header(src)
     if read_header(dst)[0] != head:
         raise UserError(f"{dst.name}: its header differs from {src}'s; nothing written")

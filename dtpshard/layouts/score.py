@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from dtpshard.affinity.file import Affinity
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import dumps
 from dtpshard.core.layout import Layout
+
 
 @dataclass(frozen=True)
 class Edge:
@@ -102,10 +104,8 @@ def blas_threads(edges: Edges) -> AbstractContextManager:
 
     Products of 8 x N scores with one-hot matrices are too small to share between threads,
     and on a loaded machine OpenBLAS's spinning threads take the cores the optimiser needs
-    (2.3x its CPU time at the 70B shape); N x N edges (δ >= 2) do gain from threads.
+    (docs/benchmarks.md, "the optimiser"); N x N edges (δ >= 2) do gain from threads.
     """
-    from threadpoolctl import threadpool_limits
-
     skinny = all(min(e.scores.shape) <= 256 for e in edges.values())
     return threadpool_limits(limits=1 if skinny else None, user_api="blas")
 

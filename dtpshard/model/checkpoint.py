@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 
 from dtpshard.core.errors import UserError, naming
 from dtpshard.core.io import SMALL_JSON, dumps, read_json, read_json_object
@@ -80,8 +82,6 @@ class TensorFiles:
     file saved next to the model, say) is not a weight file and is ignored."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
-
         self.index: Path | None = path / INDEX
         if self.index.is_file():
             index = read_json(self.index, "safetensors index", 4 * SMALL_JSON)  # ~100 KB for a 405B model
@@ -132,11 +132,9 @@ class TensorFiles:
     def shape(self, name: str) -> list[int]:
         return self.shapes[self.alias[name]]
 
-    def get_units(self, name: str, idx: "np.ndarray", axis: int) -> torch.Tensor:
+    def get_units(self, name: str, idx: np.ndarray, axis: int) -> torch.Tensor:
         """Rows (axis 0) or columns (axis 1) `idx` of tensor `name`, read run by run from the file
         (a run of consecutive indices is one slice), so only those are read."""
-        from safetensors import safe_open
-
         breaks = np.flatnonzero(np.diff(idx) != 1) + 1
         runs = [slice(int(r[0]), int(r[-1]) + 1) for r in np.split(idx, breaks)]
         key = self.alias[name]
@@ -147,8 +145,6 @@ class TensorFiles:
     def get(self, name: str, rows: slice | None = None) -> torch.Tensor:
         """Tensor `name` (canonical HF name), or only its `rows` (a slice of dim 0: the streamed
         calibration reads the embedding in blocks without holding all of it)."""
-        from safetensors import SafetensorError, safe_open
-
         key = self.alias[name]
         try:
             with safe_open(str(self.where[key]), framework="pt") as st:
@@ -170,8 +166,6 @@ def _finite(t: torch.Tensor, name: str, file: Path) -> torch.Tensor:
 
 def tensor_names(file: Path) -> list[str]:
     """The tensors a safetensors file holds (its header only); a damaged file is one line."""
-    from safetensors import SafetensorError, safe_open
-
     try:
         with safe_open(str(file), framework="pt") as st:
             return list(st.keys())
@@ -261,7 +255,8 @@ def load_tokenizer(path: str | Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kw)
     except (OSError, ValueError) as e:
-        raise UserError(f"{path}: no usable tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"{path}: no usable tokenizer ({why})") from None
 
 
 def save_checkpoint(out_dir: Path, hf_config: Any, weights: Weights, source: Path | None = None,
@@ -270,8 +265,6 @@ def save_checkpoint(out_dir: Path, hf_config: Any, weights: Weights, source: Pat
     """Write a transformers-loadable directory (into an already-temporary `out_dir`): config, the
     weights in safetensors shards (model/shards.py), the tokenizer files of `source`, extra JSON
     files. write=False: only ask for the weights in turn (the other ranks of a sharded save)."""
-    import shutil
-
     if hf_config.tie_word_embeddings:
         weights = weights.without({"lm_head.weight"})
     if not write:

@@ -3,20 +3,19 @@
 Compiling DTPModel fuses what the L residual streams add over the dense model, which is all
 elementwise work on [L, B, T, D] tensors: the pre-norms, the own-partial update and the
 arrivals' Σ_{j≠l} updates become a few fused kernels per module instead of one pass (and one
-temporary) per op. The compile itself takes ~25 s cold on a small CPU (minutes under load), so
-inductor's FX-graph and autograd caches are kept under the dtpshard cache dir: a second run of
-the same shape loads the compiled kernels instead of rebuilding them (bench/bench_model.py
-reports both: DTP's first step takes ~23 s cold and ~10 s from the cache, against ~3 s eager).
+temporary) per op. The compile itself takes many steps' time, so inductor's FX-graph and autograd
+caches are kept under the dtpshard cache dir: a second run of the same shape loads the compiled
+kernels instead of rebuilding them.
 
 `auto` compiles on CUDA always (fused kernels, fewer launches) and on CPU for runs of at least
-`AUTO_MIN_STEPS` optimizer steps. On this 2-core CPU (bench/bench_model.py, Qwen3 widths, L = 4)
-compiled DTP ran fwd+bwd 0.99-1.03x eager DTP over four runs: MKL's GEMMs are the step there and
-the fused elementwise work saves little time. What a long CPU run gains is memory: 0.66x eager
-DTP's peak RSS in the last run (fewer temporaries alive at once), for a compile that costs a few steps' time.
+`AUTO_MIN_STEPS` optimizer steps: on a CPU, where the GEMMs are the step, compiled DTP is about as
+fast as eager DTP and what a long run gains is memory (fewer temporaries alive at once), worth a
+compile only over many steps. The numbers are bench/bench_model.py's, in docs/benchmarks.md.
 """
 from __future__ import annotations
 
 import os
+
 import torch
 
 from dtpshard.core.errors import UserError

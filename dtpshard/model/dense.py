@@ -65,7 +65,7 @@ class LayerWeights:
     down: torch.Tensor  # [D, N]
 
     @classmethod
-    def of(cls, layer: Layer, s: ModelShape) -> "LayerWeights":
+    def of(cls, layer: Layer, s: ModelShape) -> LayerWeights:
         a, f = layer.self_attn, layer.mlp
         r, hd, g = s.heads_per_group, s.head_dim, s.kv_groups
         qkv_w = torch.cat([a.q_proj.weight.view(g, r * hd, s.hidden), a.k_proj.weight.view(g, hd, s.hidden),
@@ -107,7 +107,7 @@ class DenseModel:
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> "DenseModel":
+                        device: str | torch.device = "cpu") -> DenseModel:
         warn_if_student(ckpt.path, recorded_dtp(ckpt.hf_config), devices=1, delay=0)
         return cls(ckpt.shape, ckpt.hf_config, ckpt.state_dict(), dtype, device)
 
@@ -171,7 +171,7 @@ EMBED_BLOCK_BYTES = 64 << 20  # embedding rows read at once by StreamedDense
 class _LayerWindow(Sequence[Layer]):
     """`layers` of a StreamedDense: layer i is read when asked for, replacing the one held before."""
 
-    def __init__(self, model: "StreamedDense"):
+    def __init__(self, model: StreamedDense):
         self.model, self.index, self.layer = model, -1, None
 
     def __len__(self) -> int:

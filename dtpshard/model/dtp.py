@@ -79,7 +79,7 @@ class DTPModel(PretrainedMixin, Decoder):
     @classmethod
     def from_state_dict(cls, hf_config: Any, state_dict: dict[str, torch.Tensor], devices: int | None = None,
                         delay: float | None = None, stage3: str | None = None, layout: Any = None,
-                        dtype: torch.dtype | str = torch.float32, record: dict[str, Any] | None = None) -> "DTPModel":
+                        dtype: torch.dtype | str = torch.float32, record: dict[str, Any] | None = None) -> DTPModel:
         """The DTP model of a dense (or distilled) state dict, permuted by `layout` (a Layout or its
         file). L, δ and stage3 as core.settings.resolve_dtp says: the arguments, else the student's
         `record`, else the layout's, else the defaults. dtype "auto": the config's, else the weights'

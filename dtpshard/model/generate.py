@@ -5,8 +5,11 @@ from pathlib import Path
 
 from dtpshard.core.devices import pick_device
 from dtpshard.core.errors import UserError
+from dtpshard.core.io import dumps
 from dtpshard.core.shape import check_context
 from dtpshard.core.vocab import Count, Delay, Device, LoadDType, NonNegativeInt, NonNegativeNumber, Seed, Stage3, TopP
+from dtpshard.model.checkpoint import check_token_ids, load_tokenizer
+from dtpshard.model.dtp import DTPModel
 
 
 def generate_cmd(model: Path, *, prompt: str, devices: Count | None = None, delay: Delay | None = None,
@@ -36,10 +39,6 @@ def generate_cmd(model: Path, *, prompt: str, devices: Count | None = None, dela
         compile: torch.compile the model's forward (pays a compile, then decodes faster on long runs)
         json: print one JSON object {text, completion, new_token_ids, ...} instead of the text
     """
-    from dtpshard.core.io import dumps
-    from dtpshard.model.checkpoint import check_token_ids, load_tokenizer
-    from dtpshard.model.dtp import DTPModel
-
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens={max_new_tokens}: must be at least 1")
     if temperature < 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import read_json_object
 from dtpshard.core.settings import read_record
-from dtpshard.model.checkpoint import save_checkpoint
+from dtpshard.model.checkpoint import open_checkpoint, save_checkpoint
+from dtpshard.model.decode import generate_ids
 from dtpshard.model.shards import DEFAULT_MAX_SHARD_SIZE, Weights
 
 log = logging.getLogger("dtpshard")
@@ -72,7 +73,8 @@ def student_record(path: Path, hf_config: Any) -> dict[str, Any] | None:
 def warn_if_student(where: Any, block: dict[str, Any] | None, devices: int, delay: float) -> None:
     """One line when a DTP student is about to run dense: its logits would not be the ones it was
     trained to produce (a distilled student differs from its DTP self by O(1) logits)."""
-    if block is not None and (devices == 1 or delay == 0) and (block.get("devices", 1) != 1 and block.get("delay", 0) != 0):
+    trained_dtp = block is not None and block.get("devices", 1) != 1 and block.get("delay", 0) != 0
+    if trained_dtp and (devices == 1 or delay == 0):
         log.warning(f"warning: {where} is a DTP student (devices={block.get('devices')}, delay={block.get('delay')}); "
                     f"loading it with devices={devices}, delay={delay} runs it as a dense model, not the "
                     "function it was distilled for")
@@ -101,8 +103,6 @@ class PretrainedMixin:
         unless do_sample (then temperature, top_k, top_p); rows that emitted an EOS token are
         padded after it; stops when all have. eos_token_id defaults to the config's; `seed` fixes
         the sampling generator (None: torch's global RNG). `dtpshard generate` calls this."""
-        from dtpshard.model.decode import generate_ids
-
         if eos_token_id is None:
             eos_token_id = getattr(self.hf_config, "eos_token_id", None)
         if pad_token_id is None:
@@ -113,7 +113,7 @@ class PretrainedMixin:
 
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module, devices: int | None = None, delay: float | None = None,
-                **kw: Any) -> "DTPModel":
+                **kw: Any) -> Self:
         """From an in-memory transformers model (e.g. one dequantised from GGUF)."""
         sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
         return cls.from_state_dict(hf_model.config, sd, devices, delay, **kw)
@@ -121,13 +121,11 @@ class PretrainedMixin:
     @classmethod
     def from_pretrained(cls, path: str | Path, devices: int | None = None, delay: float | None = None,
                         dtype: torch.dtype | str = "auto", layout: Any = None, stage3: str | None = None,
-                        device: str | torch.device = "cpu") -> "DTPModel":
+                        device: str | torch.device = "cpu") -> Self:
         """Load a local HF checkpoint directory. L, δ and stage3: the arguments, else what a distilled
         student recorded (the `dtp` block of its config.json, or its dtp.json), else the layout's,
         else 4, 1, 'sqrt' (core.settings.resolve_dtp). dtype "auto" keeps the checkpoint's (a bf16
         checkpoint loads as bf16), as transformers does."""
-        from dtpshard.model.checkpoint import open_checkpoint
-
         ckpt = open_checkpoint(path)
         record = student_record(Path(path), ckpt.hf_config)
         model = cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), devices, delay, stage3, layout, dtype, record)

@@ -39,7 +39,8 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         x32 = _up(x)
-        r = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()  # [..., 1]
+        r = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+        # r: [..., 1]
         ctx.save_for_backward(x, weight, r)
         y = x32 * r
         return y.mul_(weight) if y.dtype == x.dtype == weight.dtype else weight * y.to(x.dtype)

@@ -14,6 +14,9 @@ from transformers import GenerationMixin, PreTrainedModel
 
 from dtpshard.core.settings import read_record, resolve_dtp
 from dtpshard.core.shape import shape_from_hf_config
+from dtpshard.model.attention import KVCache
+from dtpshard.model.dtp import DTPModel
+from dtpshard.model.ops import Norm, Proj
 from dtpshard.model.student import DTPConfig
 
 __all__ = ["DTPConfig", "DTPForCausalLM"]
@@ -37,8 +40,6 @@ class DTPForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, config: DTPConfig):
         super().__init__(config)
-        from dtpshard.model.dtp import DTPModel
-
         record = read_record(getattr(config, "dtp", None), "config.json dtp") or {}
         settings = resolve_dtp(shape_from_hf_config(config), record=record)
         dtp = DTPModel(config, settings.devices, settings.delay, settings.stage3)
@@ -52,8 +53,6 @@ class DTPForCausalLM(PreTrainedModel, GenerationMixin):
         return False  # DTP keeps its own KV cache (every device its own groups): generate must not make one
 
     def _init_weights(self, module: torch.nn.Module) -> None:
-        from dtpshard.model.ops import Norm, Proj
-
         std = getattr(self.config, "initializer_range", 0.02)
         if isinstance(module, (Proj, torch.nn.Embedding)):
             _init.normal_(module.weight, mean=0.0, std=std)
@@ -84,8 +83,6 @@ class DTPForCausalLM(PreTrainedModel, GenerationMixin):
         training) and none is given, and returned in the output.
         position_ids are not read: positions come from the cache and the attention mask, as
         transformers' generate makes them."""
-        from dtpshard.model.attention import KVCache
-
         if inputs_embeds is not None or input_ids is None:
             raise ValueError("DTPForCausalLM takes input_ids (inputs_embeds are not supported)")
         cache = cache if cache is not None else past_key_values

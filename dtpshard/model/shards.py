@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.serialization import split_state_dict_into_shards_factory
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import dumps, share
@@ -55,8 +56,6 @@ class TensorSpec:
 
 def shard_plan(specs: list[TensorSpec], max_shard_size: int) -> dict[str, list[TensorSpec]]:
     """file name -> its tensors, in order: "model.safetensors" alone, or model-0000i-of-0000K files."""
-    from huggingface_hub.serialization import split_state_dict_into_shards_factory
-
     split = split_state_dict_into_shards_factory({s.name: s for s in specs}, get_storage_size=lambda s: s.nbytes,
                                                  filename_pattern="model{suffix}.safetensors",
                                                  max_shard_size=max_shard_size)
@@ -69,7 +68,8 @@ def _header(specs: list[TensorSpec]) -> bytes:
     for s in specs:
         if s.dtype not in _DTYPES:
             raise ValueError(f"{s.name}: dtype {s.dtype} has no safetensors name")
-        entries[s.name] = {"dtype": _DTYPES[s.dtype], "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+        entries[s.name] = {"dtype": _DTYPES[s.dtype], "shape": list(s.shape),
+                           "data_offsets": [offset, offset + s.nbytes]}
         offset += s.nbytes
     head = json.dumps(entries, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
@@ -118,11 +118,11 @@ class Weights:
     produce: Callable[[TensorSpec], torch.Tensor]
 
     @classmethod
-    def of(cls, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> "Weights":
+    def of(cls, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> Weights:
         """A state dict's tensors, floating ones saved in `dtype` (None: as they are)."""
         specs = [TensorSpec(k, tuple(v.shape), dtype if dtype is not None and v.is_floating_point() else v.dtype)
                  for k, v in state_dict.items()]
         return cls(specs, lambda s: state_dict[s.name])
 
-    def without(self, names: set[str]) -> "Weights":
+    def without(self, names: set[str]) -> Weights:
         return Weights([s for s in self.specs if s.name not in names], self.produce)

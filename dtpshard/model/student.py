@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import yaml
 from transformers import PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.shape import FAMILIES, STUDENT_TYPE, family_config
@@ -71,8 +73,6 @@ class DTPConfig(PretrainedConfig):
 
     def base_config(self) -> PretrainedConfig:
         """The base family's config (LlamaConfig, Qwen3Config, ...) these fields came from."""
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
         fields = {k: v for k, v in self.to_dict().items() if k not in _OWN_KEYS}
         return CONFIG_MAPPING[self.family].from_dict(fields)
 
@@ -104,8 +104,6 @@ TAGS = ["dtp", "delayed-tensor-parallelism", "dtpshard", "custom_code"]
 def front_matter(extra: dict[str, Any] | None = None) -> str:
     """The model card's YAML header: the Hub reads the base model, library, pipeline, tags and the
     license from it (`extra`: base_model, license, ... where known)."""
-    import yaml
-
     meta = {**(extra or {}), "library_name": "transformers", "pipeline_tag": "text-generation", "tags": TAGS}
     return "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n"
 

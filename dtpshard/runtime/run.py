@@ -18,14 +18,23 @@ from typing import Any
 from dtpshard.core.devices import DTYPES, pick_device
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import dumps
-from dtpshard.core.launch import (RankExit, RankFailure, check_threads, launch_local, process_group, root_cause,
-                                  set_threads, world_from_env)
+from dtpshard.core.launch import (
+    RankExit,
+    RankFailure,
+    check_threads,
+    launch_local,
+    process_group,
+    root_cause,
+    set_threads,
+    world_from_env,
+)
 from dtpshard.core.settings import DTPSettings, resolve_dtp
 from dtpshard.core.shape import check_context
 from dtpshard.core.vocab import Count, Delay, Device, DType, NonNegativeInt, NonNegativeNumber, Seconds, Stage3
 from dtpshard.model.checkpoint import load_tokenizer
 from dtpshard.model.decode import generate_ids
 from dtpshard.model.hf import log, student_record
+from dtpshard.runtime.graphs import GraphDecoder
 from dtpshard.runtime.ranks import RankModel, check_world
 
 
@@ -100,8 +109,6 @@ def serve_rank(job: RunJob) -> int:
         net = RankModel(ckpt, rank, world, lay, s.delay, s.stage3, DTYPES[job.dtype], job.timeout, job.latency, dev)
         decoder = net
         if job.cuda_graphs:
-            from dtpshard.runtime.graphs import GraphDecoder  # CUDA only: not imported on a CPU run
-
             decoder = GraphDecoder(net, ids.shape[0], ids.shape[1] + job.max_new_tokens)
         out = generate_ids(decoder, ids.to(dev), job.max_new_tokens, eos_id=tok.eos_token_id)
         if rank == 0:
@@ -127,7 +134,8 @@ def run_cmd(model: Path, *, prompt: str, delay: Delay | None = None, layout: Pat
     Args:
         model: Hugging Face checkpoint directory (the world size L must divide its KV groups and neurons)
         prompt: the text to continue
-        delay: δ in modules (fractional allowed); 0 is tensor parallelism with a blocking all-reduce; default a student's recorded δ, else the layout's, else 1
+        delay: δ in modules (fractional allowed); 0 is tensor parallelism with a blocking all-reduce; default a
+            student's recorded δ, else the layout's, else 1
         layout: a layout JSON made for L devices, applied while each rank reads its slices
         max_new_tokens: how many tokens to generate
         timeout: seconds to wait for the ranks to join and for any one transfer before giving up

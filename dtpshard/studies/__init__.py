@@ -1,4 +1,4 @@
-"""Stage 5, studies: experiments from a config file, statistics, the report and its figures, and
+"""Stage 6, studies: experiments from a config file, statistics, the report and its figures, and
 the SmolLM2 demo. Imports every earlier stage."""
 from dtpshard.core.lazy import lazy_exports
 

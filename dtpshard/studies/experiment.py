@@ -61,12 +61,31 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dtpshard.affinity.file import Affinity
 from dtpshard.core.errors import UserError
+from dtpshard.core.guard import check_outputs, local_paths
 from dtpshard.core.io import atomic_write_text, dumps, read_json, read_json_object
-from dtpshard.studies.config import (FORMAT, OPTIMISING, OVERRIDE_FLAGS, Experiment, check_config,  # noqa: F401
-                                     load_config, read_record, record, resolve_model)
-from dtpshard.studies.provenance import (LAYOUT_DIR, PROVENANCE, RUNS, SCORES, TIMINGS, ZEROSHOT, timed as _timed,
-                                        write_provenance)
+from dtpshard.core.layout import Layout
+from dtpshard.core.shape import check_delay, check_devices
+from dtpshard.layouts.make import make_layout
+from dtpshard.layouts.score import colocated_score
+from dtpshard.studies.config import (  # noqa: F401
+    FORMAT,
+    OPTIMISING,
+    OVERRIDE_FLAGS,
+    Experiment,
+    check_config,
+    load_config,
+    read_record,
+    record,
+    resolve_model,
+)
+from dtpshard.studies.provenance import LAYOUT_DIR, PROVENANCE, RUNS, SCORES, TIMINGS, ZEROSHOT, write_provenance
+from dtpshard.studies.provenance import timed as _timed
+from dtpshard.studies.report import write_report
+from dtpshard.studies.smollm2 import MODEL_KEY
+from dtpshard.training.distill import DistillConfig, distill
+from dtpshard.training.settings import Recipe, compared_fields
 
 AFFINITY, TEACHER_CACHE = "affinity.safetensors", "teacher-cache"
 
@@ -87,8 +106,6 @@ def _compared(data: dict[str, Any]) -> dict[str, Any]:
     Experiment (so a record from before a key existed reads as that key's default): all of them
     but the recipe's operational ones (progress bar, checkpoint cadence, ...), which do not change
     what is computed."""
-    from dtpshard.training.settings import Recipe, compared_fields
-
     out = dataclasses.asdict(read_record(data))
     out["training"] = {k: v for k, v in out["training"].items() if k in compared_fields(Recipe)}
     return out
@@ -150,8 +167,8 @@ def _affinity(cfg: Experiment, model: Path, out: Path) -> dict[str, Path]:
 
         cal = cfg.calibration
         _say(f"affinity ({proxy}): {cal.blocks} blocks x {cal.seq_len} tokens")
-        data = CalibrationData(cal.text, cal.dataset, cfg.text_field, None if cfg.tokenizer is None else Path(cfg.tokenizer),
-                               cal.blocks, cal.seq_len, cal.seed)
+        tokenizer = None if cfg.tokenizer is None else Path(cfg.tokenizer)
+        data = CalibrationData(cal.text, cal.dataset, cfg.text_field, tokenizer, cal.blocks, cal.seq_len, cal.seed)
         with _timed(out, f"affinity {proxy}"):
             calibrate(model, path, data, delay=cfg.delay, proxy=proxy,
                       run=PassSettings(micro_batch=cal.micro_batch, device=cfg.device), progress=cfg.training.progress)
@@ -166,15 +183,11 @@ class _Affinities(dict):
         self.paths = paths
 
     def __missing__(self, proxy: str) -> Any:
-        from dtpshard.affinity.file import Affinity
-
         self[proxy] = affinity = Affinity.load(self.paths[proxy])
         return affinity
 
 
 def _layouts(cfg: Experiment, affinities: _Affinities, out: Path) -> dict[str, Path]:
-    from dtpshard.layouts.make import make_layout
-
     paths = {}
     (out / LAYOUT_DIR).mkdir(exist_ok=True)
     for spec in (s for arm in cfg.arms for s in arm.layouts):
@@ -209,9 +222,6 @@ def _proxy_scores(cfg: Experiment, affinities: _Affinities, layouts: dict[str, P
     todo = [(n, p) for n in layouts for p in cfg.proxies if p not in done.get(n, {})]
     if not todo:
         return
-    from dtpshard.core.layout import Layout
-    from dtpshard.layouts.score import colocated_score
-
     with _timed(out, "proxy scores"):
         loaded = {name: Layout.load(layouts[name]) for name in dict.fromkeys(n for n, _ in todo)}
         for name, proxy in todo:
@@ -242,11 +252,10 @@ def _zero_shot(cfg: Experiment, model: Path, layouts: dict[str, Path], out: Path
         return
     import torch
 
-    from dtpshard.model.checkpoint import load_tokenizer, open_checkpoint
-    from dtpshard.training.evaluate import eval_blocks_for, evaluate
     from dtpshard.core.devices import pick_device
-    from dtpshard.core.layout import Layout
+    from dtpshard.model.checkpoint import load_tokenizer, open_checkpoint
     from dtpshard.model.dtp import DTPModel
+    from dtpshard.training.evaluate import eval_blocks_for, evaluate
 
     dev = pick_device(cfg.device)
     ckpt = open_checkpoint(model)
@@ -287,7 +296,6 @@ def _teacher_cache(cfg: Experiment, model: Path, out: Path, runs: list[tuple[str
 
 def _arms(cfg: Experiment, model: Path, layouts: dict[str, Path], out: Path,
           tensorboard: Path | None = None) -> None:
-    from dtpshard.training.distill import DistillConfig, distill
     from dtpshard.training.rundir import is_done
 
     ev = cfg.evaluation
@@ -315,10 +323,7 @@ def run_experiment(cfg: Experiment, out: Path, force: bool = False, tensorboard:
                    study: Path | None = None) -> Path:
     """Every stage of a checked config (`check_config`) into `out`; returns the report path.
     study: the study file it came from (an input like the model and the text files)."""
-    from dtpshard.core.guard import check_outputs, local_paths
-    from dtpshard.core.shape import check_delay, check_devices
     from dtpshard.model.checkpoint import read_shape
-    from dtpshard.studies.smollm2 import MODEL_KEY
     from dtpshard.training.rundir import locked, refuse_foreign, refuse_unrelated
 
     out = Path(out)
@@ -346,8 +351,6 @@ def run_experiment(cfg: Experiment, out: Path, force: bool = False, tensorboard:
         _proxy_scores(cfg, affinities, layouts, out)
         _zero_shot(cfg, model, layouts, out)
         _arms(cfg, model, layouts, out, tensorboard)
-        from dtpshard.studies.report import write_report
-
         report = write_report(out)
     _say(f"report: {report}")
     return report

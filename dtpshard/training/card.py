@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import json
 import threading
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from dtpshard.core.errors import UserError
+from dtpshard.core.io import file_sha256
+from dtpshard.core.layout import Layout
+from dtpshard.model.checkpoint import TensorFiles
+from dtpshard.model.student import front_matter, usage_section
 from dtpshard.training import rundir
 
 # an experiment's run is DIR/runs/NAME-sSEED beside DIR/config.json of this format and
@@ -57,10 +65,6 @@ class TeacherHashes:
         return dict(files) if same and isinstance(files, dict) and files else None
 
     def _hash(self) -> None:
-        from dtpshard.core.errors import UserError
-        from dtpshard.core.io import file_sha256
-        from dtpshard.model.checkpoint import TensorFiles
-
         try:
             self.hashes = {f.name: file_sha256(f) for f in TensorFiles(self.teacher).files}
         except (OSError, UserError) as e:  # the card says so; the student is written anyway
@@ -75,8 +79,6 @@ class TeacherHashes:
 def teacher_license(teacher: Path) -> dict[str, Any]:
     """license (and license_name / license_link) from the YAML front matter of the teacher's
     README.md, the Hub's model card; {} when it has none."""
-    import yaml
-
     try:
         text = (Path(teacher) / "README.md").read_text(encoding="utf-8")
     except (OSError, ValueError):
@@ -92,9 +94,6 @@ def teacher_license(teacher: Path) -> dict[str, Any]:
 
 
 def _layout_row(config: dict[str, Any]) -> str:
-    from dtpshard.core.errors import UserError
-    from dtpshard.core.layout import Layout
-
     path, kind = config.get("layout"), config.get("layout_kind")
     if path is None:
         return "contiguous (no layout file)"
@@ -111,8 +110,6 @@ def _layout_row(config: dict[str, Any]) -> str:
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("dtpshard")
     except PackageNotFoundError:  # a checkout that was never installed
@@ -152,8 +149,6 @@ def student_card(run: Path, block: dict[str, Any], hashes: TeacherHashes | None)
     the student is, the run (teacher and its sha256, L, δ, stage3, the layout's kind and J, steps,
     tokens, data, the final held-out KL and perplexity against step 0's), how to run it and, for
     an experiment's run, the report it belongs to."""
-    from dtpshard.model.student import front_matter, usage_section
-
     run = Path(run)
     config = json.loads((run / rundir.CONFIG).read_text(encoding="utf-8"))
     teacher = Path(config["teacher"])

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtpshard.core.devices import pick_device
 from dtpshard.core.errors import UserError
 from dtpshard.core.launch import RankFailure, _InFlight, cause, end_group, joined
 
@@ -48,8 +49,6 @@ class Dist:
 
 
 def setup(cfg: Any) -> Dist:
-    from dtpshard.core.devices import pick_device
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = pick_device(cfg.device)
     if world == 1:

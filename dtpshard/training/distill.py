@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from contextlib import nullcontext
 from pathlib import Path
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.guard import check_outputs, local_paths
+from dtpshard.core.io import dumps, read_json_object
 from dtpshard.core.lazy import lazy_exports
 from dtpshard.training.settings import DistillConfig, Recipe, check_config
 
-# the run's torch side, imported when first used: `dtpshard distill --help` reads only the settings
-# (FROZEN, Student, Teacher, lr_factor, resolve and train_blocks_for are still importable from here)
+# recipe.py's names stay importable from here, loaded when first asked for: recipe.py is torch,
+# which `dtpshard distill --help` does not load (dtpshard/__init__.py)
 __getattr__, _ = lazy_exports("dtpshard.training", dict.fromkeys(
     ("FROZEN", "Student", "Teacher", "lr_factor", "resolve", "train_blocks_for"), "recipe"))
 __all__ = ["DistillConfig", "Recipe", "check_config", "distill", "distill_cmd", "train_rank"]
@@ -37,9 +40,6 @@ def distill(cfg: DistillConfig) -> Path:
     """Run (or resume, or finish) the distillation into cfg.out; returns the run directory. One
     process owns RUN while it runs: this one (which, with --nproc K, starts the K ranks), or under
     torchrun rank 0."""
-    from contextlib import nullcontext
-
-    from dtpshard.core.guard import check_outputs, local_paths
     from dtpshard.training.ddp import run_distributed
     from dtpshard.training.loop import train
     from dtpshard.training.rundir import locked, refuse_foreign, refuse_unrelated
@@ -94,7 +94,6 @@ def distill_cmd(teacher: Path, cfg: DistillConfig, *, json: bool = False) -> int
         return _print_plan(cfg, as_json)
     run = distill(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
-        from dtpshard.core.io import dumps, read_json_object
         from dtpshard.training.rundir import DONE
 
         if as_json:
@@ -109,7 +108,6 @@ def _print_plan(cfg: DistillConfig, as_json: bool) -> int:
     """--plan: the memory plan per process, read from config.json alone; exit 2 (one line) if the
     run cannot fit."""
     from dtpshard.core.devices import pick_device
-    from dtpshard.core.io import dumps
     from dtpshard.training.loop import plan_for
     from dtpshard.training.memory import refuse_unless_fits
     from dtpshard.training.recipe import resolve

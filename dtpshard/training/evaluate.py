@@ -12,9 +12,13 @@ from typing import Any
 
 import torch
 
+from dtpshard.core.devices import pick_device
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import dumps
 from dtpshard.core.vocab import Count, Delay, Device, Stage3
+from dtpshard.data.blocks import load_texts, make_blocks
+from dtpshard.model.checkpoint import check_token_ids, load_tokenizer, read_shape
+from dtpshard.model.dtp import DTPModel
 from dtpshard.training import losses
 from dtpshard.training.precision import Precision, autocast_for
 
@@ -73,8 +77,6 @@ def source_blocks(tok: Any, text: list[str] | None, dataset: str | None, role: s
                   text_field: str = "text", **kw: Any) -> tuple[torch.Tensor, str]:
     """n blocks of seq_len + 1 tokens of --text or --dataset, by default the offline corpus (no hub
     attempt: with `datasets` installed and no network that is half a minute of retries)."""
-    from dtpshard.data.blocks import load_texts, make_blocks
-
     texts = load_texts(text, dataset, role=role, text_field=text_field)
     return make_blocks(tok, texts, seq_len + 1, n, **kw), texts.source
 
@@ -83,8 +85,6 @@ def eval_blocks_for(model: Path, text: list[str] | None = None, dataset: str | N
                     seq_len: int = 1024, tokenizer: Any = None, text_field: str = "text") -> tuple[torch.Tensor, str]:
     """The first `blocks` held-out blocks [blocks, seq_len + 1] (role "eval": disjoint from every
     calibration and training block); default the offline corpus."""
-    from dtpshard.model.checkpoint import check_token_ids, load_tokenizer, read_shape
-
     tok = tokenizer if tokenizer is not None else load_tokenizer(model)
     ev, source = source_blocks(tok, text, dataset, "eval", seq_len, blocks, text_field, shuffle=False)
     check_token_ids(ev, read_shape(model).vocab, model if tokenizer is None else "the given tokenizer")
@@ -95,19 +95,21 @@ def eval_blocks_for(model: Path, text: list[str] | None = None, dataset: str | N
 def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None = None, layout: Path | None = None,
              teacher: Path | None = None, text: list[str] | None = None, dataset: str | None = None,
              text_field: str = "text", tokenizer: Path | None = None, blocks: Count = 16, seq_len: Count = 1024,
-             micro_batch: Count = 4, stage3: Stage3 | None = None, device: Device = "auto", precision: Precision = "auto",
-             compile: bool = False, json: bool = False) -> int:
+             micro_batch: Count = 4, stage3: Stage3 | None = None, device: Device = "auto",
+             precision: Precision = "auto", compile: bool = False, json: bool = False) -> int:
     """Perplexity of MODEL run as L devices with delay δ and, with --teacher, KL(teacher ‖ model) in
     nats per token, on held-out evaluation blocks (never the calibration or training blocks).
 
     Args:
         model: a Hugging Face checkpoint directory or a distilled student (RUN/final)
-        devices: L, the number of (simulated) devices; default a student's recorded one (config.json's dtp block), else 4
+        devices: L, the number of (simulated) devices; default a student's recorded one (config.json's dtp block), else
+            4
         delay: δ in modules (fractional allowed, 0 is tensor parallelism); default a student's recorded one, else 1
         layout: a layout JSON applied to MODEL's weights before sharding
         teacher: the dense teacher checkpoint; without it kl is null
         text: local .txt/.jsonl/.json/.parquet files to evaluate on (their held-out share)
-        dataset: a save_to_disk directory, a parquet file or directory, or a hub name (wikitext-2, ...); default the offline corpus
+        dataset: a save_to_disk directory, a parquet file or directory, or a hub name (wikitext-2, ...); default the
+            offline corpus
         text_field: the column or JSON field that holds the text
         tokenizer: tokenizer directory, where MODEL has no tokenizer files
         blocks: number of evaluation blocks of seq_len + 1 tokens
@@ -119,9 +121,6 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
         compile: torch.compile the models' forward passes (pays a compile; worth it for many blocks)
         json: print one JSON object {kl, ppl, tokens, ...} instead of text
     """
-    from dtpshard.core.devices import pick_device
-    from dtpshard.model.dtp import DTPModel
-
     if blocks < 1 or seq_len < 1 or micro_batch < 1:
         raise UserError(f"--blocks {blocks}, --seq-len {seq_len}, --micro-batch {micro_batch}: each must be >= 1")
     if layout is not None and (Path(model) / "distill.json").is_file():
@@ -136,8 +135,6 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
         if dense.shape != student.shape:
             raise UserError(f"teacher {teacher} has another shape than {model}: "
                             f"{'; '.join(dense.shape.differences(student.shape))}")
-    from dtpshard.model.checkpoint import load_tokenizer
-
     ev, source = eval_blocks_for(Path(model), text=text, dataset=dataset, blocks=blocks, seq_len=seq_len,
                                  tokenizer=load_tokenizer(tokenizer or model), text_field=text_field)
     if compile:
@@ -151,7 +148,8 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
     if json:
         print(dumps(result))
     else:
-        kl = "n/a (no --teacher)" if result["kl"] is None else f"{result['kl']:.5f} nats/token".replace("-0.00000", "0.00000")
+        kl = ("n/a (no --teacher)" if result["kl"] is None else
+              f"{result['kl']:.5f} nats/token".replace("-0.00000", "0.00000"))
         top1 = "" if result["top1"] is None else f", top-1 agreement {result['top1']:.4f}"
         print(f"{model}: L = {result['devices']}, delay {result['delay']}: ppl {result['ppl']:.4f}, KL {kl}{top1}, "
               f"{result['tokens']} tokens ({source})")

@@ -33,13 +33,15 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.io import atomic_path, atomic_write_text
 from dtpshard.training.rundir import SHARDED_CHECKPOINT as DIR
 
 LATEST = "LATEST"
@@ -138,8 +140,6 @@ def save(run: Path, step: int, net: nn.Module, opt: torch.optim.Optimizer, extra
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from dtpshard.core.io import atomic_path
-
     root = run / DIR
     final = root / _step_name(step)
     tmp = root / f".{final.name}.tmp"
@@ -158,8 +158,6 @@ def save(run: Path, step: int, net: nn.Module, opt: torch.optim.Optimizer, extra
 
 def publish(run: Path, tmp: Path, final: Path) -> None:
     """Rank 0: the complete temporary step directory becomes the checkpoint."""
-    from dtpshard.core.io import atomic_write_text
-
     before = latest(run)
     if final.exists():
         shutil.rmtree(final)

@@ -18,27 +18,40 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import dumps
+from dtpshard.core.io import atomic_dir, atomic_write_text, dumps
 from dtpshard.core.layout import as_layout
 from dtpshard.core.memory import return_freed_memory
-from dtpshard.core.shape import family_config
-from dtpshard.model.checkpoint import load_tokenizer, open_checkpoint
+from dtpshard.core.shape import family_config, shape_from_hf_config
+from dtpshard.model.checkpoint import load_hf_config, load_tokenizer, open_checkpoint
+from dtpshard.model.shards import parse_size
 from dtpshard.training import memory, rundir
-from dtpshard.training.card import TeacherHashes
+from dtpshard.training.card import TeacherHashes, student_card
 from dtpshard.training.ddp import Dist
 from dtpshard.training.evaluate import eval_blocks_for, summarise
-from dtpshard.training.fsdp import full_norm
+from dtpshard.training.fsdp import clean, full_norm
 from dtpshard.training.precision import resolve_precision
-from dtpshard.training.recipe import (DistillConfig, compared_keys, lr_factor, resolve, rng_state, run_config,
-                                      save_dtype, set_rng_state, train_blocks_for)
+from dtpshard.training.recipe import (
+    DistillConfig,
+    compared_keys,
+    lr_factor,
+    resolve,
+    rng_state,
+    run_config,
+    save_dtype,
+    set_rng_state,
+    train_blocks_for,
+)
 from dtpshard.training.strategy import Replicated, strategy_for
+from dtpshard.training.teacher_cache import TeacherCache
 
 
 def _optimizer(cfg: DistillConfig, student: torch.nn.Module):
@@ -106,10 +119,6 @@ def _evaluate(student, teacher, ev: torch.Tensor, cfg: DistillConfig, d: Dist, s
 def plan_for(cfg: DistillConfig, world: int, device: str, local: int | None = None) -> memory.MemoryPlan:
     """The memory plan of this run per process, from config.json alone (cfg resolved); `local`
     processes share this machine's RAM (default: torchrun's LOCAL_WORLD_SIZE)."""
-    from dtpshard.core.shape import shape_from_hf_config
-    from dtpshard.model.checkpoint import load_hf_config
-    from dtpshard.model.shards import parse_size
-
     hf_config = load_hf_config(cfg.teacher)
     precision = resolve_precision(cfg.precision, device)
     setup = memory.Setup(world, cfg.fsdp and world > 1, precision, cfg.grad_checkpointing, cfg.micro_batch,
@@ -139,8 +148,6 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
                                        tok, cfg.text_field)
         cache = None
         if cfg.teacher_cache is not None:
-            from dtpshard.training.teacher_cache import TeacherCache
-
             cache = TeacherCache(cfg.teacher_cache)
             cache.check(cfg.teacher, train_data, cfg.tokenizer)  # before anything is written
         config = run_config(cfg, ckpt.shape, layout, d.world, d.device, train_data, train_src, ev, eval_src, cache)
@@ -153,8 +160,6 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
                 rundir.start_over(run)
                 rundir.write_config(run, config)
             rundir.clean_temporaries(run)
-            from dtpshard.training.fsdp import clean
-
             clean(run)
         d.barrier()
         if rundir.is_done(run):
@@ -255,10 +260,6 @@ def _stop_if_diverged(step: int, what: str, value: float, saved: int) -> None:
 
 
 def _progress(cfg: DistillConfig, d: Dist, start: int):
-    import threading
-
-    from tqdm import tqdm
-
     if d.world > 1:  # tqdm's default lock is a multiprocessing semaphore, leaked when a rank is terminated
         tqdm.set_lock(threading.RLock())
     return tqdm(total=cfg.steps, initial=start, desc="distill", unit="step", dynamic_ncols=True,
@@ -269,9 +270,6 @@ def _save_student(run: Path, student: torch.nn.Module, strategy: Replicated, cfg
                   config: dict[str, Any], dtype: torch.dtype, hashes: TeacherHashes | None = None) -> None:
     """final/, atomically, written by rank 0 (the student in the model_type "dtp" format, its model
     card from the run's records); under --fsdp every rank gathers each tensor in turn."""
-    from dtpshard.core.io import atomic_dir
-    from dtpshard.training.card import student_card
-
     weights = strategy.weights(student, dtype)
     source = Path(cfg.tokenizer or cfg.teacher)
     if not strategy.d.main:
@@ -288,8 +286,6 @@ def _save_student(run: Path, student: torch.nn.Module, strategy: Replicated, cfg
 
 def _record_memory(run: Path, plan: memory.MemoryPlan, peaks: memory.PhasePeaks, d: Dist) -> None:
     """RUN/memory.json: the plan per process and every rank's measured peak per phase."""
-    from dtpshard.core.io import atomic_write_text
-
     phases = ("setup", "training", "saving")
     mine = torch.tensor([float(peaks.peaks.get(p, -1)) for p in phases], dtype=torch.float64)
     every = torch.zeros(d.world, len(phases), dtype=torch.float64)

@@ -21,12 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.shape import ModelShape
+from dtpshard.model.dtp import DTPModel
 from dtpshard.training.losses import chunk_tokens
 from dtpshard.training.precision import param_dtype
+from dtpshard.training.recipe import FROZEN
 
 GiB = 1 << 30
 CUDA_RUNTIME = 1 << 30  # the CUDA context and the allocator's slack, not in any tensor
@@ -101,11 +105,6 @@ def saved_bytes(hf_config: Any, devices: int, delay: float, stage3: str, micro_b
 
 def _trace(hf_config: Any, devices: int, delay: float, stage3: str, micro_batch: int, seq_len: int,
            dtype: torch.dtype, grad_checkpointing: bool) -> int:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from dtpshard.model.dtp import DTPModel
-    from dtpshard.training.recipe import FROZEN
-
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -177,7 +176,8 @@ def advice(shape: ModelShape, hf_config: Any, s: Setup, **kw: Any) -> list[str]:
         remedies.append(("--precision bf16-mixed", {"precision": "bf16-mixed"}))
     if not s.sharded and s.world > 1:
         remedies.append(("--fsdp", {"sharded": True}))
-    remedies += [(f"--micro-batch {mb}", {"micro_batch": mb}) for mb in (s.micro_batch // 2, 1) if 0 < mb < s.micro_batch]
+    remedies += [(f"--micro-batch {mb}", {"micro_batch": mb}) for mb in (s.micro_batch // 2, 1)
+                 if 0 < mb < s.micro_batch]
     remedies += [(f"{k} processes with --fsdp", {"world": k, "sharded": True})
                  for k in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if k > s.world]
     alone: list[str] = []
@@ -204,8 +204,6 @@ def available_bytes(device: str, local_ranks: int, given: int | None = None) -> 
         return given
     if torch.device(device).type == "cuda":
         return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
-    import psutil
-
     return int(psutil.virtual_memory().available / max(1, local_ranks)) + process_bytes("cpu")
 
 
@@ -214,8 +212,6 @@ def process_bytes(device: str) -> int:
     runtime's share on a GPU."""
     if torch.device(device).type == "cuda":
         return CUDA_RUNTIME
-    import psutil
-
     return int(psutil.Process().memory_info().rss)
 
 
@@ -254,7 +250,7 @@ class PhasePeaks:
         return int(torch.cuda.max_memory_allocated(self.device)) + CUDA_RUNTIME if self.cuda else _hwm()
 
     class _Phase:
-        def __init__(self, owner: "PhasePeaks", name: str):
+        def __init__(self, owner: PhasePeaks, name: str):
             self.owner, self.name = owner, name
 
         def __enter__(self) -> None:
@@ -265,7 +261,7 @@ class PhasePeaks:
             if peak is not None:
                 self.owner.peaks[self.name] = max(peak, self.owner.peaks.get(self.name, 0))
 
-    def phase(self, name: str) -> "PhasePeaks._Phase":
+    def phase(self, name: str) -> PhasePeaks._Phase:
         return PhasePeaks._Phase(self, name)
 
 

@@ -8,6 +8,7 @@ bf16-mixed on CUDA and fp32 on the CPU, where bf16 matmuls are not faster.
 from __future__ import annotations
 
 import contextlib
+
 import torch
 
 from dtpshard.training.settings import Precision  # noqa: F401 - the flag's type, defined with the settings

@@ -26,9 +26,24 @@ import numpy as np
 import torch
 
 from dtpshard.core.io import dumps
+from dtpshard.core.layout import Layout
+from dtpshard.core.settings import resolve_dtp
+from dtpshard.model.checkpoint import check_token_ids, read_shape
+from dtpshard.model.hf import DTYPE_NAMES, resolve_dtype
+from dtpshard.training.evaluate import source_blocks
+from dtpshard.training.losses import eval_sums, kl_ce_sums, topk_kl_ce_sums
+
 # the recipe and a run's settings, defined without torch (the CLI, a study file and the report read them)
-from dtpshard.training.settings import (FORMAT, OPERATIONAL, Derived, DistillConfig, Recipe,  # noqa: F401
-                                        check_config, compared_fields, compared_keys)
+from dtpshard.training.settings import (  # noqa: F401
+    FORMAT,
+    OPERATIONAL,
+    Derived,
+    DistillConfig,
+    Recipe,
+    check_config,
+    compared_fields,
+    compared_keys,
+)
 
 FROZEN = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -61,8 +76,6 @@ class Student(torch.nn.Module):
         """-> (loss, kl, ce) sums; `top`: a teacher cache's (top_ids, top_logp, tail_logp) of these
         blocks instead of the teacher's h_t: the top-k KL + tail (losses.topk_kl_ce_sums).
         evaluate: no gradient, [kl, ce, top-1 agreement] sums instead (losses.eval_sums)."""
-        from dtpshard.training.losses import eval_sums, kl_ce_sums, topk_kl_ce_sums
-
         w = self.model.lm_head_weight
         if evaluate:
             return eval_sums(self.model.hidden(ids), w, h_t, None if h_t is None else w, targets)
@@ -85,8 +98,6 @@ class Teacher(torch.nn.Module):
 def save_dtype(cfg: DistillConfig, ckpt: Any) -> torch.dtype:
     """The dtype the student is saved in: --save-dtype, or (auto) the teacher's, as transformers'
     dtype="auto" reads it (a bf16 teacher gives a bf16 student)."""
-    from dtpshard.model.hf import DTYPE_NAMES, resolve_dtype
-
     if cfg.save_dtype != "auto":
         return DTYPE_NAMES[cfg.save_dtype]
     return resolve_dtype("auto", ckpt.hf_config, ckpt.files.stored_dtype())
@@ -95,10 +106,6 @@ def save_dtype(cfg: DistillConfig, ckpt: Any) -> torch.dtype:
 def train_blocks_for(cfg: DistillConfig, world: int, tokenizer: Any) -> tuple[torch.Tensor, str]:
     """All training blocks of the run, in training order: [steps × global batch, seq_len + 1]."""
     n = cfg.steps * cfg.micro_batch * cfg.grad_accum * world
-    from dtpshard.training.evaluate import source_blocks
-
-    from dtpshard.model.checkpoint import check_token_ids, read_shape
-
     blocks, source = source_blocks(tokenizer, cfg.text, cfg.dataset, "train", cfg.seq_len, n, cfg.text_field,
                                    seed=cfg.seed, shuffle=True, repeat=True)
     check_token_ids(blocks, read_shape(cfg.teacher).vocab, cfg.tokenizer or cfg.teacher)
@@ -108,10 +115,6 @@ def train_blocks_for(cfg: DistillConfig, world: int, tokenizer: Any) -> tuple[to
 def resolve(cfg: DistillConfig) -> DistillConfig:
     """Defaults that depend on inputs (L, δ and stage3 by core.settings.resolve_dtp: the flags,
     else the layout's, else the defaults), absolute paths."""
-    from dtpshard.core.layout import Layout
-    from dtpshard.core.settings import resolve_dtp
-    from dtpshard.model.checkpoint import read_shape
-
     shape = read_shape(cfg.teacher)  # config.json alone
     layout = Layout.load(cfg.layout) if cfg.layout is not None else None
     if layout is not None:

@@ -21,13 +21,16 @@ import fcntl
 import json
 import os
 import shutil
+import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from dtpshard.core.errors import UserError, naming
 from dtpshard.core.io import atomic_path, atomic_write_text, check_writable_dir, dumps, loads, read_json, writing
+from dtpshard.training.settings import FORMAT
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -119,8 +122,6 @@ def refuse_foreign(out: Path, expect: str = "", what: str = "a distillation run"
     `expect`: the command's format prefix (default distill's). A damaged config.json may be ours and
     is left to --force."""
     if not expect:
-        from dtpshard.training.recipe import FORMAT
-
         expect = FORMAT.split("/")[0] + "/"
     try:
         old = read_json(out / CONFIG, "run config")
@@ -257,7 +258,8 @@ class Metrics:
         if self.writer is not None:
             kind = row.get("kind", "train")
             for key, value in row.items():
-                if key not in ("kind", "step", "tokens", "wall") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if number and key not in ("kind", "step", "tokens", "wall"):
                     self.writer.add_scalar(f"{kind}/{key.removeprefix(kind + '_')}", value, row["step"])
             self.writer.flush()
 
@@ -316,8 +318,6 @@ def _after_older_event_files(directory: Path) -> None:
     """Wait (at most a second) until a new event file sorts after the existing ones. TensorBoard
     reads a directory's event files in name order, and the name starts with the second the file
     was made: a resumed run's purge marker must come after the interrupted run's events."""
-    import time
-
     stamps = [p.name.split(".")[3] for p in directory.glob("events.out.tfevents.*")]
     newest = max((int(t) for t in stamps if t.isdigit()), default=0)
     while time.time() < newest + 1:

@@ -14,8 +14,20 @@ from typing import Any, Literal
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.typed import Invalid, check
-from dtpshard.core.vocab import (Beta, CompileMode, Count, Delay, Device, Fraction, NonNegativeInt, NonNegativeNumber,
-                                 PositiveNumber, Seconds, Seed, Stage3)
+from dtpshard.core.vocab import (
+    Beta,
+    CompileMode,
+    Count,
+    Delay,
+    Device,
+    Fraction,
+    NonNegativeInt,
+    NonNegativeNumber,
+    PositiveNumber,
+    Seconds,
+    Seed,
+    Stage3,
+)
 
 Precision = Literal["auto", "fp32", "bf16-mixed"]  # resolved per device by training/precision.py
 SaveDType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -49,10 +61,13 @@ class Recipe:
         ce_weight: weight of the next-token cross-entropy added to the KL
         eval_every: evaluate every this many steps (and at step 0 and at the end)
         text: local .txt/.jsonl/.json/.parquet training files (their held-out share is never trained on)
-        dataset: training dataset: a save_to_disk directory, a parquet file or directory, or a hub name (fineweb-edu, ...); default the offline corpus
+        dataset: training dataset: a save_to_disk directory, a parquet file or directory, or a hub name (fineweb-edu,
+            ...); default the offline corpus
         grad_checkpointing: recompute each module's activations in backward (less memory)
-        compile: torch.compile the student: on (a bare --compile), off (--no-compile), or auto (on CUDA, and on CPU for runs of 200+ steps; never with --fsdp)
-        precision: fp32, or bf16-mixed (bf16 forward and backward, fp32 master weights and gradient reduction); auto: bf16-mixed on CUDA, fp32 on the CPU
+        compile: torch.compile the student: on (a bare --compile), off (--no-compile), or auto (on CUDA, and on CPU
+            for runs of 200+ steps; never with --fsdp)
+        precision: fp32, or bf16-mixed (bf16 forward and backward, fp32 master weights and gradient reduction); auto:
+            bf16-mixed on CUDA, fp32 on the CPU
         checkpoint_every: write a checkpoint every this many steps
         checkpoint_minutes: and whenever this many minutes passed since the last one
         nproc: data-parallel processes to spawn on this machine (gloo on CPU, NCCL on GPUs); 1: this one
@@ -111,11 +126,14 @@ class DistillConfig(Recipe):
         device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         tensorboard: also write the metrics as TensorBoard events to this directory (metrics.jsonl stays the record)
         force: start the run directory over (its checkpoint, metrics and student are deleted)
-        max_shard_size: the student's safetensors files are at most this large (5GB, 500MB, 2GiB, or bytes), as transformers' save_pretrained
+        max_shard_size: the student's safetensors files are at most this large (5GB, 500MB, 2GiB, or bytes), as
+            transformers' save_pretrained
         save_dtype: the student's saved weights: auto (the teacher's dtype), float32, bfloat16 or float16
-        plan: print the memory plan per process (from config.json alone) and exit; refused in one line if the run cannot fit
+        plan: print the memory plan per process (from config.json alone) and exit; refused in one line if the run cannot
+            fit
         plan_world: --plan for this many processes (default: --nproc, or torchrun's WORLD_SIZE)
-        plan_memory: plan (and refuse the run) against this much memory per process, e.g. 80GB (default: this machine's GPU memory, or its share of the RAM)
+        plan_memory: plan (and refuse the run) against this much memory per process, e.g. 80GB (default: this
+            machine's GPU memory, or its share of the RAM)
     """
 
     teacher: Path
@@ -187,7 +205,8 @@ def check_config(cfg: Recipe) -> None:
         raise UserError("--compile on with --fsdp: not supported (torch.compile over FSDP2 modules is untested); "
                         "drop one")
     if cfg.fsdp and getattr(cfg, "teacher_cache", None) is not None:
-        raise UserError("--teacher-cache with --fsdp: not supported yet (the cached path is untested sharded); drop one")
+        raise UserError("--teacher-cache with --fsdp: not supported yet (the cached path is untested sharded); "
+                        "drop one")
 
 
 def compared_keys() -> list[str]:

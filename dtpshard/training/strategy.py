@@ -18,11 +18,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout
 from dtpshard.core.permutation import layout_indices
 from dtpshard.model.checkpoint import Checkpoint
+from dtpshard.model.compiled import compile_module, want_compile
 from dtpshard.model.dtp import DTPModel
 from dtpshard.model.shards import Weights
 from dtpshard.training import fsdp, rundir
@@ -90,12 +92,8 @@ class Replicated:
         return Teacher(teacher.to(self.d.device)), Student(student.to(self.d.device))
 
     def wrap(self, net: Student, cfg: Any, steps_left: int) -> nn.Module:
-        from dtpshard.model.compiled import compile_module, want_compile
-
         out: nn.Module = net
         if self.d.world > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
             out = self.ddp = DDP(net, device_ids=[self.d.local_rank] if self.d.device.startswith("cuda") else None)
         return compile_module(out) if want_compile(cfg.compile, self.d.device, steps_left) else out
 

@@ -27,10 +27,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
 
+from dtpshard.core.devices import pick_device
 from dtpshard.core.errors import UserError
+from dtpshard.core.guard import check_outputs, check_replaceable, local_paths
 from dtpshard.core.io import atomic_path, atomic_write_text, dumps, read_json_object
 from dtpshard.core.vocab import Count, Device, Seed
+from dtpshard.model.checkpoint import load_tokenizer
+from dtpshard.model.dtp import DTPModel
+from dtpshard.training.losses import chunk_tokens, teacher_topk
+from dtpshard.training.precision import autocast_for
+from dtpshard.training.recipe import DistillConfig, train_blocks_for
+from dtpshard.training.rundir import LOCK, locked
 
 FORMAT = "dtpshard.teacher-cache/1"
 MANIFEST, PLAN = "manifest.json", "plan.json"
@@ -78,8 +89,6 @@ def unique_blocks(blocks: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def teacher_targets(teacher: Any, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The cached quantities for ids [B, T] (the blocks without their last token)."""
-    from dtpshard.training.losses import chunk_tokens, teacher_topk
-
     h = teacher.hidden(ids)
     flat, w = h.reshape(-1, h.shape[-1]), teacher.lm_head_weight
     c = chunk_tokens(w.shape[0])  # never all [B, T, V] logits at once
@@ -105,8 +114,6 @@ def build_cache(teacher_dir: Path, blocks: torch.Tensor, out: Path, k: int = 64,
         old = _read(out, MANIFEST)
         if {key: old.get(key) for key in plan} == plan:
             return out
-    from dtpshard.training.rundir import LOCK, locked
-
     with locked(out):  # one builder at a time: a second is refused ("in use by process PID")
         if any(p.name != LOCK for p in out.iterdir()):
             old = _read(out, PLAN) if (out / PLAN).is_file() else None
@@ -132,12 +139,8 @@ def is_cache(path: Path) -> bool:
 
 def _build(teacher_dir: Path, blocks: torch.Tensor, out: Path, plan: dict[str, Any], k: int, dtype: str,
            micro_batch: int, device: str, precision: str, progress: bool) -> Path:
-    from tqdm import tqdm
-
-    from dtpshard.model.dtp import DTPModel
-    from dtpshard.training.precision import autocast_for
-
-    teacher = DTPModel.from_pretrained(teacher_dir, devices=1, delay=0, dtype=torch.float32, device=device).eval()  # as distill
+    # dense fp32, as distill's teacher
+    teacher = DTPModel.from_pretrained(teacher_dir, devices=1, delay=0, dtype=torch.float32, device=device).eval()
     k = min(k, teacher.shape.vocab)
     shards = []
     bar = tqdm(total=int(blocks.shape[0]), desc="teacher cache", unit="block", disable=not progress)
@@ -156,8 +159,6 @@ def _build(teacher_dir: Path, blocks: torch.Tensor, out: Path, plan: dict[str, A
 
 def _write_shard(path: Path, teacher: Any, part: torch.Tensor, k: int, dtype: torch.dtype, micro_batch: int,
                  device: str, autocast_for: Any) -> None:
-    from safetensors.torch import save_file
-
     ids, logp, tail = [], [], []
     for a in range(0, part.shape[0], micro_batch):
         with autocast_for():
@@ -175,8 +176,6 @@ class TeacherCache:
     """A finished cache, opened for reading: look blocks up by content."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
-
         self.path = Path(path)
         if not (self.path / MANIFEST).is_file():
             why = "unfinished (rerun the teacher-cache command)" if (self.path / PLAN).is_file() else "no cache there"
@@ -245,9 +244,6 @@ def teacher_cache_cmd(teacher: Path, *, out: Path, k: Count = 64, dtype: Literal
         progress: show a progress bar
         force: rebuild a cache directory that holds something else
     """
-    from dtpshard.core.devices import pick_device
-    from dtpshard.core.guard import check_outputs, check_replaceable, local_paths
-
     check_outputs({"--out": out}, {"the teacher directory": teacher, "the tokenizer directory": tokenizer,
                                    "the training text": text, "the dataset": local_paths([dataset])})
     if Path(out).is_dir() and any(Path(out).iterdir()) and force:  # --force rebuilds only a teacher cache
@@ -264,9 +260,6 @@ def cache_blocks(teacher: Path, seeds: list[int], steps: int, seq_len: int, micr
                  nproc: int, text: list[str] | None, dataset: str | None, text_field: str = "text",
                  tokenizer: Path | None = None) -> torch.Tensor:
     """Every training block of the distill runs with these settings, one run per seed."""
-    from dtpshard.model.checkpoint import load_tokenizer
-    from dtpshard.training.recipe import DistillConfig, train_blocks_for
-
     tok = load_tokenizer(tokenizer or teacher)
     parts = []
     for seed in seeds:
