@@ -1,17 +1,23 @@
-"""The published SmolLM2 study (docs/results/smollm2-l3-d1/) is what `dtpshard report` writes from
-its own metrics: the numbers the README quotes come from these files, not from an edited report."""
+"""The published studies (docs/results/*/) are what `dtpshard report` writes from their own
+metrics: the numbers the README quotes come from these files, not from an edited report."""
 import shutil
 from pathlib import Path
 
+import pytest
+
 from dtpshard.cli import main
 
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "smollm2-l3-d1"
+ROOT = Path(__file__).resolve().parents[1]
+STUDIES = ["smollm2-l3-d1", "smollm2-l3-d1-long", "smollm2-l3-d2"]
 
 
-def test_published_report_is_regenerated_from_its_metrics(tmp_path):
+@pytest.mark.parametrize("name", STUDIES)
+def test_published_report_is_regenerated_from_its_metrics(name, tmp_path, monkeypatch):
+    results = ROOT / "docs" / "results" / name
     copy = tmp_path / "study"
-    shutil.copytree(RESULTS, copy, ignore=shutil.ignore_patterns("figures", "README.md"))
+    shutil.copytree(results, copy, ignore=shutil.ignore_patterns("figures", "README.md"))
+    monkeypatch.chdir(ROOT)  # the δ = 2 study's [report] compare names the δ = 1 study from here
     assert main(["report", str(copy)]) == 0
-    assert (copy / "report.md").read_text() == (RESULTS / "report.md").read_text()
-    figures = [sorted(p.name for p in (d / "figures").iterdir()) for d in (copy, RESULTS)]
+    assert (copy / "report.md").read_text() == (results / "report.md").read_text()
+    figures = [sorted(p.name for p in (d / "figures").iterdir()) for d in (copy, results)]
     assert figures[0] == figures[1]

@@ -1,6 +1,6 @@
 """The DTP forward's kernels, each with the hand-written backward that the benchmarks showed pays:
-RMSNorm, the per-device matmul over views of a dense weight, rotary embedding, and the residual
-update of docs/design.md §1 over the devices axis.
+RMSNorm, the per-device matmul over views of a dense weight, and the residual update of
+docs/design.md §1 over the devices axis; rotary embedding is here too, with autograd's backward.
 
 Every tensor with a devices axis is [L, B, T, ·]. A rank of the multi-process runtime runs the
 same code with L = 1 on its own slice of each weight.
