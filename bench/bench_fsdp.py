@@ -13,6 +13,7 @@ phase: VmHWM, reset between phases) except the first:
   the whole student and writes it as one file (same phases measured the same way, with the same
   allocator setting as distill: core/memory.py return_freed_memory);
 - FSDP fp32: `--nproc K --fsdp --precision fp32`;
+- FSDP fp32 with `--grad-checkpointing` (the activation memory it saves, measured and planned);
 - one process: `--nproc 1` (everything in one process);
 - FSDP bf16-mixed: `--nproc K --fsdp --precision bf16-mixed` (step time; a bf16 CPU matmul is slow).
 Usage: python bench/bench_fsdp.py [--steps 3] [--layers 16] [--nproc 2]
@@ -148,6 +149,8 @@ def main() -> None:
         before = [json.loads((root / "before" / f"before-rank{r}.json").read_text()) for r in range(a.nproc)]
         arms = {"FSDP fp32": _distill(ckpt, text, root / "fsdp", a, "--nproc", str(a.nproc), "--fsdp",
                                       "--precision", "fp32"),
+                "FSDP fp32, --grad-checkpointing": _distill(ckpt, text, root / "ckpt", a, "--nproc", str(a.nproc),
+                                                           "--fsdp", "--precision", "fp32", "--grad-checkpointing"),
                 "one process": _distill(ckpt, text, root / "one", a),
                 "FSDP bf16-mixed": _distill(ckpt, text, root / "bf16", a, "--nproc", str(a.nproc), "--fsdp",
                                             "--precision", "bf16-mixed")}
@@ -173,7 +176,13 @@ def report(before: list[dict], arms: dict[str, dict]) -> None:
         measured = max(peak(rec, p) for p in ("setup", "training", "saving"))
         print(f"{name:<38} planned {planned / MB:8.0f} MB  measured {measured / MB:8.0f} MB  "
               f"measured / planned {measured / planned:5.2f}")
-    f32, b16 = arms["FSDP fp32"]["step_s"], arms["FSDP bf16-mixed"]["step_s"]
+    plain, ckpt = arms["FSDP fp32"], arms["FSDP fp32, --grad-checkpointing"]
+    saved = peak(plain, "training") - peak(ckpt, "training")
+    planned = plain["plan"]["parts"]["activations"] - plain["plan"]["activations_with_checkpointing"]
+    print(f"\nactivation memory --grad-checkpointing saves under --fsdp (training peak, largest rank): measured "
+          f"{saved / MB:.0f} MB, planned {planned / MB:.0f} MB; "
+          f"seconds per step {ckpt['step_s'] / plain['step_s']:.2f}x")
+    f32, b16 = plain["step_s"], arms["FSDP bf16-mixed"]["step_s"]
     print(f"\nseconds per step, FSDP: fp32 {f32:.2f}, bf16-mixed {b16:.2f} ({b16 / f32:.2f}x)")
 
 

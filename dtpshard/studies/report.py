@@ -270,13 +270,18 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
     body += optional_sections(study, figures)
     first = study.proxies[0]
     same = [f"{i.name} = {i.same_as}" for i in study.layouts.values() if i.same_as]
+    n_layouts = len(distinct(study))
     body += ["## Co-located score J against KL", "", f"J under the {first} affinity (the one the optimised layouts "
-             "maximise); bootstrap intervals as below."
+             "maximise)" + ("; bootstrap intervals as below." if n_layouts >= 3 else ".")
              + (" Identical layouts (the same units share a device in every layer) count once in every "
-                f"correlation: {', '.join(same)}." if same else ""), ""] + correlation_lines(study) + [""]
+                f"correlation: {', '.join(same)}." if same else ""), ""]
+    # a correlation over fewer than 3 layouts has no value: say so once instead of a table of dashes
+    body += correlation_lines(study) + [""] if n_layouts >= 3 else \
+        [f"A correlation needs at least 3 distinct layouts; this experiment has {n_layouts} (their J and KL are "
+         "in the table of every layout below).", ""]
     if "j_vs_kl" in figures:
         body += [f"![KL against J]({figures['j_vs_kl']})", ""]
-    body += proxy_table(study)
+    body += proxy_table(study) if n_layouts >= 3 else []
     if "proxies" in figures:
         body += [f"![trained KL against J under each proxy]({figures['proxies']})", ""]
     body += ["## Every layout", "", layout_table(study), ""]
