@@ -48,8 +48,8 @@ def child(args: argparse.Namespace) -> None:
     from dtpshard.affinity.offload import HiddenStates
     from dtpshard.affinity.scorer import compute_affinity
     from dtpshard.model.checkpoint import open_checkpoint
+    from dtpshard.model.decoder import rotary_for
     from dtpshard.model.dense import DenseModel, StreamedDense
-    from dtpshard.model.dtp import rotary_for
 
     ids = torch.load(args.ckpt / "ids.pt")
     rotary_for(open_checkpoint(args.ckpt).hf_config)  # the lazy imports (transformers' model code) before `base`

@@ -14,7 +14,7 @@ LM head frozen in all of them, as in distillation):
   cache is built before timing, in a temporary directory, and read from disk every step as in a run)
 - with --compile, the cached arm again with the student compiled (`distill --compile on`)
 Arms are interleaved per repeat so machine load hits them alike; the median is reported. On CUDA
-every arm runs under bf16 autocast with fp32 master weights (as distill does).
+every arm runs in bf16-mixed (as `distill --precision auto` does), on a CPU in fp32.
 Usage: python bench/bench_distill.py [--seq-len 256] [--repeats 3] [--device cpu]
 """
 from __future__ import annotations
@@ -31,10 +31,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtpshard.model.dtp import DTPModel
-from dtpshard.training.evaluate import autocast_for
+from dtpshard.training.ddp import Dist
 from dtpshard.training.loop import accumulate
 from dtpshard.training.losses import kl_ce_sums
+from dtpshard.training.precision import autocast_for, resolve_precision
 from dtpshard.training.recipe import FROZEN, DistillConfig, Student, Teacher
+from dtpshard.training.strategy import Replicated
 
 
 def qwen3_config(vocab: int, layers: int):
@@ -94,8 +96,10 @@ def main() -> None:
     student = DTPModel.from_state_dict(hf.config, {k: v.clone() for k, v in sd.items()}, devices=a.devices,
                                        delay=a.delay).to(dev)
     student.gradient_checkpointing = dense.gradient_checkpointing = a.grad_checkpointing
+    precision = resolve_precision("auto", dev)  # bf16-mixed on CUDA, fp32 on a CPU, as distill
     cfg = DistillConfig(teacher=Path("."), out=Path("."), seq_len=a.seq_len, micro_batch=a.micro_batch,
-                        grad_accum=a.grad_accum, autocast=True)
+                        grad_accum=a.grad_accum, precision=precision)
+    strategy = Replicated(Dist(device=dev), precision)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, a.vocab, (a.micro_batch, a.seq_len + 1), generator=g) for _ in range(a.grad_accum)]
     norm = a.micro_batch * a.grad_accum * a.seq_len
@@ -110,7 +114,7 @@ def main() -> None:
         opt_hf.zero_grad(set_to_none=True)
         for b in batches:
             b = b.to(dev)
-            with autocast_for(dev):
+            with autocast_for(dev, precision):
                 loss = hf(b[:, :-1], labels=b[:, :-1].clone()).loss  # shifts the labels itself
             (loss / a.grad_accum).backward()
         torch.nn.utils.clip_grad_norm_(p_hf, 1.0)
@@ -120,7 +124,7 @@ def main() -> None:
         opt_dense.zero_grad(set_to_none=True)
         for b in batches:
             b = b.to(dev)
-            with autocast_for(dev):
+            with autocast_for(dev, precision):
                 loss, _, _ = kl_ce_sums(dense.hidden(b[:, :-1]), dense.lm_head_weight, None, None, b[:, 1:], 1.0)
             (loss / norm).backward()
         torch.nn.utils.clip_grad_norm_(p_dense, 1.0)
@@ -128,7 +132,7 @@ def main() -> None:
 
     def distill_step():
         opt_st.zero_grad(set_to_none=True)
-        accumulate(net, None, teacher_net, batches, cfg, dev)
+        accumulate(net, strategy, teacher_net, batches, cfg, dev)
         torch.nn.utils.clip_grad_norm_(p_st, 1.0)
         opt_st.step()
 
@@ -144,7 +148,7 @@ def main() -> None:
 
     def cached_step(n=net):
         opt_c.zero_grad(set_to_none=True)
-        accumulate(n, None, None, batches, cfg, dev, cache)  # no teacher forward
+        accumulate(n, strategy, None, batches, cfg, dev, cache)  # no teacher forward
         torch.nn.utils.clip_grad_norm_(p_c, 1.0)
         opt_c.step()
 

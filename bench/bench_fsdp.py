@@ -16,7 +16,7 @@ phase: VmHWM, reset between phases) except the first:
 - FSDP fp32 with `--grad-checkpointing` (the activation memory it saves, measured and planned);
 - one process: `--nproc 1` (everything in one process);
 - FSDP bf16-mixed: `--nproc K --fsdp --precision bf16-mixed` (step time; a bf16 CPU matmul is slow).
-Usage: python bench/bench_fsdp.py [--steps 3] [--layers 16] [--nproc 2]
+Usage: python bench/bench_fsdp.py [--steps 3] [--layers 16] [--nproc 2] [--checkpointing-only --seq-len 512]
 """
 from __future__ import annotations
 
@@ -131,6 +131,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--checkpointing-only", action="store_true",
+                    help="only FSDP fp32 with and without --grad-checkpointing (give a longer --seq-len)")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="dtpshard-bench-fsdp-"))
     try:
@@ -142,18 +144,21 @@ def main() -> None:
               f"{a.vocab}: {n / 1e6:.1f} M parameters ({n * 2 / 1e9:.2f} GB stored, {n * 4 / 1e9:.2f} GB fp32); "
               f"student L=4 δ=1; {a.nproc} processes x 1 thread, 1 x {a.seq_len} tokens a step per process")
         print("load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+        fp32 = ["--nproc", str(a.nproc), "--fsdp", "--precision", "fp32"]
+        arms = {"FSDP fp32": _distill(ckpt, text, root / "fsdp", a, *fp32),
+                "FSDP fp32, --grad-checkpointing": _distill(ckpt, text, root / "ckpt", a, *fp32,
+                                                           "--grad-checkpointing")}
+        if a.checkpointing_only:
+            print("load after: ", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+            return checkpointing_line(arms)
         (root / "before").mkdir()
         failed = root_cause(launch_local(a.nproc, _before, (ckpt, text, root / "before", a)))
         if failed:
             raise SystemExit(f"before: {failed}")
         before = [json.loads((root / "before" / f"before-rank{r}.json").read_text()) for r in range(a.nproc)]
-        arms = {"FSDP fp32": _distill(ckpt, text, root / "fsdp", a, "--nproc", str(a.nproc), "--fsdp",
-                                      "--precision", "fp32"),
-                "FSDP fp32, --grad-checkpointing": _distill(ckpt, text, root / "ckpt", a, "--nproc", str(a.nproc),
-                                                           "--fsdp", "--precision", "fp32", "--grad-checkpointing"),
-                "one process": _distill(ckpt, text, root / "one", a),
-                "FSDP bf16-mixed": _distill(ckpt, text, root / "bf16", a, "--nproc", str(a.nproc), "--fsdp",
-                                            "--precision", "bf16-mixed")}
+        arms |= {"one process": _distill(ckpt, text, root / "one", a),
+                 "FSDP bf16-mixed": _distill(ckpt, text, root / "bf16", a, "--nproc", str(a.nproc), "--fsdp",
+                                             "--precision", "bf16-mixed")}
         print("load after: ", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
         report(before, arms)
     finally:
@@ -176,14 +181,18 @@ def report(before: list[dict], arms: dict[str, dict]) -> None:
         measured = max(peak(rec, p) for p in ("setup", "training", "saving"))
         print(f"{name:<38} planned {planned / MB:8.0f} MB  measured {measured / MB:8.0f} MB  "
               f"measured / planned {measured / planned:5.2f}")
+    checkpointing_line(arms)
+    f32, b16 = arms["FSDP fp32"]["step_s"], arms["FSDP bf16-mixed"]["step_s"]
+    print(f"\nseconds per step, FSDP: fp32 {f32:.2f}, bf16-mixed {b16:.2f} ({b16 / f32:.2f}x)")
+
+
+def checkpointing_line(arms: dict[str, dict]) -> None:
+    peak = lambda rec: max(v for v in rec["measured"]["training"] if v is not None)  # noqa: E731 - largest rank
     plain, ckpt = arms["FSDP fp32"], arms["FSDP fp32, --grad-checkpointing"]
-    saved = peak(plain, "training") - peak(ckpt, "training")
     planned = plain["plan"]["parts"]["activations"] - plain["plan"]["activations_with_checkpointing"]
     print(f"\nactivation memory --grad-checkpointing saves under --fsdp (training peak, largest rank): measured "
-          f"{saved / MB:.0f} MB, planned {planned / MB:.0f} MB; "
-          f"seconds per step {ckpt['step_s'] / plain['step_s']:.2f}x")
-    f32, b16 = plain["step_s"], arms["FSDP bf16-mixed"]["step_s"]
-    print(f"\nseconds per step, FSDP: fp32 {f32:.2f}, bf16-mixed {b16:.2f} ({b16 / f32:.2f}x)")
+          f"{(peak(plain) - peak(ckpt)) / MB:.0f} MB ({peak(plain) / MB:.0f} -> {peak(ckpt) / MB:.0f}), planned "
+          f"{planned / MB:.0f} MB; seconds per step {ckpt['step_s'] / plain['step_s']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -243,6 +243,8 @@ def cuda_graphs() -> bool:
 
 
 if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/cuda_check.py needs a CUDA device: torch.cuda.is_available() is False here")
     print(torch.__version__, torch.cuda.get_device_name(0), flush=True)
     ok = exactness()
     throughput()

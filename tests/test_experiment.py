@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from dtpshard.cli import main
+from dtpshard.studies.study import load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,6 +55,9 @@ def test_experiment_end_to_end(study, tmp_path, capsys):
     J = {k: v["score"]["J"] for k, v in layouts.items()}
     assert J["optimised"] > J["contiguous"] > J["anti"]  # ascent from contiguous; anti descends
     assert layouts["random-3"]["seed"] == 3
+    for lay in layouts.values():  # each edge's co-located fraction, which a side-by-side report reads
+        assert sum(e["colocated"] for e in lay["score"]["edges"]) == pytest.approx(lay["score"]["J"], rel=1e-9)
+    assert all({"up", "down"} <= set(i.edge_fractions) for i in load_study(out).layouts.values())
     zero = json.loads((out / "zeroshot.json").read_text())
     assert sorted(zero) == sorted(layouts)
     runs = sorted(p.name for p in (out / "runs").iterdir())

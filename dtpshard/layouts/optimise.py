@@ -256,5 +256,5 @@ def score_record(problem: Problem, devs: Any, kind: str, seconds: float, history
         "sweeps": max(len(history) - 1, 0), "history": history, "restarts": restarts,
         "best_restart": best_restart, "kv_search": kv_search,
         "optimised_layers": chosen if chosen is not None else (list(range(n)) if history else []),
-        "layers": score["layers"],
+        "layers": score["layers"], "edges": score["edges"],  # a report's co-located fraction per edge kind
     }
