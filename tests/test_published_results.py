@@ -21,3 +21,12 @@ def test_published_report_is_regenerated_from_its_metrics(name, tmp_path, monkey
     assert (copy / "report.md").read_text() == (results / "report.md").read_text()
     figures = [sorted(p.name for p in (d / "figures").iterdir()) for d in (copy, results)]
     assert figures[0] == figures[1]
+
+
+def test_a_relative_compare_from_elsewhere_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    copy = tmp_path / "study"
+    shutil.copytree(ROOT / "docs" / "results" / "smollm2-l3-d2", copy, ignore=shutil.ignore_patterns("README.md"))
+    monkeypatch.chdir(tmp_path)  # [report] compare names docs/results/smollm2-l3-d1, relative to the repository
+    assert main(["report", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert "no such experiment directory" in err and str(tmp_path) in err and "Traceback" not in err

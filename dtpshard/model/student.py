@@ -63,9 +63,13 @@ class DTPConfig(PretrainedConfig):
 
     model_type = STUDENT_TYPE
 
+    def _block(self) -> dict[str, Any]:
+        block = getattr(self, "dtp", None)
+        return block if isinstance(block, dict) else {}  # a hand-edited non-object block: refused by family
+
     @property
     def family(self) -> str:
-        family = (getattr(self, "dtp", None) or {}).get("family")
+        family = self._block().get("family")
         if family not in FAMILIES:
             raise UserError(f"model_type={STUDENT_TYPE!r} config: its dtp block's family must be one of "
                             f"{', '.join(FAMILIES)}, not {family!r}")
@@ -81,7 +85,7 @@ class DTPConfig(PretrainedConfig):
         against the family's defaults, not against this class's, which would drop e.g. a
         tie_word_embeddings equal to the generic default), and this config's own keys."""
         own = super().to_diff_dict()
-        if (getattr(self, "dtp", None) or {}).get("family") not in FAMILIES:  # not a student's (yet): repr must work
+        if self._block().get("family") not in FAMILIES:  # not a student's (yet): repr must work
             return own
         return {**self.base_config().to_diff_dict(), **{k: own[k] for k in _OWN_KEYS if k in own},
                 "model_type": STUDENT_TYPE}

@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtpshard.core.errors import UserError
 from dtpshard.studies.stats import Curve, mean_curve, mean_sd, pair_matching, step_matching
 from dtpshard.studies.study import EDGE_KINDS, Study, groups, load_study
 
@@ -146,5 +147,9 @@ def optional_sections(study: Study, figures: dict[str, str]) -> list[str]:
         if "head_start" in figures:
             out += [f"![gap and multiplier against step]({figures['head_start']})", ""]
     if opts.compare:
-        out += side_by_side_lines(study, load_study(Path(opts.compare)), opts.compare)
+        other = Path(opts.compare)
+        if not other.is_dir():  # the one place a relative [report] compare is resolved: say from where
+            raise UserError(f"[report] compare = {opts.compare!r}: no such experiment directory (a relative path is "
+                            f"read from the current directory, {Path.cwd()})")
+        out += side_by_side_lines(study, load_study(other), opts.compare)
     return out

@@ -8,7 +8,6 @@ run: the experiment recorded the same hashes in DIR/provenance.json when it star
 """
 from __future__ import annotations
 
-import json
 import threading
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 import yaml
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import file_sha256
+from dtpshard.core.io import file_sha256, read_json_object
 from dtpshard.core.layout import Layout
 from dtpshard.model.checkpoint import TensorFiles
 from dtpshard.model.student import front_matter, usage_section
@@ -35,8 +34,8 @@ def experiment_of(run: Path) -> Path | None:
     if Path(run).absolute().parent.name != _RUNS:
         return None
     try:
-        fmt = json.loads((top / rundir.CONFIG).read_text(encoding="utf-8")).get("format", "")
-    except (OSError, ValueError, AttributeError):
+        fmt = read_json_object(top / rundir.CONFIG, "experiment config").get("format", "")
+    except UserError:
         return None
     return top if str(fmt).startswith(_EXPERIMENT_FORMAT) else None
 
@@ -57,8 +56,8 @@ class TeacherHashes:
 
     def _recorded(self, exp: Path) -> dict[str, str] | None:
         try:
-            prov = json.loads((exp / _PROVENANCE).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            prov = read_json_object(exp / _PROVENANCE, "provenance")
+        except UserError:
             return None
         files = prov.get("model_files") if isinstance(prov, dict) else None
         same = isinstance(prov, dict) and Path(str(prov.get("model", ""))).absolute() == self.teacher.absolute()
@@ -150,7 +149,7 @@ def student_card(run: Path, block: dict[str, Any], hashes: TeacherHashes | None)
     tokens, data, the final held-out KL and perplexity against step 0's), how to run it and, for
     an experiment's run, the report it belongs to."""
     run = Path(run)
-    config = json.loads((run / rundir.CONFIG).read_text(encoding="utf-8"))
+    config = read_json_object(run / rundir.CONFIG, "run config")
     teacher = Path(config["teacher"])
     digests = None if hashes is None else hashes.result()
     if digests:

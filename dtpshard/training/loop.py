@@ -214,11 +214,12 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
             grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf))
             sums = d.sum(sums) / (G * T)
             done = step + 1
-            _stop_if_diverged(done, "loss", float(sums[0]), saved)
+            loss = float(sums[0])  # one host sync (on CUDA) for both uses
+            _stop_if_diverged(done, "loss", loss, saved)
             _stop_if_diverged(done, "gradient norm", grad_norm, saved)
             opt.step()
             sched.step()
-            row = {"kind": "train", "step": done, "tokens": done * G * T, "loss": float(sums[0]),
+            row = {"kind": "train", "step": done, "tokens": done * G * T, "loss": loss,
                    "kl": float(sums[1]), "ce": float(sums[2]), "lr": lr, "grad_norm": grad_norm, "wall": wall()}
             if d.main:
                 metrics.append(row)
