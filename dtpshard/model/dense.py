@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from dtpshard.core.shape import ModelShape
 from dtpshard.model.checkpoint import Checkpoint
 from dtpshard.model.decoder import rotary_for
 from dtpshard.model.delay import LocalExchange, schedule
-from dtpshard.model.hf import recorded_dtp, warn_if_student
+from dtpshard.model.hf import student_record, warn_if_student
 from dtpshard.model.modules import Layer
 from dtpshard.model.ops import inv_rms, rms_norm
 
@@ -108,7 +109,7 @@ class DenseModel:
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> DenseModel:
-        warn_if_student(ckpt.path, recorded_dtp(ckpt.hf_config), devices=1, delay=0)
+        warn_if_student(ckpt.path, student_record(Path(ckpt.path), ckpt.hf_config), devices=1, delay=0)
         return cls(ckpt.shape, ckpt.hf_config, ckpt.state_dict(), dtype, device)
 
     # -- pieces ----------------------------------------------------------------------------------

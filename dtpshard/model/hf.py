@@ -55,12 +55,6 @@ def resolve_dtype(dtype: Any, hf_config: Any, stored: torch.dtype | None) -> tor
     return stored if stored is not None and stored.is_floating_point else torch.float32
 
 
-def recorded_dtp(hf_config: Any) -> dict[str, Any] | None:
-    """The DTP settings a student recorded in its config.json, or None for a dense checkpoint."""
-    block = getattr(hf_config, DTP_KEY, None)
-    return dict(block) if isinstance(block, dict) else None
-
-
 def student_record(path: Path, hf_config: Any) -> dict[str, Any] | None:
     """What a distilled student at `path` recorded about itself (checked), None for a dense model:
     the `dtp` block of its config.json, or the dtp.json of students saved before that block."""
