@@ -62,7 +62,9 @@ class LocalExchange:
     def update(self, m: int, x: torch.Tensor, p: torch.Tensor, step: Step) -> torch.Tensor:
         """x_l ← x_l + s_m·p_l^m + Σ_(k, w) w·Σ_{j≠l} p_j^k, for every device l at once."""
         self.recent[m] = p
-        x = residual_update(x, p, step.own_scale, [(self.recent[k], w) for k, w in step.arrivals])
+        # one device (the dense model, L = 1) has no others: Σ_{j≠l} is empty, not a sum that cancels
+        arrivals = [(self.recent[k], w) for k, w in step.arrivals] if x.shape[0] > 1 else []
+        x = residual_update(x, p, step.own_scale, arrivals)
         self.recent.pop(m - self.keep, None)
         return x
 

@@ -51,15 +51,12 @@ class DTPModel(PretrainedMixin, Decoder):
         return self.settings.to_json()
 
     # -- the forward pass ----------------------------------------------------------------
-    def streams(self, input_ids: torch.Tensor, cache: KVCache | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The devices' final residual streams x [L, B, T, D]."""
-        return self.run_streams(input_ids, self.devices, self.steps, LocalExchange(self.delay), cache, attention_mask)
-
     def hidden(self, input_ids: torch.Tensor, cache: KVCache | None = None,
                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """h = mean_l FinalNorm(x_l): [B, T, D], the LM head's input."""
-        return self.model.norm(self.streams(input_ids, cache, attention_mask)).mean(0)
+        """h = mean_l FinalNorm(x_l): [B, T, D], the LM head's input (Decoder.head_input)."""
+        exchange = LocalExchange(self.delay)
+        return self.head_input(self.run_streams(input_ids, self.devices, self.steps, exchange, cache, attention_mask),
+                               exchange)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, cache: KVCache | None = None, logits_to_keep: int = 0) -> Any:
