@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from dtpshard.affinity.scorer import ScoreOptions, compute_affinity
-from dtpshard.core.shape import shape_from_hf_config
 from dtpshard.model.dense import DenseModel
 
 

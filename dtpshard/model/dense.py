@@ -28,9 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dtpshard.core.shape import ModelShape
+from dtpshard.core.shape import ModelShape, shape_from_hf_config
 from dtpshard.model.checkpoint import Checkpoint
-from dtpshard.core.shape import shape_from_hf_config
 from dtpshard.model.decoder import Decoder, rotary_for
 from dtpshard.model.delay import LocalExchange, schedule
 from dtpshard.model.hf import student_record, warn_if_student
