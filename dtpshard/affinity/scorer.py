@@ -50,6 +50,7 @@ from tqdm import tqdm
 
 from dtpshard.affinity.file import edges_for_delay
 from dtpshard.affinity.offload import DiskArray, HiddenStates, MemoryArray
+from dtpshard.core.settings import DEFAULT
 from dtpshard.core.shape import ModelShape
 from dtpshard.core.vocab import PROXIES
 from dtpshard.model.dense import DenseModel, LayerWeights
@@ -298,9 +299,9 @@ def output_weight(layer: LayerWeights, module: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compute_affinity(model: DenseModel, blocks: torch.Tensor, delay: float = 1, opts: ScoreOptions = ScoreOptions(),
-                     micro_batch: int = 4, chunk: int | None = None, progress: bool = False,
-                     hidden: HiddenStates | None = None) -> dict[tuple[int, int], np.ndarray]:
+def compute_affinity(model: DenseModel, blocks: torch.Tensor, delay: float = DEFAULT.delay,
+                     opts: ScoreOptions = ScoreOptions(), micro_batch: int = 4, chunk: int | None = None,
+                     progress: bool = False, hidden: HiddenStates | None = None) -> dict[tuple[int, int], np.ndarray]:
     """All edges of `delay` over token blocks [B, T]: {(a, b): S_ab float64 [units(a), units(b)]}.
 
     Module by module over all blocks, each module run by the decoder's own loop (DenseModel.step:

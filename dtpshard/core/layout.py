@@ -20,6 +20,7 @@ import numpy as np
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_write_text, check_keys, dumps, loads
+from dtpshard.core.settings import DEFAULT
 from dtpshard.core.shape import UNIT_FIELDS, UnitShape, check_devices
 
 FORMAT = "dtpshard.layout/1"
@@ -53,14 +54,14 @@ class Layout:
 
     # -- construction --------------------------------------------------------------------
     @classmethod
-    def contiguous(cls, model: UnitShape, devices: int, delay: float = 1) -> Layout:
+    def contiguous(cls, model: UnitShape, devices: int, delay: float = DEFAULT.delay) -> Layout:
         check_devices(model, devices)
         n = model.layers
         return cls(devices, delay, "contiguous", model.unit_shape(),
                    [np.arange(model.kv_groups) for _ in range(n)], [np.arange(model.neurons) for _ in range(n)])
 
     @classmethod
-    def random(cls, model: UnitShape, devices: int, delay: float = 1, seed: int = 0) -> Layout:
+    def random(cls, model: UnitShape, devices: int, delay: float = DEFAULT.delay, seed: int = 0) -> Layout:
         check_devices(model, devices)
         rng = np.random.default_rng(seed)
         kv = [rng.permutation(model.kv_groups) for _ in range(model.layers)]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dtpshard.core.settings import DTPSettings
 from dtpshard.model.ops import residual_update
 
 
@@ -31,8 +32,9 @@ class Step:
     arrivals: tuple[tuple[int, float], ...]  # (source module k, weight): others' p^k added at module m
 
 
-def schedule(modules: int, devices: int, delay: float, stage3: str = "sqrt") -> list[Step]:
-    """Per module m: s_m and the arrivals (settings checked by core.settings.resolve_dtp)."""
+def schedule(modules: int, devices: int, delay: float, stage3: str) -> list[Step]:
+    """Per module m: s_m and the arrivals, for the settings of a core.settings.DTPSettings (checked
+    by core.settings.resolve_dtp); `schedule_for(M, settings)` takes the settings whole."""
     d = math.floor(delay)
     a = delay - d
     steps = []
@@ -44,6 +46,10 @@ def schedule(modules: int, devices: int, delay: float, stage3: str = "sqrt") -> 
             arrivals.append((m - d - 1, a))
         steps.append(Step(s, tuple((k, w) for k, w in arrivals if k >= 0 and w > 0)))
     return steps
+
+
+def schedule_for(modules: int, settings: DTPSettings) -> list[Step]:
+    return schedule(modules, settings.devices, settings.delay, settings.stage3)
 
 
 def horizon(delay: float) -> int:

@@ -28,11 +28,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dtpshard.core.settings import DENSE, warn_if_other_settings
 from dtpshard.core.shape import ModelShape, shape_from_hf_config
 from dtpshard.model.checkpoint import Checkpoint
 from dtpshard.model.decoder import Decoder, rotary_for
-from dtpshard.model.delay import LocalExchange, schedule
-from dtpshard.model.hf import student_record, warn_if_student
+from dtpshard.model.delay import LocalExchange, schedule_for
+from dtpshard.model.hf import student_record
 from dtpshard.model.modules import Layer
 from dtpshard.model.ops import inv_rms
 
@@ -97,7 +98,7 @@ class DenseModel(Decoder):
                  device: str | torch.device = "cpu"):
         super().__init__(hf_config, shape)
         self.dtype, self.device = dtype, torch.device(device)
-        self.steps = schedule(shape.modules, 1, 0)
+        self.steps = schedule_for(shape.modules, DENSE)
         self._ropes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
@@ -114,7 +115,7 @@ class DenseModel(Decoder):
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> DenseModel:
-        warn_if_student(ckpt.path, student_record(Path(ckpt.path), ckpt.hf_config), devices=1, delay=0)
+        warn_if_other_settings(ckpt.path, student_record(Path(ckpt.path), ckpt.hf_config), DENSE)
         return cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), dtype, device, ckpt.shape)
 
     # -- pieces ----------------------------------------------------------------------------------

@@ -124,8 +124,7 @@ def plan_for(cfg: DistillConfig, world: int, device: str, local: int | None = No
     setup = memory.Setup(world, cfg.fsdp and world > 1, precision, cfg.grad_checkpointing, cfg.micro_batch,
                          cfg.seq_len, torch.device(device).type)
     given = None if cfg.plan_memory is None else parse_size(cfg.plan_memory, "--plan-memory")
-    return memory.plan_memory(shape_from_hf_config(hf_config), hf_config, setup, devices=cfg.devices,
-                              delay=cfg.delay, stage3=cfg.stage3,
+    return memory.plan_memory(shape_from_hf_config(hf_config), hf_config, setup, settings=cfg.dtp,
                               available=memory.available_bytes(device, local or memory.local_ranks(), given),
                               runtime=memory.process_bytes(device))
 
