@@ -28,7 +28,7 @@ import torch
 from dtpshard.core.io import dumps
 from dtpshard.core.layout import Layout
 from dtpshard.core.settings import resolve_dtp
-from dtpshard.model.checkpoint import check_token_ids, read_shape
+from dtpshard.model.checkpoint import Checkpoint, check_token_ids, read_shape
 from dtpshard.model.hf import DTYPE_NAMES, resolve_dtype
 from dtpshard.training.evaluate import source_blocks
 from dtpshard.training.losses import eval_sums, kl_ce_sums, topk_kl_ce_sums
@@ -103,20 +103,25 @@ def save_dtype(cfg: DistillConfig, ckpt: Any) -> torch.dtype:
     return resolve_dtype("auto", ckpt.hf_config, ckpt.files.stored_dtype())
 
 
-def train_blocks_for(cfg: DistillConfig, world: int, tokenizer: Any) -> tuple[torch.Tensor, str]:
-    """All training blocks of the run, in training order: [steps × global batch, seq_len + 1]."""
+def train_blocks_for(cfg: DistillConfig, world: int, tokenizer: Any,
+                     ckpt: Checkpoint | None = None) -> tuple[torch.Tensor, str]:
+    """All training blocks of the run, in training order: [steps × global batch, seq_len + 1]
+    (`ckpt`: the teacher, when it is open already)."""
     n = cfg.steps * cfg.micro_batch * cfg.grad_accum * world
     blocks, source = source_blocks(tokenizer, cfg.text, cfg.dataset, "train", cfg.seq_len, n, cfg.text_field,
                                    seed=cfg.seed, shuffle=True, repeat=True)
-    check_token_ids(blocks, read_shape(cfg.teacher).vocab, cfg.tokenizer or cfg.teacher)
+    vocab = (read_shape(cfg.teacher) if ckpt is None else ckpt.shape).vocab
+    check_token_ids(blocks, vocab, cfg.tokenizer or cfg.teacher)
     return blocks, source
 
 
-def resolve(cfg: DistillConfig) -> DistillConfig:
+def resolve(cfg: DistillConfig, ckpt: Checkpoint | None = None, layout: Layout | None = None) -> DistillConfig:
     """Defaults that depend on inputs (L, δ and stage3 by core.settings.resolve_dtp: the flags,
-    else the layout's, else the defaults), absolute paths."""
-    shape = read_shape(cfg.teacher)  # config.json alone
-    layout = Layout.load(cfg.layout) if cfg.layout is not None else None
+    else the layout's, else the defaults), absolute paths. `ckpt` and `layout`: the teacher and
+    the layout when they are open already (else config.json alone, and the layout file, are read)."""
+    shape = read_shape(cfg.teacher) if ckpt is None else ckpt.shape
+    if layout is None and cfg.layout is not None:
+        layout = Layout.load(cfg.layout)
     if layout is not None:
         layout.check_model(shape, where=f"layout {cfg.layout}")
     dtp = resolve_dtp(shape, devices=cfg.devices, delay=cfg.delay, stage3=cfg.stage3, layout=layout,
