@@ -20,22 +20,19 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.shape import ModelShape, family_config
+from dtpshard.core.shape import FAMILY, ModelShape, family_config
 from dtpshard.model.attention import KVCache
 from dtpshard.model.delay import Step
 from dtpshard.model.modules import Layer, Trace, sequence
 from dtpshard.model.ops import Norm, Proj
-
-_ROTARY = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
 
 
 def rotary_for(hf_config: Any) -> nn.Module:
     """The family's own transformers rotary class (rope scaling and theta exactly as transformers);
     a student's config gives its base family's."""
     cfg = family_config(hf_config)
-    family = cfg.model_type
-    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    return getattr(mod, _ROTARY[family] + "RotaryEmbedding")(config=cfg)
+    family = FAMILY[cfg.model_type]
+    return getattr(importlib.import_module(family.modeling), family.prefix + "RotaryEmbedding")(config=cfg)
 
 
 def positions_from_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
