@@ -14,7 +14,7 @@ from dtpshard.affinity.file import Affinity, edges_for_delay
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, check_replaceable
 from dtpshard.core.io import check_output_file, dumps
-from dtpshard.core.layout import Layout, is_layout_file
+from dtpshard.core.layout import HASH_KEY, Layout, is_layout_file
 from dtpshard.core.settings import DEFAULT, DTPSettings, plain_delay
 from dtpshard.core.shape import UnitShape, check_delay, check_devices
 from dtpshard.core.vocab import FIXED_KINDS, LAYOUT_KINDS, OPTIMISING_KINDS, Count, Delay, KvSearch, LayoutKind, Seed
@@ -83,7 +83,7 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = DEFAULT.devices, del
         seed: seed of the random layout, or of the random restarts
         kv_search: KV-group block update: exact assignment, or the paper's exhaustive search over labelled partitions
         max_sweeps: stop after this many sweeps even if J still grows by more than 1e-9
-        json: print one JSON object {out, kind, devices, delay, seed, sha256, score: {J, ...}} instead of text
+        json: print one JSON object {out, kind, devices, delay, seed, layout_sha256, score: {J, ...}} instead of text
     """
     check_delay(None, delay)
     delay = plain_delay(delay)
@@ -114,7 +114,7 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = DEFAULT.devices, del
     layout.save(out)
     if json:
         print(dumps({"out": str(out), "kind": layout.kind, "devices": layout.devices, "delay": layout.delay,
-                     "seed": layout.seed, "sha256": layout.content_sha256(), "score": layout.score}))
+                     "seed": layout.seed, HASH_KEY: layout.content_sha256(), "score": layout.score}))
     else:
         print(f"{_describe(layout)} -> {out}")
     return 0

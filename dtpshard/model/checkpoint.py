@@ -19,12 +19,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from dtpshard.core.errors import UserError, naming
-from dtpshard.core.io import SMALL_JSON, dumps, file_sha256, read_json, read_json_object
+from dtpshard.core.io import SMALL_JSON, dumps, file_hashes, read_json, read_json_object
 from dtpshard.core.shape import FAMILIES, STUDENT_TYPE, ModelShape, family_config, shape_from_hf_config
 from dtpshard.model.shards import DEFAULT_MAX_SHARD_SIZE, INDEX, Weights, parse_size, write_weights
 
+# a tokenizer's files (what a teacher cache's tokenizer id hashes); a student gets them and the
+# generation defaults copied beside its weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+COPIED_FILES = (*TOKENIZER_FILES, "generation_config.json")
 
 _LAYER_KEYS = {
     "input_layernorm.weight", "post_attention_layernorm.weight",
@@ -253,7 +256,7 @@ class Checkpoint:
 
     def weight_hashes(self) -> dict[str, str]:
         """sha256 of every weight file, by name (the model card's and a study's provenance)."""
-        return {f.name: file_sha256(f) for f in self.weight_files}
+        return file_hashes(self.weight_files)
 
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         sd = {}
@@ -315,7 +318,7 @@ def save_checkpoint(out_dir: Path, hf_config: Any, weights: Weights, source: Pat
     hf_config.save_pretrained(str(out_dir))
     write_weights(out_dir, weights.specs, weights.produce, parse_size(max_shard_size))
     if source is not None:
-        for name in TOKENIZER_FILES:
+        for name in COPIED_FILES:
             if (source / name).is_file():
                 shutil.copy2(source / name, out_dir / name)
     for name, obj in (extra_json or {}).items():

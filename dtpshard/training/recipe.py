@@ -15,7 +15,6 @@ directory in rundir.py, the process group in ddp.py, sharding (--fsdp) in fsdp.p
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import random
@@ -25,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dtpshard.core.io import dumps
+from dtpshard.core.io import dumps, short_sha256
 from dtpshard.core.layout import Layout
 from dtpshard.core.settings import resolve_dtp
 from dtpshard.model.checkpoint import Checkpoint, check_token_ids, read_shape
@@ -57,8 +56,7 @@ def lr_factor(i: int, steps: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()[:16]
+_sha = short_sha256
 
 
 # -- setup ---------------------------------------------------------------------------------------
