@@ -112,6 +112,7 @@ class PretrainedMixin:
         model = cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), devices, delay, stage3, layout, dtype, record)
         warn_if_other_settings(path, record, model.settings)
         model.source_path = Path(path)
+        model.checkpoint = ckpt  # opened once: its tokenizer, files and record without reading config.json again
         return model.to(device)
 
     def dtp_block(self) -> dict[str, Any]:

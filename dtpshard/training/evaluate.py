@@ -139,8 +139,8 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
         if dense.shape != student.shape:
             raise UserError(f"teacher {teacher} has another shape than {model}: "
                             f"{'; '.join(dense.shape.differences(student.shape))}")
-    ev, source = eval_blocks_for(Path(model), text=text, dataset=dataset, blocks=blocks, seq_len=seq_len,
-                                 tokenizer=load_tokenizer(tokenizer or model), text_field=text_field)
+    ev, source = eval_blocks_for(student.checkpoint, text=text, dataset=dataset, blocks=blocks, seq_len=seq_len,
+                                 tokenizer=student.checkpoint.tokenizer(tokenizer), text_field=text_field)
     if compile:
         for net in (student, dense):
             if net is not None:  # evaluation reads h, the LM head's input, so compile that
