@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from dtpshard.core.errors import UserError, naming
 from dtpshard.core.io import SMALL_JSON, dumps, file_hashes, read_json, read_json_object
+from dtpshard.core.settings import read_record
 from dtpshard.core.shape import FAMILIES, STUDENT_TYPE, ModelShape, family_config, shape_from_hf_config
 from dtpshard.model.shards import DEFAULT_MAX_SHARD_SIZE, INDEX, Weights, parse_size, write_weights
 
@@ -28,6 +29,9 @@ from dtpshard.model.shards import DEFAULT_MAX_SHARD_SIZE, INDEX, Weights, parse_
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 COPIED_FILES = (*TOKENIZER_FILES, "generation_config.json")
+
+DTP_JSON = "dtp.json"  # students before the config block recorded their settings only here (still read)
+DTP_KEY = "dtp"  # the block in a student's config.json: family, devices, delay, stage3, layout_sha256
 
 _LAYER_KEYS = {
     "input_layernorm.weight", "post_attention_layernorm.weight",
@@ -70,6 +74,15 @@ def load_hf_config(path: str | Path) -> Any:
 def is_student(hf_config: Any) -> bool:
     """Whether a config is a DTP student's (model_type "dtp")."""
     return getattr(hf_config, "model_type", None) == STUDENT_TYPE
+
+
+def student_record(path: Path, hf_config: Any) -> dict[str, Any] | None:
+    """What a distilled student at `path` recorded about itself (checked), None for a dense model:
+    the `dtp` block of its config.json, or the dtp.json of students saved before that block."""
+    record = read_record(getattr(hf_config, DTP_KEY, None), str(path / "config.json"))
+    if record is None and (path / DTP_JSON).is_file():
+        record = read_record(read_json_object(path / DTP_JSON, "DTP settings"), str(path / DTP_JSON))
+    return record
 
 
 def read_shape(path: str | Path) -> ModelShape:
@@ -238,8 +251,6 @@ class Checkpoint:
     def record(self) -> dict[str, Any] | None:
         """What a distilled student recorded about itself (model/hf.py's student_record), None for a
         dense model."""
-        from dtpshard.model.hf import student_record
-
         return student_record(self.path, self.hf_config)
 
     @property

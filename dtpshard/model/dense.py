@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +32,6 @@ from dtpshard.core.shape import ModelShape, shape_from_hf_config
 from dtpshard.model.checkpoint import Checkpoint
 from dtpshard.model.decoder import Decoder, rotary_for
 from dtpshard.model.delay import LocalExchange, schedule_for
-from dtpshard.model.hf import student_record
 from dtpshard.model.modules import Layer
 from dtpshard.model.ops import inv_rms
 
@@ -115,7 +113,7 @@ class DenseModel(Decoder):
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> DenseModel:
-        warn_if_other_settings(ckpt.path, student_record(Path(ckpt.path), ckpt.hf_config), DENSE)
+        warn_if_other_settings(ckpt.path, ckpt.record, DENSE)
         return cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), dtype, device, ckpt.shape)
 
     # -- pieces ----------------------------------------------------------------------------------

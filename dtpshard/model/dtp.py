@@ -19,9 +19,10 @@ from dtpshard.core.permutation import apply_layout
 from dtpshard.core.settings import DTPSettings, resolve_dtp
 from dtpshard.core.shape import shape_from_hf_config
 from dtpshard.model.attention import KVCache
+from dtpshard.model.checkpoint import DTP_JSON
 from dtpshard.model.decoder import Decoder
 from dtpshard.model.delay import LocalExchange, schedule_for
-from dtpshard.model.hf import DTP_JSON, PretrainedMixin, causal_lm_loss, output, resolve_dtype  # noqa: F401
+from dtpshard.model.hf import PretrainedMixin, causal_lm_loss, output, resolve_dtype
 
 __all__ = ["DTPModel", "DTP_JSON", "KVCache"]
 
