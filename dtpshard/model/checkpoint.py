@@ -279,9 +279,10 @@ class Checkpoint:
         return sd
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
+def open_checkpoint(path: str | Path, hf_config: Any = None) -> Checkpoint:
+    """The checkpoint at `path` (`hf_config`: its config when read already, load_hf_config's)."""
     path = Path(path)
-    cfg = load_hf_config(path)
+    cfg = load_hf_config(path) if hf_config is None else hf_config
     shape = shape_from_hf_config(cfg)
     files = TensorFiles(path)
     check_keys(files.keys(), shape)

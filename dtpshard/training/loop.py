@@ -31,7 +31,7 @@ from dtpshard.core.io import atomic_dir, atomic_write_text, dumps
 from dtpshard.core.layout import as_layout
 from dtpshard.core.memory import return_freed_memory
 from dtpshard.core.shape import family_config, shape_from_hf_config
-from dtpshard.model.checkpoint import Checkpoint, load_hf_config, open_checkpoint
+from dtpshard.model.checkpoint import load_hf_config, open_checkpoint
 from dtpshard.model.shards import parse_size
 from dtpshard.training import memory, rundir
 from dtpshard.training.card import TeacherHashes, student_card
@@ -117,11 +117,11 @@ def _evaluate(student, teacher, ev: torch.Tensor, cfg: DistillConfig, d: Dist, s
 
 
 def plan_for(cfg: DistillConfig, world: int, device: str, local: int | None = None,
-             ckpt: Checkpoint | None = None) -> memory.MemoryPlan:
+             hf_config: Any = None) -> memory.MemoryPlan:
     """The memory plan of this run per process, from config.json alone (cfg resolved; `ckpt`: the
     teacher when it is open already); `local` processes share this machine's RAM (default:
     torchrun's LOCAL_WORLD_SIZE)."""
-    hf_config = load_hf_config(cfg.teacher) if ckpt is None else ckpt.hf_config
+    hf_config = load_hf_config(cfg.teacher) if hf_config is None else hf_config
     precision = resolve_precision(cfg.precision, device)
     setup = memory.Setup(world, cfg.fsdp and world > 1, precision, cfg.grad_checkpointing, cfg.micro_batch,
                          cfg.seq_len, torch.device(device).type)
@@ -133,16 +133,17 @@ def plan_for(cfg: DistillConfig, world: int, device: str, local: int | None = No
 
 def train(cfg: DistillConfig, d: Dist) -> Path:
     precision = resolve_precision(cfg.precision, d.device)
-    ckpt, layout = open_checkpoint(cfg.teacher), as_layout(cfg.layout)  # each read once, passed along
-    cfg = dataclasses.replace(resolve(cfg, ckpt, layout), precision=precision)  # config.json records what ran
-    run = Path(cfg.out)
-    plan = plan_for(cfg, d.world, d.device, ckpt=ckpt)
+    hf_config, layout = load_hf_config(cfg.teacher), as_layout(cfg.layout)  # each read once, passed along
+    cfg = dataclasses.replace(resolve(cfg, shape_from_hf_config(hf_config), layout), precision=precision)
+    run = Path(cfg.out)  # config.json records what ran
+    plan = plan_for(cfg, d.world, d.device, hf_config=hf_config)
     memory.refuse_unless_fits(plan)  # every rank alike, before anything is loaded
     if torch.device(d.device).type == "cpu":
         return_freed_memory()  # so that the resident set is what the tensors hold (core/memory.py)
     peaks = memory.PhasePeaks(d.device)
     strategy = strategy_for(cfg, d, precision)
     with peaks.phase("setup"):
+        ckpt = open_checkpoint(cfg.teacher, hf_config)  # the weights' headers, once the plan fits
         tok = ckpt.tokenizer(cfg.tokenizer)
         train_data, train_src = train_blocks_for(cfg, d.world, tok, ckpt)
         ev, eval_src = eval_blocks_for(ckpt, cfg.eval_text, cfg.eval_dataset, cfg.eval_blocks, cfg.seq_len,

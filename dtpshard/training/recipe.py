@@ -113,11 +113,11 @@ def train_blocks_for(cfg: DistillConfig, world: int, tokenizer: Any,
     return blocks, source
 
 
-def resolve(cfg: DistillConfig, ckpt: Checkpoint | None = None, layout: Layout | None = None) -> DistillConfig:
+def resolve(cfg: DistillConfig, shape: Any = None, layout: Layout | None = None) -> DistillConfig:
     """Defaults that depend on inputs (L, δ and stage3 by core.settings.resolve_dtp: the flags,
-    else the layout's, else the defaults), absolute paths. `ckpt` and `layout`: the teacher and
-    the layout when they are open already (else config.json alone, and the layout file, are read)."""
-    shape = read_shape(cfg.teacher) if ckpt is None else ckpt.shape
+    else the layout's, else the defaults), absolute paths. `shape` and `layout`: the teacher's
+    shape and the layout when they are read already (else config.json alone, and the layout file)."""
+    shape = read_shape(cfg.teacher) if shape is None else shape
     if layout is None and cfg.layout is not None:
         layout = Layout.load(cfg.layout)
     if layout is not None:
