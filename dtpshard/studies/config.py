@@ -20,7 +20,7 @@ from typing import Any
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import MAX_DEPTH, STUDY_BYTES, check_tree
-from dtpshard.core.typed import Invalid, from_table
+from dtpshard.core.typed import Invalid, from_table, partial_of
 from dtpshard.core.vocab import (
     OPTIMISING_KINDS,
     Count,
@@ -283,7 +283,7 @@ def read_record(data: Any, where: str = "config.json") -> Experiment:
 
 
 # -- the command line -------------------------------------------------------------------------
-OVERRIDE_FLAGS = (Settings, ("model",))  # every key but the model and the arms is also a flag
+Overrides = partial_of(Settings, skip=("model",))  # every key but the model and the arms is also a flag
 
 
 def _merge(raw: Any, overrides: dict[str, Any]) -> Any:

@@ -102,8 +102,13 @@ class Recipe:
     progress: bool = field(default=True, metadata=OPERATIONAL)
 
 
+@dataclass
+class _Teacher:
+    teacher: Path  # DistillConfig's first field: `dtpshard distill TEACHER`, its positional argument
+
+
 @dataclass(kw_only=True)
-class DistillConfig(Recipe):
+class DistillConfig(Recipe, _Teacher):
     """One distillation run: the recipe (Recipe) and what an experiment sets for each arm itself.
 
     Each field is a flag of `dtpshard distill`.
@@ -136,7 +141,6 @@ class DistillConfig(Recipe):
             machine's GPU memory, or its share of the RAM)
     """
 
-    teacher: Path
     out: Path = field(metadata=OPERATIONAL)
     layout: Path | None = field(default=None, metadata=OPERATIONAL)  # its content is compared: Derived.layout_sha256
     devices: Count | None = None  # None: the layout's, else 4
