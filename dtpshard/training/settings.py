@@ -119,7 +119,6 @@ class DistillConfig(Recipe, _Teacher):
         layout: layout JSON (dtpshard.layout/1) to permute the student by; none: contiguous
         devices: L; default the layout's, else 4
         delay: δ in modules; default the layout's, else 1
-        stage3: own-partial scale of the last δ modules: sqrt (√L, the paper's) or one
         eval_blocks: held-out evaluation blocks of seq_len + 1 tokens
         eval_micro_batch: blocks per evaluation forward pass (default: --micro-batch)
         eval_text: local evaluation files (their held-out share is used)
@@ -128,7 +127,6 @@ class DistillConfig(Recipe, _Teacher):
         tokenizer: tokenizer directory, where TEACHER has no tokenizer files
         seed: data-order seed
         teacher_cache: a `dtpshard teacher-cache` directory: train on its top-k KL + tail instead of running the teacher
-        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         tensorboard: also write the metrics as TensorBoard events to this directory (metrics.jsonl stays the record)
         force: start the run directory over (its checkpoint, metrics and student are deleted)
         max_shard_size: the student's safetensors files are at most this large (5GB, 500MB, 2GiB, or bytes), as

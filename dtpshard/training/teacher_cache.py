@@ -240,7 +240,6 @@ def teacher_cache_cmd(teacher: Path, *, out: Path, k: Count = 64, dtype: Literal
         dataset: the runs' training dataset (as distill --dataset)
         text_field: the runs' text column or JSON field
         tokenizer: the runs' tokenizer directory, where TEACHER has no tokenizer files
-        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         progress: show a progress bar
         force: rebuild a cache directory that holds something else
     """
