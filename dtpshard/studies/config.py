@@ -6,8 +6,8 @@ names the key (``training.lr``, ``arms[2].kind``), before anything is computed o
 
 `check_config` returns an `Experiment`: every default filled in from the dataclasses and every
 arm resolved into its named layouts. Its `record` is the experiment directory's config.json, and
-`read_record` reads one back (also one written by an older version, which lists fewer keys) into
-the same Experiment, so a resumed experiment compares typed settings, not JSON.
+`read_record` reads one back (one that lists fewer keys reads them as their defaults) into the
+same Experiment, so a resumed experiment compares typed settings, not JSON.
 """
 from __future__ import annotations
 
@@ -266,8 +266,8 @@ def record(cfg: Experiment) -> dict[str, Any]:
 
 def read_record(data: Any, where: str = "config.json") -> Experiment:
     """An experiment directory's config.json as the Experiment it records, defaults filled in:
-    a record from before a key existed (proxies, text_field, a layout's proxy, the training keys
-    not given) reads as those defaults."""
+    a record without a key (proxies, text_field, a layout's proxy, the training keys not given)
+    reads as its default."""
     if isinstance(data, dict):
         data = {k: v for k, v in data.items() if k != "format"}
     try:
@@ -314,7 +314,7 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> Experime
             raw = tomllib.loads(text)
     except RecursionError:
         raise UserError(f"config {path}: nested more than {MAX_DEPTH} levels deep") from None
-    except Exception as e:  # noqa: BLE001 - tomllib and yaml raise their own error types
+    except Exception as e:  # tomllib and yaml raise their own error types
         msg = str(e).strip().splitlines()
         raise UserError(f"config {path}: not valid {'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'TOML'}"
                         f" ({msg[0] if msg else type(e).__name__})") from None
@@ -338,7 +338,7 @@ def resolve_model(model: str) -> Path:
             from huggingface_hub import snapshot_download
 
             return Path(snapshot_download(model, local_files_only=True))
-        except Exception:  # noqa: BLE001 - not cached, or no huggingface_hub
+        except Exception:  # not cached, or no huggingface_hub
             pass
         raise UserError(f"model {model!r}: not a local directory, and not in the Hugging Face cache "
                         f"(download it first: hf download {model})")

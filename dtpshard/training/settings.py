@@ -197,7 +197,7 @@ def check_config(cfg: Recipe) -> None:
     hints = typing.get_type_hints(type(cfg), include_extras=True)
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name == "compile" and isinstance(value, bool):  # the Python API's older flag
+        if f.name == "compile" and isinstance(value, bool):  # from Python, True and False mean on and off
             continue
         try:
             check(hints[f.name], value)

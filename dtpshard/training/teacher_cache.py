@@ -212,7 +212,10 @@ class TeacherCache:
     def lookup(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(top_ids [b, T, k] int64, top_logp [b, T, k], tail_logp [b, T]) of blocks [b, T + 1]."""
         rows = [self.index[block_key(b)] for b in blocks]
-        get = lambda name: torch.cat([self._files[f].get_slice(name)[r:r + 1] for f, r in rows])  # noqa: E731
+
+        def get(name: str) -> torch.Tensor:
+            return torch.cat([self._files[f].get_slice(name)[r:r + 1] for f, r in rows])
+
         return get("top_ids").long(), get("top_logp"), get("tail_logp")
 
 
