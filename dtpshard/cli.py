@@ -6,6 +6,7 @@ flags given override it); --help in words; every refusal one line, `dtpshard CMD
 """
 from __future__ import annotations
 
+import inspect
 import sys
 from collections import namedtuple
 from pathlib import Path
@@ -43,15 +44,9 @@ CONFIG_HELP = ("YAML or JSON file of this command's options (keys as the flags' 
 
 
 Refused = UserError  # a command line that does not parse: the one line to print
-
-
 # a flag or positional argument: the key it sets (`seq_len`, `training.lr`) and its full type
 Option = namedtuple("Option", "key hint default positional")
-
-
 HINTS: dict[str, Any] = {}  # flag -> full type, of the command chosen (load_command)
-
-
 help_type = words  # what --help says a flag takes: `list[Path] | None` -> `list of path, or null`
 
 
@@ -120,7 +115,8 @@ def _columns(console: Any, options: Any, entries: Any) -> Any:
 
     def describe(entry: Any) -> Any:
         flag = next(iter(entry.positive_names), "")
-        text = entry.description or InlineText(Text(SHARED_HELP.get(flag, "")))
+        said = (entry.description.primary_renderable.plain if entry.description else "") or SHARED_HELP.get(flag, "")
+        text = InlineText(Text(" ".join(said.split())))  # a docstring line and its continuation, one paragraph
         if entry.type is not None:
             text.append(Text(f"(type: {help_type(HINTS.get(flag, HINTS.get(entry.positional_label, entry.type)))})"))
         return DescriptionRenderer(newline_metadata=True)(evolve(entry, description=InlineText(text)))
@@ -130,7 +126,7 @@ def _columns(console: Any, options: Any, entries: Any) -> Any:
 
 
 APP = App(name="dtpshard", help="Delayed tensor parallelism: affinity, layouts, distillation, serving.",
-          version=lambda: f"dtpshard {version()}", version_flags=["--version", "-V"], help_format="markdown",
+          version=lambda: f"dtpshard {version()}", version_flags=["--version", "-V"], help_format="plaintext",
           help_formatter=DefaultFormatter(column_specs=_columns),  # every flag's words: _convert, _constrained
           default_parameter=Parameter(converter=_convert, show_choices=False, negative_iterable=(),
                                       consume_multiple=True, allow_repeating=True),
@@ -171,7 +167,10 @@ def _switches(tokens: tuple[str, ...]) -> list[str]:
 def load_command(name: str) -> Any:
     """Import the chosen command: its docstring becomes its help, its flags' types are known."""
     command = APP[name]
-    command.help = None  # the docstring, not the summary the root --help lists
+    # the docstring, not the root --help's summary; each paragraph one line, wrapped to the terminal
+    head, args, tail = (inspect.getdoc(command.default_command) or "").partition("\nArgs:")
+    paragraphs = [" ".join(p.split()) for p in head.split("\n\n")]
+    command.help = "\n\n".join(paragraphs) + (f"\n\nArgs:{tail}" if args else "")
     HINTS.clear()
     HINTS.update({o.key.upper() if o.positional else "--" + o.key.replace("_", "-"): o.hint
                   for o in options(command.default_command)})

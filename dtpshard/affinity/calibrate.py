@@ -38,6 +38,8 @@ class CalibrationData:
         text: calibration text files or directories (.txt split at blank lines, .jsonl/.json records, .parquet)
         dataset: a save_to_disk directory, a parquet file or directory, or a hub name: fineweb-edu, wikitext-2,
             owner/name[:config]
+        text_field: the column or JSON field that holds the text
+        tokenizer: tokenizer directory, where MODEL has no tokenizer files
         blocks: number of calibration blocks
         seq_len: tokens per block
         seed: seed of the document order
@@ -188,12 +190,10 @@ def affinity_cmd(model: Path, *, out: Path, data: Annotated[CalibrationData, Par
     Args:
         model: Hugging Face checkpoint directory (llama, mistral, qwen2 or qwen3 family)
         out: affinity file to write (required; safetensors, format dtpshard.affinity/1)
-        data: the calibration tokens
         delay: DTP delay δ; every edge b-δ <= a <= b-1 is scored (δ >= 2 adds attention->attention, FFN->FFN, ...)
         proxy: the score: first-order (the paper's), group-unit (a KV group's heads summed before squaring),
             exact-jacobian (ρ moves with the contribution), ablation (the contribution actually removed, norm and
             unit recomputed)
-        run: how the pass runs
         progress: show a progress bar
         json: print one JSON object {out, edges, tokens, seconds, ...} on stdout
     """

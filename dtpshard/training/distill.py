@@ -86,7 +86,6 @@ def distill_cmd(cfg: Annotated[DistillConfig, Parameter(name="*")], *, json: boo
     holding all of them.
 
     Args:
-        cfg: the run; every DistillConfig field is a flag
         json: print one JSON object {student, metrics, steps, eval_kl, eval_ppl} instead of text
     """
     as_json = json
