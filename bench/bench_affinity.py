@@ -48,7 +48,10 @@ def bench_model(name: str, hf, ids: torch.Tensor, micro_batch: int, repeat: int,
     time and of this process's CPU time (less sensitive to other processes; use --threads 1)."""
     gpu = device.startswith("cuda")
     hf, ids = hf.to(device), ids.to(device)
-    backbone = lambda: hf_forward(hf, ids, micro_batch, True)  # noqa: E731
+
+    def backbone():
+        return hf_forward(hf, ids, micro_batch, True)
+
     backbone()
     t_full = min(timed(lambda: hf_forward(hf, ids, micro_batch, False), device)[0] for _ in range(max(1, repeat // 2)))
     dense = DenseModel.from_state_dict(hf.config, hf.state_dict(), device=device)

@@ -147,7 +147,7 @@ def writing(path: str | Path) -> Iterator[None]:
         if e.errno in (errno.ENOSPC, errno.EDQUOT) or (e.errno is not None and e.filename is None):
             raise OSError(e.errno, os.strerror(e.errno), str(path)) from e
         raise
-    except Exception as e:  # noqa: BLE001 - torch and safetensors report a full disk as their own errors
+    except Exception as e:  # torch and safetensors report a full disk as their own errors
         where = path if path.is_dir() else path.parent
         if _disk_full(e, where if str(where) else Path(".")):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from e
@@ -341,6 +341,31 @@ def read_json_object(path: str | Path, what: str = "file", max_bytes: int = SMAL
     if keys is not None:
         check_keys(obj, keys, f"{path}")
     return obj
+
+
+def read_options(path: str | Path, flag: str = "--config") -> dict[str, Any]:
+    """A command's options file (YAML or JSON, a mapping of option names to values), within
+    bounds: at most STUDY_BYTES, as `check_tree`; any problem is one line naming `flag` and the file."""
+    import yaml
+
+    path, where = Path(path), f"{flag} {path}"
+    try:
+        if path.is_file() and path.stat().st_size > STUDY_BYTES:
+            raise UserError(f"{where}: {path.stat().st_size} bytes, more than a config can need "
+                            f"({STUDY_BYTES} at most)")
+        data = check_tree(yaml.safe_load(path.read_text(encoding="utf-8")), where)
+    except RecursionError:
+        raise UserError(f"{where}: nested too deeply") from None
+    except FileNotFoundError:
+        raise UserError(f"{where}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else (e.strerror or str(e)).lower()
+        raise UserError(f"{where}: cannot read it ({why})") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"{where}: not YAML or JSON ({str(e).splitlines()[0]})") from None
+    if data is not None and not isinstance(data, dict):  # an empty file sets nothing
+        raise UserError(f"{where}: must hold a mapping of option names to values, not {type(data).__name__}")
+    return data or {}
 
 
 def check_keys(obj: dict[str, Any], known: set[str] | tuple[str, ...], where: str) -> None:

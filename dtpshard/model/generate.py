@@ -32,9 +32,7 @@ def generate_cmd(model: Path, *, prompt: str, devices: Count | None = None, dela
         top_k: sample only among the k most likely tokens (0: all)
         top_p: sample only from the smallest set of tokens whose probability reaches p (1: all)
         seed: sampling seed
-        stage3: own-partial scale for the last δ modules: sqrt (√L, the paper's) or one
         dtype: weights and activations; auto keeps the checkpoint's (as transformers)
-        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         tokenizer: tokenizer directory, where MODEL has no tokenizer files
         compile: torch.compile the model's forward (pays a compile, then decodes faster on long runs)
         json: print one JSON object {text, completion, new_token_ids, ...} instead of the text

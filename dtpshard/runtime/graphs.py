@@ -68,7 +68,7 @@ class StaticKVCache:
 class GraphDecoder:
     """RankModel's interface (new_cache, calling it) for generate_ids; decode steps replay a graph."""
 
-    def __init__(self, net, batch: int, max_len: int):  # noqa: ANN001 -- a RankModel
+    def __init__(self, net, batch: int, max_len: int):  # a RankModel
         s, self.net, self.max_len = net.shape, net, max_len
         w = net.lm_head_weight
         self.static = StaticKVCache(s.layers, batch, s.kv_groups, max_len, s.head_dim, w.device, w.dtype)

@@ -59,7 +59,7 @@ import dataclasses
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 from dtpshard.affinity.file import Affinity
 from dtpshard.core.errors import UserError
@@ -72,8 +72,8 @@ from dtpshard.layouts.score import colocated_score
 from dtpshard.studies.config import (  # noqa: F401
     FORMAT,
     OPTIMISING,
-    OVERRIDE_FLAGS,
     Experiment,
+    Overrides,
     check_config,
     load_config,
     read_record,
@@ -356,7 +356,7 @@ def run_experiment(cfg: Experiment, out: Path, force: bool = False, tensorboard:
 
 
 def experiment_cmd(study: Path, *, out: Path, force: bool = False, tensorboard: Path | None = None,
-                   overrides: dict[str, Any] | None = None) -> int:
+                   **overrides: Unpack[Overrides]) -> int:
     """Run a whole study from STUDY (TOML or YAML): affinity once, every layout once with its J and
     zero-shot KL, every arm distilled, then the report. Rerun the same command to resume. Any key
     of the file but the model and the arms can be overridden by a flag: --devices 2,
@@ -367,14 +367,8 @@ def experiment_cmd(study: Path, *, out: Path, force: bool = False, tensorboard: 
         out: the experiment directory (created; an existing one is resumed if its config matches)
         force: start the experiment directory over (everything it computed is deleted)
         tensorboard: also write every arm's metrics as TensorBoard events, to TENSORBOARD/ARM-sSEED
-        overrides: the study keys given as flags, nested as in the file
     """
     cfg = load_config(study, overrides)
     report = run_experiment(cfg, out, force, tensorboard, study=Path(study))
     print(report)  # stdout: the report's path alone, as report, demo and study print it
     return 0
-
-
-# the CLI makes every key of the study but the model (and the arms) a flag too, nested as in the
-# file (--training.lr), and passes the ones given as `overrides`
-experiment_cmd.override_flags = OVERRIDE_FLAGS  # type: ignore[attr-defined]

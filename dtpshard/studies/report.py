@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 from dtpshard.core.guard import check_outputs
 from dtpshard.core.io import atomic_write_text
@@ -151,8 +152,13 @@ def proxy_table(study: Study) -> list[str]:
     rows = [r for r in proxy_rows(study) if r["fit"].n or r["zero"].n]
     if not rows:
         return []
-    r_ = lambda f: "–" if f.r is None else f"{f.r:+.3f}"  # noqa: E731
-    p_ = lambda f: "–" if f.p is None else f"{f.p:.2g}"  # noqa: E731
+
+    def r_(f: Any) -> str:
+        return "–" if f.r is None else f"{f.r:+.3f}"
+
+    def p_(f: Any) -> str:
+        return "–" if f.p is None else f"{f.p:.2g}"
+
     first = study.proxies[0]
     lines = [f"| proxy | r (J, KL@{study.steps}) | p | bootstrap 95% CI | r − r({first}), paired 95% CI | "
              "Spearman ρ | p | trained layouts | r (J, zero-shot KL) | p | layouts |", "|" + "---|" * 11]

@@ -119,8 +119,6 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
         blocks: number of evaluation blocks of seq_len + 1 tokens
         seq_len: positions per block (the models read seq_len tokens)
         micro_batch: blocks per forward pass
-        stage3: own-partial scale of the last δ modules: sqrt (√L, the paper's) or one
-        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         precision: fp32, or bf16-mixed (bf16 autocast); auto: bf16-mixed on CUDA, fp32 on the CPU
         compile: torch.compile the models' forward passes (pays a compile; worth it for many blocks)
         json: print one JSON object {kl, ppl, tokens, ...} instead of text

@@ -124,7 +124,10 @@ def resolve(cfg: DistillConfig, shape: Any = None, layout: Layout | None = None)
         layout.check_model(shape, where=f"layout {cfg.layout}")
     dtp = resolve_dtp(shape, devices=cfg.devices, delay=cfg.delay, stage3=cfg.stage3, layout=layout,
                       where=f"layout {cfg.layout}")
-    absolute = lambda p: None if p is None else str(Path(p).absolute())  # noqa: E731
+
+    def absolute(p: str | Path) -> str:
+        return str(Path(p).absolute())
+
     return dataclasses.replace(
         cfg, teacher=Path(cfg.teacher).absolute(), out=Path(cfg.out).absolute(),
         layout=None if cfg.layout is None else Path(cfg.layout).absolute(), devices=dtp.devices, delay=dtp.delay,

@@ -200,7 +200,10 @@ class TeacherCache:
     def lookup(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(top_ids [b, T, k] int64, top_logp [b, T, k], tail_logp [b, T]) of blocks [b, T + 1]."""
         rows = [self.index[block_key(b)] for b in blocks]
-        get = lambda name: torch.cat([self._files[f].get_slice(name)[r:r + 1] for f, r in rows])  # noqa: E731
+
+        def get(name: str) -> torch.Tensor:
+            return torch.cat([self._files[f].get_slice(name)[r:r + 1] for f, r in rows])
+
         return get("top_ids").long(), get("top_logp"), get("tail_logp")
 
 
@@ -228,7 +231,6 @@ def teacher_cache_cmd(teacher: Path, *, out: Path, k: Count = 64, dtype: Literal
         dataset: the runs' training dataset (as distill --dataset)
         text_field: the runs' text column or JSON field
         tokenizer: the runs' tokenizer directory, where TEACHER has no tokenizer files
-        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         progress: show a progress bar
         force: rebuild a cache directory that holds something else
     """
