@@ -1,0 +1,53 @@
+"""Run by the vLLM environment's python (test_vllm.py, bench/bench_vllm.py): engines one after the
+other in one process (vLLM is imported once), each given a batch.
+
+    python tests/vllm_driver.py SPECS.json OUT.json
+
+SPECS: a list of {"model", "tp", "dtype", "prompts": [[ids]], "max_tokens", "logprobs", "engine": {...}};
+OUT: one result per spec, {"tokens": [[ids]], "logprobs": [[{id: logprob} per new token]], "seconds"}
+or {"error": message} when the engine refused the model.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+
+
+def run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    try:
+        llm = LLM(model=spec["model"], tensor_parallel_size=spec["tp"], dtype=spec.get("dtype", "auto"),
+                  enforce_eager=spec.get("enforce_eager", True), max_model_len=spec.get("max_model_len", 256),
+                  max_num_seqs=spec.get("max_num_seqs", 16), seed=0, **spec.get("engine", {}))
+    except Exception as e:  # noqa: BLE001 - the refusal is what the test reads
+        return {"error": f"{type(e).__name__}: {e}"}
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
+                            logprobs=spec.get("logprobs"))
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": time.perf_counter() - start}
+    if spec.get("logprobs"):
+        result["logprobs"] = [[{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
+                              for o in outs]
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    return result
+
+
+def main(specs_path: str, out_path: str) -> int:
+    specs = json.loads(open(specs_path).read())
+    results = []
+    for spec in specs:
+        results.append(run(spec))
+        open(out_path, "w").write(json.dumps(results))  # what is done survives a later engine's crash
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
