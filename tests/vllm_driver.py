@@ -3,9 +3,10 @@ other in one process (vLLM is imported once), each given a batch.
 
     python tests/vllm_driver.py SPECS.json OUT.json
 
-SPECS: a list of {"model", "tp", "dtype", "prompts": [[ids]], "max_tokens", "logprobs", "engine": {...}};
-OUT: one result per spec, {"tokens": [[ids]], "logprobs": [[{id: logprob} per new token]], "seconds"}
-or {"error": message} when the engine refused the model.
+SPECS: a list of {"model", "tp", "dtype", "prompts": [[ids]], "max_tokens", "logprobs", "engine": {...},
+"timing": {"batches": [B], "max_tokens": [N], "repeat": R}};
+OUT: one result per spec, {"tokens": [[ids]], "logprobs": [[{id: logprob} per new token]], "seconds",
+"timings": {"B/N": [seconds of each repeat]}} or {"error": message} when the engine refused the model.
 """
 from __future__ import annotations
 
@@ -34,6 +35,18 @@ def run(spec: dict) -> dict:
     if spec.get("logprobs"):
         result["logprobs"] = [[{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
                               for o in outs]
+    timing = spec.get("timing")
+    if timing:
+        result["timings"] = {}
+        for b in timing["batches"]:
+            for n in timing["max_tokens"]:
+                fixed = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                runs = []
+                for _ in range(timing.get("repeat", 3)):
+                    start = time.perf_counter()
+                    llm.generate(prompts[:b], fixed, use_tqdm=False)
+                    runs.append(time.perf_counter() - start)
+                result["timings"][f"{b}/{n}"] = runs
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
