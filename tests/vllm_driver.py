@@ -1,7 +1,12 @@
 """Run by the vLLM environment's python (test_vllm.py, bench/bench_vllm.py): engines one after the
-other in one process (vLLM is imported once), each given a batch.
+other in the same processes (vLLM is imported once), each given a batch.
 
-    python tests/vllm_driver.py SPECS.json OUT.json
+    python tests/vllm_driver.py SPECS.json OUT.json                    # vLLM spawns its TP workers
+    torchrun --nproc-per-node TP tests/vllm_driver.py SPECS.json OUT.json   # every process is a rank
+
+Under torchrun the engines use vLLM's external launcher: each of the TP processes runs the engine
+with its own rank (no workers spawned, no queues between them), every spec's TP must be the
+world size, and rank 0 writes OUT.
 
 SPECS: a list of {"model", "tp", "dtype", "prompts": [[ids]], "max_tokens", "logprobs", "engine": {...},
 "timing": {"batches": [B], "max_tokens": [N], "repeat": R}};
@@ -12,18 +17,24 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
+
+LAUNCHED = "WORLD_SIZE" in os.environ  # under torchrun
 
 
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    engine = dict(spec.get("engine", {}))
+    if LAUNCHED:
+        engine["distributed_executor_backend"] = "external_launcher"
     try:
         llm = LLM(model=spec["model"], tensor_parallel_size=spec["tp"], dtype=spec.get("dtype", "auto"),
                   enforce_eager=spec.get("enforce_eager", True), max_model_len=spec.get("max_model_len", 256),
-                  max_num_seqs=spec.get("max_num_seqs", 16), seed=0, **spec.get("engine", {}))
+                  max_num_seqs=spec.get("max_num_seqs", 16), seed=0, **engine)
     except Exception as e:  # noqa: BLE001 - the refusal is what the test reads
         return {"error": f"{type(e).__name__}: {e}"}
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
@@ -48,7 +59,7 @@ def run(spec: dict) -> dict:
                     runs.append(time.perf_counter() - start)
                 result["timings"][f"{b}/{n}"] = runs
     llm.llm_engine.engine_core.shutdown()
-    del llm
+    del llm  # under torchrun the process groups stay: the next engine (same TP) finds them made
     gc.collect()
     return result
 
@@ -58,7 +69,8 @@ def main(specs_path: str, out_path: str) -> int:
     results = []
     for spec in specs:
         results.append(run(spec))
-        open(out_path, "w").write(json.dumps(results))  # what is done survives a later engine's crash
+        if os.environ.get("RANK", "0") == "0":
+            open(out_path, "w").write(json.dumps(results))  # what is done survives a later engine's crash
     return 0
 
 
