@@ -70,7 +70,7 @@ def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], 
               "timing": {"batches": batches, "max_tokens": [1, new], "repeat": repeat}} for m in pair]
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "specs.json").write_text(json.dumps(specs))
-        launcher = [str(python.parent / "torchrun"), "--nproc-per-node", str(tp)]  # each process a rank
+        launcher = [str(python.parent / "torchrun"), "--standalone", "--nproc-per-node", str(tp)]  # each process a rank
         done = subprocess.run([*launcher, str(ROOT / "tests" / "vllm_driver.py"), f"{tmp}/specs.json",
                                f"{tmp}/out.json"], env=env or runtime_env(), capture_output=True, text=True)
         if done.returncode or not (Path(tmp) / "out.json").exists():

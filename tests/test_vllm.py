@@ -77,7 +77,7 @@ def run_driver(specs: list[dict], root: Path, name: str, world: int | None = Non
     launcher: no workers spawned), else in one plain process (vLLM spawns its workers)."""
     (root / f"{name}.json").write_text(json.dumps(specs))
     out = root / f"{name}-out.json"
-    launcher = [str(PYTHON.parent / "torchrun"), "--nproc-per-node", str(world)] if world else [str(PYTHON)]
+    launcher = [str(PYTHON.parent / "torchrun"), "--standalone", "--nproc-per-node", str(world)] if world else [str(PYTHON)]
     done = subprocess.run([*launcher, str(HERE / "vllm_driver.py"), str(root / f"{name}.json"), str(out)],
                           env=runtime_env(threads_bind), timeout=2400, capture_output=True, text=True)
     results = json.loads(out.read_text()) if out.exists() else []
