@@ -66,11 +66,13 @@ def _pip(python: Path, *args: str) -> None:
 
 
 def _installed_from(python: Path) -> str | None:
-    """The checkout the environment's dtpshard is installed from (None: not installed)."""
+    """The checkout the environment's dtpshard is installed from, editable (None: not so installed)."""
     probe = ("import json, importlib.metadata as m\n"
-             "try: print(json.loads(m.distribution('dtpshard').read_text('direct_url.json'))['url'])\n"
+             "try:\n"
+             "    d = json.loads(m.distribution('dtpshard').read_text('direct_url.json'))\n"
+             "    print(d['url'] if d.get('dir_info', {}).get('editable') else '')\n"
              "except Exception: print('')")
-    out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True).stdout.strip()
+    out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, cwd="/").stdout.strip()
     return out or None
 
 
