@@ -72,7 +72,8 @@ def _installed_from(python: Path) -> str | None:
              "    d = json.loads(m.distribution('dtpshard').read_text('direct_url.json'))\n"
              "    print(d['url'] if d.get('dir_info', {}).get('editable') else '')\n"
              "except Exception: print('')")
-    out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, cwd="/").stdout.strip()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a checkout on the path has its own egg-info
+    out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, cwd="/", env=env).stdout.strip()
     return out or None
 
 
