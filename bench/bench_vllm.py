@@ -3,8 +3,8 @@
 The pair: a random student (DTPModel.save_pretrained, model_type "dtp", L devices, δ = 1) and
 its permuted dense checkpoint: the same safetensors with its family's config (model_type
 "llama"), which vLLM serves as a Llama with its usual all-reduce after every module. Both run
-in the vLLM environment (dtpshard.serve.env), one engine each, one after the other in the same
-`torchrun --nproc-per-node TP` ranks (tests/vllm_driver.py), under the same settings; per
+in the vLLM environment (dtpshard.serve.env), one engine each, each in its own
+`torchrun --nproc-per-node TP` (tests/vllm_driver.py), under the same settings; per
 batch size B, prompts of 32 tokens:
 
     time per output token = (t(N new) − t(1 new)) / (N − 1)   (the prefill cancels)
@@ -68,14 +68,17 @@ def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], 
     specs = [{"model": str(m), "tp": tp, "dtype": dtype, "prompts": prompts[:1], "max_tokens": 1,
               "enforce_eager": eager, "max_model_len": 1024, "max_num_seqs": max(batches),
               "timing": {"batches": batches, "max_tokens": [1, new], "repeat": repeat}} for m in pair]
+    launcher = [str(python.parent / "torchrun"), "--standalone", "--nproc-per-node", str(tp)]  # each process a rank
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "specs.json").write_text(json.dumps(specs))
-        launcher = [str(python.parent / "torchrun"), "--standalone", "--nproc-per-node", str(tp)]  # each process a rank
-        done = subprocess.run([*launcher, str(ROOT / "tests" / "vllm_driver.py"), f"{tmp}/specs.json",
-                               f"{tmp}/out.json"], env=env or runtime_env(), capture_output=True, text=True)
-        if done.returncode or not (Path(tmp) / "out.json").exists():
-            raise SystemExit(f"vLLM failed:\n{done.stderr[-4000:]}")
-        dtp, dense = json.loads((Path(tmp) / "out.json").read_text())
+        for i, spec in enumerate(specs):  # an engine per torchrun: a second one in the same ranks can hang
+            (Path(tmp) / f"{i}.json").write_text(json.dumps([spec]))
+            done = subprocess.run([*launcher, str(ROOT / "tests" / "vllm_driver.py"), f"{tmp}/{i}.json",
+                                   f"{tmp}/{i}-out.json"], env=env or runtime_env(), capture_output=True, text=True)
+            if done.returncode or not (Path(tmp) / f"{i}-out.json").exists():
+                raise SystemExit(f"vLLM failed:\n{done.stderr[-4000:]}")
+            results += json.loads((Path(tmp) / f"{i}-out.json").read_text())
+    dtp, dense = results
     for r in (dtp, dense):
         if "error" in r:
             raise SystemExit(r["error"])

@@ -73,16 +73,20 @@ def reference(student: Path, batch: list[list[int]], devices: int | None = None)
 
 def run_driver(specs: list[dict], root: Path, name: str, world: int | None = None,
                threads_bind: str = "nobind") -> list[dict]:
-    """The specs' engines one after the other: under torchrun with `world` ranks (vLLM's external
-    launcher: no workers spawned), else in one plain process (vLLM spawns its workers)."""
-    (root / f"{name}.json").write_text(json.dumps(specs))
-    out = root / f"{name}-out.json"
-    launcher = [str(PYTHON.parent / "torchrun"), "--standalone", "--nproc-per-node", str(world)] if world else [str(PYTHON)]
-    done = subprocess.run([*launcher, str(HERE / "vllm_driver.py"), str(root / f"{name}.json"), str(out)],
-                          env=runtime_env(threads_bind), timeout=2400, capture_output=True, text=True)
-    results = json.loads(out.read_text()) if out.exists() else []
-    if done.returncode or len(results) != len(specs):
-        pytest.fail(f"the vLLM driver failed (rc {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    """Each spec's engine in its own `torchrun --standalone` of `world` ranks (vLLM's external
+    launcher: no workers spawned; a second engine in the same ranks can hang in vLLM 0.32), or
+    with no `world` in one plain process (vLLM spawns its workers)."""
+    torchrun = [str(PYTHON.parent / "torchrun"), "--standalone", "--nproc-per-node", str(world)]
+    launcher = torchrun if world else [str(PYTHON)]
+    results = []
+    for i, spec in enumerate(specs):
+        (root / f"{name}-{i}.json").write_text(json.dumps([spec]))
+        out = root / f"{name}-{i}-out.json"
+        done = subprocess.run([*launcher, str(HERE / "vllm_driver.py"), str(root / f"{name}-{i}.json"), str(out)],
+                              env=runtime_env(threads_bind), timeout=1200, capture_output=True, text=True)
+        if done.returncode or not out.exists():
+            pytest.fail(f"the vLLM driver failed (rc {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        results += json.loads(out.read_text())
     return results
 
 
