@@ -11,6 +11,9 @@
 6. The teacher cache on CUDA: built, then a short distillation reading it (`--teacher-cache`).
 7. CUDA-graph decoding with NCCL (runtime/graphs.py): equal to eager decoding (1 rank, or 2 with
    two GPUs), and ms/token eager vs graph replay.
+8. vLLM (where `import vllm` works: its CUDA build with dtpshard installed beside it): a DTP student
+   against plain TP on the same weights (bench/bench_vllm.py), TP 2, 4 and 8 as the GPUs allow,
+   batch 1 and 8, compiled with CUDA graphs (vLLM's default), bf16; the ratio is DTP / TP throughput.
 
     PYTHONPATH=. python bench/cuda_check.py
 """
@@ -243,6 +246,25 @@ def cuda_graphs() -> bool:
     return ok
 
 
+def vllm_pair() -> bool:
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("vllm") is None:
+        print("SKIP  vLLM DTP vs TP: vllm is not installed here (pip install vllm, then this checkout)")
+        return True
+    from bench_vllm import make_pair, measure, table
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU")}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for tp in (t for t in (2, 4, 8) if t <= torch.cuda.device_count()):
+            pair = make_pair(Path(tmp) / f"tp{tp}", tp, dtype="bfloat16")
+            rows += measure(Path(sys.executable), pair, tp, [1, 8], 65, 3, dtype="bfloat16", eager=False, env=env)
+    print(table(rows))
+    return check("vLLM DTP vs TP ran", bool(rows), f"{len(rows)} rows") if rows else True
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         raise SystemExit("bench/cuda_check.py needs a CUDA device: torch.cuda.is_available() is False here")
@@ -253,4 +275,5 @@ if __name__ == "__main__":
     ok &= compiled()
     ok &= teacher_cache()
     ok &= cuda_graphs()
+    ok &= vllm_pair()
     sys.exit(0 if ok else 1)
