@@ -24,6 +24,7 @@ from dtpshard.studies import provenance as p
 from dtpshard.studies.compare import optional_sections
 from dtpshard.studies.dominance import dominance_lines
 from dtpshard.studies.figures import draw_all
+from dtpshard.studies.stalls import stall_lines
 from dtpshard.studies.stats import (
     bootstrap_pearson,
     bootstrap_pearson_difference,
@@ -34,7 +35,6 @@ from dtpshard.studies.stats import (
     rank_correlate,
     step_matching,
 )
-from dtpshard.studies.stalls import stall_lines
 from dtpshard.studies.study import LayoutInfo, Study, distinct, groups, layout_kl, load_study, mid_step
 from dtpshard.training.settings import Recipe
 
