@@ -1,5 +1,5 @@
 """Who beats whom: at every evaluation, how many random layouts and contiguous seeds each
-optimised seed beats, and the paper's sentence (section 5.3: "every optimised seed beats every
+optimised seed beats, and the paper's sentence (its section 5: "every optimised seed beats every
 contiguous seed and all but one of sixteen random layouts") checked in the study's numbers.
 
 A seed beats another run when its KL at that step is strictly lower. A random layout counts once,
