@@ -190,12 +190,13 @@ def teacher_cache() -> bool:
 
 def _graph_timing(model_dir: str, out: str) -> int:
     from dtpshard.core.launch import process_group
+    from dtpshard.core.settings import resolve_dtp
     from dtpshard.runtime.graphs import GraphDecoder
     from dtpshard.runtime.ranks import RankModel, check_world
 
     with process_group(timeout=300, backend="nccl") as (rank, world):
         ckpt, _ = check_world(model_dir, world)
-        net = RankModel(ckpt, rank, world, delay=1, timeout=300, device="cuda")
+        net = RankModel(ckpt, rank, resolve_dtp(ckpt.shape, devices=world, delay=1), timeout=300, device="cuda")
         prompt = torch.randint(0, ckpt.shape.vocab, (1, 128), device="cuda")
         res = {}
         for name, dec in (("eager", net), ("graph", GraphDecoder(net, 1, 512)), ("eager ", net),

@@ -21,6 +21,7 @@ from dtpshard.core.devices import pick_device
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, check_replaceable, local_paths
 from dtpshard.core.io import check_output_file, check_writable_dir, dumps
+from dtpshard.core.settings import DEFAULT
 from dtpshard.core.shape import check_delay
 from dtpshard.core.vocab import AffinityDType, Count, Delay, Device, NonNegativeInt, NonNegativeNumber, Proxy, Seed
 from dtpshard.data.blocks import load_texts, make_blocks
@@ -91,7 +92,7 @@ class CalibrationPlan:
         return f"affinity pass: {self.memory.describe()}"
 
 
-def plan_calibration(model: Path, out: Path, data: CalibrationData = CalibrationData(), *, delay: float = 1,
+def plan_calibration(model: Path, out: Path, data: CalibrationData = CalibrationData(), *, delay: float = DEFAULT.delay,
                      run: PassSettings = PassSettings()) -> CalibrationPlan:
     """Read the model's headers and the calibration tokens and plan the pass; every bad input
     (model, data, δ, --out) is refused here, before any scoring."""
@@ -138,7 +139,7 @@ def run_calibration(p: CalibrationPlan, proxy: str = "first-order", progress: bo
     return CalibrationResult(p.out, len(edges), int(p.ids.numel()), seconds, str(p.device), p.source, options, p.memory)
 
 
-def calibrate(model: Path, out: Path, data: CalibrationData = CalibrationData(), *, delay: float = 1,
+def calibrate(model: Path, out: Path, data: CalibrationData = CalibrationData(), *, delay: float = DEFAULT.delay,
               proxy: str = "first-order", run: PassSettings = PassSettings(),
               progress: bool = False) -> CalibrationResult:
     """The whole pass: plan_calibration, then run_calibration."""
@@ -147,7 +148,7 @@ def calibrate(model: Path, out: Path, data: CalibrationData = CalibrationData(),
 
 def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, dataset: str | None = None,
                  text_field: str = "text", tokenizer: Path | None = None, blocks: Count = 64, seq_len: Count = 1024,
-                 delay: Delay = 1.0, seed: Seed = 0, proxy: Proxy = "first-order", micro_batch: Count = 4,
+                 delay: Delay = DEFAULT.delay, seed: Seed = 0, proxy: Proxy = "first-order", micro_batch: Count = 4,
                  chunk: NonNegativeInt = 0, device: Device = "auto", dtype: AffinityDType = "float32",
                  offload: bool | None = None, memory_budget: NonNegativeNumber = 0.0, spill_dir: Path | None = None,
                  progress: bool = True, json: bool = False) -> int:

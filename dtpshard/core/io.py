@@ -206,10 +206,35 @@ def atomic_dir(path: str | Path, force: bool = False) -> Iterator[Path]:
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
+SHORT_HASH = 16  # hex digits of a content id (a layout's, a data set's, a teacher cache's inputs)
+
+
+def short_sha256(data: bytes | Any) -> str:
+    """A content id: the first SHORT_HASH hex digits of SHA-256 of `data` (or of a hashlib object)."""
+    return (hashlib.sha256(data) if isinstance(data, bytes) else data).hexdigest()[:SHORT_HASH]
+
+
 def file_sha256(path: str | Path) -> str:
     """The SHA-256 of a file's bytes, read in chunks (hashlib.file_digest)."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_hashes(paths: list[Path]) -> dict[str, str]:
+    """The weight-hash helper: {file name: SHA-256} of each file (a model card's, a study's provenance)."""
+    return {Path(p).name: file_sha256(p) for p in paths}
+
+
+def files_id(paths: list[Path]) -> str:
+    """One content id of several files: their names and bytes, in name order (a teacher cache's
+    record of the teacher and tokenizer it was made from)."""
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        h.update(p.name.encode() + b"\0")
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+    return short_sha256(h)
 
 
 def cache_dir() -> Path:

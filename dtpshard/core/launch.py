@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dtpshard.core.errors import UserError, explain
+from dtpshard.core.shape import FAMILY
 
 
 class RankFailure(UserError):
@@ -207,9 +208,7 @@ def free_port() -> int:
 
 
 _PRELOAD = ("dtpshard.runtime.run", "dtpshard.training.loop", "dtpshard.model.generate",
-            "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
-            "transformers.models.qwen3.modeling_qwen3", "transformers.models.mistral.modeling_mistral",
-            "transformers.tokenization_utils_fast")
+            *(f.modeling for f in FAMILY.values()), "transformers.tokenization_utils_fast")
 STOP_GRACE = 3.0  # seconds a stopped rank has between SIGTERM (its temporaries removed) and SIGKILL
 
 

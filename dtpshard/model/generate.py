@@ -8,7 +8,7 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.io import dumps
 from dtpshard.core.shape import check_context
 from dtpshard.core.vocab import Count, Delay, Device, LoadDType, NonNegativeInt, NonNegativeNumber, Seed, Stage3, TopP
-from dtpshard.model.checkpoint import check_token_ids, load_tokenizer
+from dtpshard.model.checkpoint import check_token_ids
 from dtpshard.model.dtp import DTPModel
 
 
@@ -46,7 +46,7 @@ def generate_cmd(model: Path, *, prompt: str, devices: Count | None = None, dela
     dev = pick_device(device)
     net = DTPModel.from_pretrained(model, devices, delay, dtype=dtype, layout=layout, stage3=stage3,
                                    device=dev).eval()
-    tok = load_tokenizer(tokenizer or model)
+    tok = net.checkpoint.tokenizer(tokenizer)
     if compile:
         net.compile()
     ids = tok(prompt, return_tensors="pt").input_ids.to(dev)

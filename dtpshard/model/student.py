@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.shape import FAMILIES, STUDENT_TYPE, family_config
+from dtpshard.core.shape import FAMILIES, FAMILY, STUDENT_TYPE, family_config
 
 ARCHITECTURE = "DTPForCausalLM"
 AUTO_MAP = {"AutoConfig": "configuration_dtp.DTPConfig", "AutoModelForCausalLM": "modeling_dtp.DTPForCausalLM"}
@@ -100,8 +100,6 @@ class DTPConfig(PretrainedConfig):
                               "auto_map": dict(AUTO_MAP)})
 
 
-_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "mistral": "MistralForCausalLM"}
 TAGS = ["dtp", "delayed-tensor-parallelism", "dtpshard", "custom_code"]
 
 
@@ -116,7 +114,7 @@ def usage_section(block: dict[str, Any]) -> str:
     """What a student is, the three ways to run it, and why not as its base family: the part of
     the model card every student shares."""
     L, delay, family = block.get("devices"), block.get("delay"), block.get("family")
-    dense = _CLASSES.get(str(family), "its family's class")
+    dense = FAMILY[family].causal_lm if family in FAMILY else "its family's class"
     return f"""## What this model is
 
 A Delayed Tensor Parallelism (DTP) student: its {family} weights are split over L = {L} devices,

@@ -20,6 +20,7 @@ from typing import Any
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import MAX_DEPTH, STUDY_BYTES, check_tree
+from dtpshard.core.settings import DEFAULT, DTPSettings
 from dtpshard.core.typed import Invalid, from_table
 from dtpshard.core.vocab import (
     OPTIMISING_KINDS,
@@ -165,10 +166,10 @@ class Settings:
     """
 
     model: str
-    devices: Count = 4
-    delay: Delay = 1
+    devices: Count = DEFAULT.devices
+    delay: Delay = DEFAULT.delay
     device: Device = "auto"
-    stage3: Stage3 = "sqrt"
+    stage3: Stage3 = DEFAULT.stage3
     text_field: str = "text"
     tokenizer: str | None = None
     teacher_cache_k: NonNegativeInt = 0
@@ -182,6 +183,11 @@ class Settings:
     def __post_init__(self) -> None:  # δ = 1 is written and reported as 1, whether it came as 1 or 1.0
         if float(self.delay).is_integer():
             self.delay = int(self.delay)
+
+    @property
+    def dtp(self) -> DTPSettings:
+        """The study's DTP settings (every arm's)."""
+        return DTPSettings(self.devices, self.delay, self.stage3)
 
 
 @dataclass(kw_only=True)

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import file_sha256, read_json_object
+from dtpshard.core.io import file_hashes, read_json_object
 from dtpshard.core.layout import Layout
 from dtpshard.model.checkpoint import TensorFiles
 from dtpshard.model.student import front_matter, usage_section
@@ -65,7 +65,7 @@ class TeacherHashes:
 
     def _hash(self) -> None:
         try:
-            self.hashes = {f.name: file_sha256(f) for f in TensorFiles(self.teacher).files}
+            self.hashes = file_hashes(TensorFiles(self.teacher).files)
         except (OSError, UserError) as e:  # the card says so; the student is written anyway
             self.error = str(e).splitlines()[0] if str(e) else type(e).__name__
 

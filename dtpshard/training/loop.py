@@ -31,7 +31,7 @@ from dtpshard.core.io import atomic_dir, atomic_write_text, dumps
 from dtpshard.core.layout import as_layout
 from dtpshard.core.memory import return_freed_memory
 from dtpshard.core.shape import family_config, shape_from_hf_config
-from dtpshard.model.checkpoint import load_hf_config, load_tokenizer, open_checkpoint
+from dtpshard.model.checkpoint import load_hf_config, open_checkpoint
 from dtpshard.model.shards import parse_size
 from dtpshard.training import memory, rundir
 from dtpshard.training.card import TeacherHashes, student_card
@@ -116,35 +116,37 @@ def _evaluate(student, teacher, ev: torch.Tensor, cfg: DistillConfig, d: Dist, s
     return summarise(d.sum(sums), True)
 
 
-def plan_for(cfg: DistillConfig, world: int, device: str, local: int | None = None) -> memory.MemoryPlan:
-    """The memory plan of this run per process, from config.json alone (cfg resolved); `local`
-    processes share this machine's RAM (default: torchrun's LOCAL_WORLD_SIZE)."""
-    hf_config = load_hf_config(cfg.teacher)
+def plan_for(cfg: DistillConfig, world: int, device: str, local: int | None = None,
+             hf_config: Any = None) -> memory.MemoryPlan:
+    """The memory plan of this run per process, from config.json alone (cfg resolved; `ckpt`: the
+    teacher when it is open already); `local` processes share this machine's RAM (default:
+    torchrun's LOCAL_WORLD_SIZE)."""
+    hf_config = load_hf_config(cfg.teacher) if hf_config is None else hf_config
     precision = resolve_precision(cfg.precision, device)
     setup = memory.Setup(world, cfg.fsdp and world > 1, precision, cfg.grad_checkpointing, cfg.micro_batch,
                          cfg.seq_len, torch.device(device).type)
     given = None if cfg.plan_memory is None else parse_size(cfg.plan_memory, "--plan-memory")
-    return memory.plan_memory(shape_from_hf_config(hf_config), hf_config, setup, devices=cfg.devices,
-                              delay=cfg.delay, stage3=cfg.stage3,
+    return memory.plan_memory(shape_from_hf_config(hf_config), hf_config, setup, settings=cfg.dtp,
                               available=memory.available_bytes(device, local or memory.local_ranks(), given),
                               runtime=memory.process_bytes(device))
 
 
 def train(cfg: DistillConfig, d: Dist) -> Path:
     precision = resolve_precision(cfg.precision, d.device)
-    cfg = dataclasses.replace(resolve(cfg), precision=precision)  # config.json records what ran
-    run = Path(cfg.out)
-    plan = plan_for(cfg, d.world, d.device)
+    hf_config, layout = load_hf_config(cfg.teacher), as_layout(cfg.layout)  # each read once, passed along
+    cfg = dataclasses.replace(resolve(cfg, shape_from_hf_config(hf_config), layout), precision=precision)
+    run = Path(cfg.out)  # config.json records what ran
+    plan = plan_for(cfg, d.world, d.device, hf_config=hf_config)
     memory.refuse_unless_fits(plan)  # every rank alike, before anything is loaded
     if torch.device(d.device).type == "cpu":
         return_freed_memory()  # so that the resident set is what the tensors hold (core/memory.py)
     peaks = memory.PhasePeaks(d.device)
     strategy = strategy_for(cfg, d, precision)
     with peaks.phase("setup"):
-        ckpt, layout = open_checkpoint(cfg.teacher), as_layout(cfg.layout)
-        tok = load_tokenizer(cfg.tokenizer or cfg.teacher)
-        train_data, train_src = train_blocks_for(cfg, d.world, tok)
-        ev, eval_src = eval_blocks_for(cfg.teacher, cfg.eval_text, cfg.eval_dataset, cfg.eval_blocks, cfg.seq_len,
+        ckpt = open_checkpoint(cfg.teacher, hf_config)  # the weights' headers, once the plan fits
+        tok = ckpt.tokenizer(cfg.tokenizer)
+        train_data, train_src = train_blocks_for(cfg, d.world, tok, ckpt)
+        ev, eval_src = eval_blocks_for(ckpt, cfg.eval_text, cfg.eval_dataset, cfg.eval_blocks, cfg.seq_len,
                                        tok, cfg.text_field)
         cache = None
         if cfg.teacher_cache is not None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.settings import DEFAULT, DTPSettings
 from dtpshard.core.typed import Invalid, check
 from dtpshard.core.vocab import (
     Beta,
@@ -139,9 +140,9 @@ class DistillConfig(Recipe):
     teacher: Path
     out: Path = field(metadata=OPERATIONAL)
     layout: Path | None = field(default=None, metadata=OPERATIONAL)  # its content is compared: Derived.layout_sha256
-    devices: Count | None = None  # None: the layout's, else 4
-    delay: Delay | None = None  # None: the layout's, else 1
-    stage3: Stage3 = "sqrt"
+    devices: Count | None = None  # None: the layout's, else core.settings.DEFAULT's
+    delay: Delay | None = None  # None: the layout's, else core.settings.DEFAULT's
+    stage3: Stage3 = DEFAULT.stage3
     eval_blocks: Count = 16
     eval_micro_batch: Count | None = field(default=None, metadata=OPERATIONAL)
     eval_text: list[str] | None = field(default=None, metadata=OPERATIONAL)
@@ -159,6 +160,13 @@ class DistillConfig(Recipe):
     plan: bool = field(default=False, metadata=OPERATIONAL)
     plan_world: Count | None = field(default=None, metadata=OPERATIONAL)
     plan_memory: str | None = field(default=None, metadata=OPERATIONAL)
+
+    @property
+    def dtp(self) -> DTPSettings:
+        """The run's DTP settings, once recipe.resolve has filled devices and delay (resolve_dtp)."""
+        if self.devices is None or self.delay is None:
+            raise ValueError("DistillConfig.dtp: resolve the config first (training.recipe.resolve)")
+        return DTPSettings(self.devices, self.delay, self.stage3)
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout
 from dtpshard.core.permutation import layout_indices
+from dtpshard.core.settings import DENSE
 from dtpshard.model.checkpoint import Checkpoint
 from dtpshard.model.compiled import compile_module, want_compile
 from dtpshard.model.dtp import DTPModel
@@ -82,11 +83,11 @@ class Replicated:
 
     def build(self, cfg: Any, ckpt: Checkpoint, layout: Layout | None) -> tuple[Teacher, Student]:
         sd = ckpt.state_dict(torch.float32)
-        teacher = DTPModel.from_state_dict(ckpt.hf_config, sd, devices=1, delay=0)
+        teacher = DTPModel.from_state_dict(ckpt.hf_config, sd, settings=DENSE)
         teacher.requires_grad_(False).eval()
         own = {k: v if k in FROZEN else v.clone() for k, v in sd.items()}
         del sd
-        student = DTPModel.from_state_dict(ckpt.hf_config, own, cfg.devices, cfg.delay, cfg.stage3, layout)
+        student = DTPModel.from_state_dict(ckpt.hf_config, own, layout=layout, settings=cfg.dtp)
         for name, p in student.named_parameters():
             p.requires_grad_(name not in FROZEN)
         return Teacher(teacher.to(self.d.device)), Student(student.to(self.d.device))
@@ -147,8 +148,8 @@ class Sharded(Replicated):
         dev, rank, world = torch.device(self.d.device), self.d.rank, self.d.world
         policy = fsdp.policy(self.precision)
         with torch.device("meta"):
-            teacher = DTPModel(ckpt.hf_config, devices=1, delay=0).to(param_dtype(self.precision, frozen=True))
-            student = DTPModel(ckpt.hf_config, cfg.devices, cfg.delay, cfg.stage3)
+            teacher = DTPModel(ckpt.hf_config, DENSE).to(param_dtype(self.precision, frozen=True))
+            student = DTPModel(ckpt.hf_config, cfg.dtp)
         teacher.requires_grad_(False).eval()
         for name, p in student.named_parameters():
             p.requires_grad_(name not in FROZEN)
