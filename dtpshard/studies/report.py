@@ -23,7 +23,9 @@ from dtpshard.core.guard import check_outputs
 from dtpshard.core.io import atomic_write_text
 from dtpshard.studies import provenance as p
 from dtpshard.studies.compare import optional_sections
+from dtpshard.studies.dominance import dominance_lines
 from dtpshard.studies.figures import draw_all
+from dtpshard.studies.stalls import stall_lines
 from dtpshard.studies.stats import (
     bootstrap_pearson,
     bootstrap_pearson_difference,
@@ -274,6 +276,7 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
                  + (" Log step axis: step 0 (the untrained students) is left off it." if c and c.report.log_steps
                     else ""), ""]
     body += optional_sections(study, figures)
+    body += dominance_lines(study)
     first = study.proxies[0]
     same = [f"{i.name} = {i.same_as}" for i in study.layouts.values() if i.same_as]
     n_layouts = len(distinct(study))
@@ -290,6 +293,7 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
     body += proxy_table(study) if n_layouts >= 3 else []
     if "proxies" in figures:
         body += [f"![trained KL against J under each proxy]({figures['proxies']})", ""]
+    body += stall_lines(study)
     body += ["## Every layout", "", layout_table(study), ""]
     if "up_edge" in figures:
         body += ["## Where the up edge is co-located, layer by layer", "",
