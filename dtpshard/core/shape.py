@@ -125,7 +125,7 @@ class ModelShape(UnitShape):
         return self.layers * self.layer_params() + self.vocab * self.hidden * (1 if self.tied else 2)
 
     def to_dict(self) -> dict[str, Any]:
-        """As recorded in a run's config.json (the field set of earlier versions)."""
+        """The shape as a run's config.json records it (compared on resume, so its keys stay fixed)."""
         return {"family": self.family, "layers": self.layers, "hidden": self.hidden, "heads": self.heads,
                 "kv_groups": self.kv_groups, "head_dim": self.head_dim, "neurons": self.neurons,
                 "vocab": self.vocab, "rms_eps": self.rms_eps, "tied": self.tied, "qkv_bias": self.qkv_bias,

@@ -38,7 +38,7 @@ def use_inductor_cache() -> str:
 
 def want_compile(mode: str | bool, device: str, steps: int | None = None) -> bool:
     """Resolve `--compile` for a training run on `device`."""
-    if isinstance(mode, bool):  # the older boolean flag
+    if isinstance(mode, bool):  # a Python caller may pass True/False
         return mode
     if mode not in ("auto", "on", "off"):
         raise UserError(f"--compile {mode!r}: must be auto, on or off")

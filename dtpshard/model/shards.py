@@ -84,7 +84,7 @@ def write_weights(out_dir: Path, specs: list[TensorSpec], produce: Callable[[Ten
     Returns the file names."""
     plan = shard_plan(specs, max_shard_size)
     for name, part in plan.items():
-        f = open(out_dir / name, "wb") if write else None  # noqa: SIM115 - closed below
+        f = open(out_dir / name, "wb") if write else None  # closed below
         try:
             if f is not None:
                 f.write(_header(part))
