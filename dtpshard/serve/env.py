@@ -88,8 +88,9 @@ def ensure(env: Path | None = None, repo: Path = REPO) -> Path:
         constraints.write_text("\n".join(p for p in PINS if p.startswith("torch")) + "\n")
         _pip(python, "install", "-c", str(constraints), *PINS)
         _pip(python, "uninstall", "-y", *REMOVE)
-        # dtpshard's own requirements, with torch held at the pin
-        _pip(python, "install", "-c", str(constraints), str(repo))
+        # dtpshard's own requirements, with torch held at the pin; editable, so no copy of a checkout
+        # is left in site-packages to shadow the next one's
+        _pip(python, "install", "-c", str(constraints), "-e", str(repo))
         (env / "ready").write_text(json.dumps({"pins": PINS, "removed": REMOVE}) + "\n")
     if _installed_from(python) != repo.as_uri():
         _pip(python, "install", "--no-deps", "--no-build-isolation", "-e", str(repo))
