@@ -4,7 +4,8 @@ A command's flags come from its signature and the `Args:` lines of its docstring
 without a default before `*` are positional, keyword-only ones without a default are required
 flags, the rest are optional flags (`--seq-len` for seq_len; `--x`/`--no-x` for booleans; a list
 takes the words up to the next flag). A parameter typed as a dataclass (distill's `DistillConfig`)
-contributes its fields as flags, so the recipe is written once. A command with an
+contributes its fields as flags, so the recipe is written once; a field that several of a command's
+dataclasses have (convert's --seq-len) is one flag, which sets it in each. A command with an
 `override_flags = (dataclass, keys left out)` attribute (`experiment`) also gets that dataclass's
 fields as flags, nested (`--training.lr`), and receives the ones given as `overrides`.
 
@@ -43,6 +44,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "affinity": ("dtpshard.affinity.calibrate:affinity_cmd", "one calibration pass: unit-to-unit affinity scores"),
     "eval": ("dtpshard.training.evaluate:eval_cmd", "perplexity and KL to a teacher on held-out blocks"),
     "distill": ("dtpshard.training.distill:distill_cmd", "distil the DTP student from the dense teacher (resumable)"),
+    "convert": ("dtpshard.training.convert:convert_cmd",
+                "a dense checkpoint to a DTP student ready to serve: affinity, layout, distill (resumable)"),
     "teacher-cache": ("dtpshard.training.teacher_cache:teacher_cache_cmd",
                       "top-k teacher log-probabilities of the training blocks, once, for distill --teacher-cache"),
     "experiment": ("dtpshard.studies.experiment:experiment_cmd", "run a whole study from a config file (resumable)"),
@@ -127,8 +130,9 @@ def options(fn: Callable) -> list[Option]:
     for name, p in params.items():
         if nested and name == OVERRIDES:
             continue
-        if dataclasses.is_dataclass(hints[name]):  # its fields, but those the function names itself
-            out += [o for o in _fields(hints[name], into=name) if o.key not in params]
+        if dataclasses.is_dataclass(hints[name]):  # its fields, but those the function or an earlier dataclass names
+            seen = {o.key for o in out}
+            out += [o for o in _fields(hints[name], into=name) if o.key not in params and o.key not in seen]
             continue
         positional = p.kind is not p.KEYWORD_ONLY and p.default is p.empty
         out.append(Option(name, hints[name], p.default, docs.get(name, ""), positional))
@@ -324,7 +328,8 @@ def parse(name: str, fn: Callable, argv: list[str]) -> dict[str, Any]:
     for pname, cls in _dataclass_params(fn).items():
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs[pname] = cls(**{k: v for k, v in kwargs.items() if k in fields},
-                            **{o.key: values[o.key] for o in opts if o.into == pname and o.key in values})
+                            **{o.key: values[o.key] for o in opts if o.into not in (None, OVERRIDES)
+                               and o.key in fields and o.key in values})
     if getattr(fn, "override_flags", None):  # only the nested options given (flags or --config), nested
         kwargs[OVERRIDES] = {}
         for o in opts:

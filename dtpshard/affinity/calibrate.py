@@ -31,28 +31,52 @@ from dtpshard.model.dense import DenseModel, StreamedDense
 @dataclass(frozen=True)
 class CalibrationData:
     """What the pass scores: `blocks` blocks of `seq_len` tokens of --text files, a --dataset, or
-    (neither) the built-in offline corpus, in a document order seeded by `seed`."""
+    (neither) the built-in offline corpus, in a document order seeded by `seed`.
+
+    Args:
+        text: calibration text files or directories (.txt split at blank lines, .jsonl/.json records, .parquet)
+        dataset: a save_to_disk directory, a parquet file or directory, or a hub name: fineweb-edu, wikitext-2,
+            owner/name[:config]
+        text_field: the column or JSON field that holds the text
+        tokenizer: tokenizer directory, where MODEL has no tokenizer files
+        blocks: number of calibration blocks
+        seq_len: tokens per block
+        seed: seed of the document order
+    """
 
     text: list[str] | None = None
     dataset: str | None = None
     text_field: str = "text"
     tokenizer: Path | None = None  # None: the model's
-    blocks: int = 64
-    seq_len: int = 1024
-    seed: int = 0
+    blocks: Count = 64
+    seq_len: Count = 1024
+    seed: Seed = 0
 
 
 @dataclass(frozen=True)
 class PassSettings:
-    """How the pass runs; none of it changes the scores beyond float rounding."""
+    """How the pass runs; none of it changes the scores beyond float rounding.
 
-    micro_batch: int = 4  # sequences per module call
-    chunk: int = 0  # cap on tokens per score chunk; 0: automatic
-    device: str = "auto"
-    dtype: str = "float32"  # the compute dtype; sums are float64 whatever it is
-    offload: bool | None = None  # one layer at a time; None: only when the model does not fit the budget
-    memory_budget: float = 0.0  # GiB; 0: 0.8 x what is available now
-    spill_dir: Path | None = None  # hidden states beyond the budget; None: the output's directory
+    Args:
+        micro_batch: sequences per module call (memory)
+        chunk: cap on tokens per score chunk; 0 = automatic (memory)
+        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
+        dtype: compute dtype of the calibration pass (sums are always accumulated in float64)
+        offload: --offload reads one decoder layer at a time from the checkpoint, --no-offload holds the whole model;
+            default: offload only when the model does not fit --memory-budget
+        memory_budget: GiB the pass may hold (model and calibration hidden states); 0 = 0.8 x the memory available
+            now (RAM, or the GPU's free memory)
+        spill_dir: directory for the hidden states that do not fit the budget, in anonymous temporary files
+            (default: the directory of --out)
+    """
+
+    micro_batch: Count = 4
+    chunk: NonNegativeInt = 0
+    device: Device = "auto"
+    dtype: AffinityDType = "float32"  # sums are float64 whatever it is
+    offload: bool | None = None  # None: only when the model does not fit the budget
+    memory_budget: NonNegativeNumber = 0.0  # GiB; 0: 0.8 x what is available now
+    spill_dir: Path | None = None  # None: the output's directory
 
 
 @dataclass
@@ -183,7 +207,7 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
         micro_batch: sequences per module call (memory)
         chunk: cap on tokens per score chunk; 0 = automatic (memory)
         device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
-        dtype: compute dtype of the pass (sums are always accumulated in float64)
+        dtype: compute dtype of the calibration pass (sums are always accumulated in float64)
         offload: --offload reads one decoder layer at a time from the checkpoint, --no-offload holds the whole model;
             default: offload only when the model does not fit --memory-budget
         memory_budget: GiB the pass may hold (model and calibration hidden states); 0 = 0.8 x the memory available
