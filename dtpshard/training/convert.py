@@ -216,14 +216,18 @@ def _card_section(score: dict[str, Any], devices: int) -> str:
 # -- the command ------------------------------------------------------------------------------
 @contextmanager
 def _signals_end_in_one_line() -> Iterator[None]:
-    """SIGTERM ends the run as Ctrl-C does (KeyboardInterrupt: the CLI's one line), so each stage's
-    temporaries are removed on the way out."""
+    """SIGTERM ends the run as Ctrl-C does (KeyboardInterrupt: the CLI's one line, exit 130), so
+    each stage's temporaries are removed on the way out."""
     def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, stop) if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN else None
     try:
         yield
+    except SystemExit as e:  # SIGTERM inside an atomic write (core.io.exit_on_sigterm), its temporary removed
+        if e.code != 128 + signal.SIGTERM:
+            raise
+        raise KeyboardInterrupt from None
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
