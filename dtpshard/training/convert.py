@@ -63,19 +63,24 @@ class Paths:
 
 
 # -- the settings record ----------------------------------------------------------------------
+def _absolute(p: Any) -> str | None:
+    return None if p is None else str(Path(p).absolute())
+
+
+def _absolutes(paths: list[str] | None) -> list[str] | None:
+    return None if paths is None else [str(_absolute(t)) for t in paths]
+
+
 def record(cfg: DistillConfig, data: CalibrationData, run: PassSettings) -> dict[str, Any]:
     """Every compared setting, in the section of the first stage whose result it changes (cfg
     resolved: L and δ given). A setting shared by stages (--seq-len, --seed, the data) is in the first."""
-    absolute = lambda p: None if p is None else str(Path(p).absolute())  # noqa: E731
-    calibration = {"teacher": absolute(cfg.teacher), "delay": cfg.delay, "proxy": PROXY, "dtype": run.dtype,
-                   **dataclasses.asdict(data),
-                   "text": None if data.text is None else [absolute(t) for t in data.text],
-                   "tokenizer": absolute(data.tokenizer)}
+    calibration = {"teacher": _absolute(cfg.teacher), "delay": cfg.delay, "proxy": PROXY, "dtype": run.dtype,
+                   **dataclasses.asdict(data), "text": _absolutes(data.text), "tokenizer": _absolute(data.tokenizer)}
     layout = {"devices": cfg.devices}
     earlier = set(calibration) | set(layout)
     distillation = {k: getattr(cfg, k) for k in compared_fields(DistillConfig) if k not in earlier}
     distillation.update(save_dtype=cfg.save_dtype, max_shard_size=cfg.max_shard_size,
-                        eval_text=None if cfg.eval_text is None else [absolute(t) for t in cfg.eval_text])
+                        eval_text=_absolutes(cfg.eval_text))
     return json.loads(dumps({"format": FORMAT, "calibration": calibration, "layout": layout,
                              "distillation": distillation}))
 
@@ -95,8 +100,11 @@ def check_record(p: Paths, new: dict[str, Any]) -> None:
         raise UserError(f"{e}; use --force to start over") from None
     if old.get("format") != FORMAT:
         raise UserError(f"{p.record}: format {old.get('format')!r}, not {FORMAT!r}; use --force to start over")
-    sections = [s for s in ("calibration", "layout", "distillation")[:begun]]
-    flat = lambda r: {k: v for s in sections for k, v in (r.get(s) or {}).items()}  # noqa: E731
+    sections = ("calibration", "layout", "distillation")[:begun]  # the student stage has no settings of its own
+
+    def flat(r: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for s in sections if isinstance(r.get(s), dict) for k, v in r[s].items()}
+
     diff = config_differences(flat(old), flat(new), list(flat(new)))
     if diff:
         raise UserError(f"--out {p.out} was made with different settings: {'; '.join(diff)} "
@@ -124,7 +132,8 @@ def _stage(p: Paths, k: int, what: str) -> Iterator[None]:
     yield
     seconds = time.perf_counter() - t0
     times = read_json_object(p.timings, "timings") if p.timings.is_file() else {}
-    times[name] = float(times.get(name, 0.0)) + seconds
+    before = times.get(name)
+    times[name] = seconds + (before if isinstance(before, (int, float)) and not isinstance(before, bool) else 0.0)
     atomic_write_text(p.timings, dumps(times, indent=1) + "\n")
     _say(f"stage {k}/4 {name}: done in {seconds:.1f} s")
 
@@ -263,7 +272,7 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
                    "the teacher cache": cfg.teacher_cache, "the training text": cfg.text,
                    "the evaluation text": cfg.eval_text, "the dataset": local_paths([cfg.dataset, cfg.eval_dataset])})
     _check_dir(p.out, cfg.force)
-    convert_plan.refuse_unless_fits(convert_plan.plan_convert(cfg, data, run, _dtp(cfg), timed=False))
+    convert_plan.refuse_unless_fits(convert_plan.plan_convert(cfg, data, run, timed=False))
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: the layout comes from rank 0
         while not p.layout.is_file():
             time.sleep(1.0)
@@ -279,22 +288,17 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
         pass_ = None if p.affinity.is_file() else plan_calibration(cfg.teacher, p.affinity, data, delay=cfg.delay,
                                                                     run=run)  # every input checked, then written
         atomic_write_text(p.record, dumps(new, indent=1) + "\n")
-        for k, (done, stage) in enumerate([
-                (pass_ is None, lambda: calibrate_stage(p, pass_, cfg.progress)),
-                (p.layout.is_file(), lambda: layout_stage(p, cfg, cfg.progress)),
-                (p.student.is_dir() or (p.run / "DONE").is_file(), lambda: distill_stage(p, cfg)),
-                (p.student.is_dir(), lambda: student_stage(p, cfg))], 1):
+        distilled = p.student.is_dir() or (p.run / "DONE").is_file()
+        stages = [(pass_ is None, lambda: calibrate_stage(p, pass_, cfg.progress)),
+                  (p.layout.is_file(), lambda: layout_stage(p, cfg, cfg.progress)),
+                  (distilled, lambda: distill_stage(p, cfg)),
+                  (p.student.is_dir(), lambda: student_stage(p, cfg))]
+        for k, (done, run_stage) in enumerate(stages, 1):
             if done:
                 _say(f"stage {k}/4 {STAGES[k - 1]}: done before")
             else:
-                stage()
+                run_stage()
     return p
-
-
-def _dtp(cfg: DistillConfig) -> Any:
-    from dtpshard.core.settings import DTPSettings
-
-    return DTPSettings(cfg.devices, cfg.delay, cfg.stage3)
 
 
 def summary(p: Paths, cfg: DistillConfig) -> dict[str, Any]:
@@ -308,8 +312,8 @@ def summary(p: Paths, cfg: DistillConfig) -> dict[str, Any]:
     times = read_json(p.timings, "timings") if p.timings.is_file() else {}
     return {"out": str(p.out), "affinity": str(p.affinity), "layout": str(p.layout), "run": str(p.run),
             "student": str(p.student), "devices": cfg.devices, "delay": cfg.delay,
-            "J": {"optimised": score["J"], "contiguous": score["contiguous_J"], "random": score["random_J"],
-                  "random_expectation": score["random_expectation"]},
+            "J": {"optimised": score.get("J"), "contiguous": score.get("contiguous_J"),
+                  "random": score.get("random_J"), "random_expectation": score.get("random_expectation")},
             "kl": {"step_0": evals[0]["eval_kl"] if evals else None, "final": evals[-1]["eval_kl"] if evals else None,
                    "final_step": evals[-1]["step"] if evals else None},
             "seconds": {s: times.get(s) for s in STAGES}, "serve": serving(p.student, cfg.devices)}
@@ -336,7 +340,7 @@ def convert_cmd(teacher: Path, cfg: DistillConfig, data: CalibrationData, run: P
 
     if cfg.plan:
         full = resolved(teacher, cfg)
-        plans = convert_plan.plan_convert(full, data, run, _dtp(full), timed=True)
+        plans = convert_plan.plan_convert(full, data, run, timed=True)
         print(dumps([s.to_json() for s in plans]) if json else "\n".join(s.describe() for s in plans))
         convert_plan.refuse_unless_fits(plans)
         return 0

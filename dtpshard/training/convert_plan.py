@@ -137,8 +137,7 @@ def student_plan(cfg: DistillConfig, hf_config: Any, s: ModelShape) -> StagePlan
                      "hard links to the run's final/ (no copy)")
 
 
-def plan_convert(cfg: DistillConfig, data: CalibrationData, run: PassSettings, dtp: DTPSettings, *,
-                 timed: bool) -> list[StagePlan]:
+def plan_convert(cfg: DistillConfig, data: CalibrationData, run: PassSettings, *, timed: bool) -> list[StagePlan]:
     """Every stage's plan (cfg resolved: L and δ given); `timed`: also measure the matmul rate for
     the expected times."""
     import os
@@ -152,6 +151,7 @@ def plan_convert(cfg: DistillConfig, data: CalibrationData, run: PassSettings, d
 
     hf_config = load_hf_config(cfg.teacher)
     s = shape_from_hf_config(hf_config)
+    dtp = DTPSettings(cfg.devices, cfg.delay, cfg.stage3)
     device = pick_device(cfg.device)
     world = cfg.plan_world or (cfg.nproc if cfg.nproc > 1 else int(os.environ.get("WORLD_SIZE", "1")))
     local = cfg.nproc if cfg.nproc > 1 and cfg.plan_world is None else None
