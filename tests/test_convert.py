@@ -194,7 +194,7 @@ def test_plan_reads_no_weight(setup, tmp_path, monkeypatch, capsys):
     text = capsys.readouterr().out
     for stage in convert_mod.STAGES:
         assert stage in text
-    assert "memory per process" in text and "at least ~" in text
+    assert "memory per process" in text and ", about " in text
     assert main(args_for(setup, out) + ["--plan", "--json"]) == 0
     plans = json.loads(capsys.readouterr().out)
     assert [p["stage"] for p in plans] == list(convert_mod.STAGES) and all(p["fits"] for p in plans)

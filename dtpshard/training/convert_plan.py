@@ -3,10 +3,11 @@ teacher's config.json alone (no weight, no safetensors header, no text is read).
 
 Memory: the calibration pass's plan (affinity/offload.py: in memory or one layer at a time, the
 hidden states it keeps), the optimiser's edge matrices, distillation's plan (training/memory.py),
-the student's bytes on disk. Time: each stage's floating-point work (below) at the matmul rate
-this machine reaches now in the stage's dtype, measured on random matrices for about a quarter of
-a second. Real runs also spend time outside matmuls (norms, softmax, data, the optimiser's
-assignment), so each time is a lower bound of the order of the run.
+the student's bytes on disk. Time: each stage's matmul work (counted below from the shapes) at the
+rate this machine reaches now for the model's own matmul ([micro-batch tokens, hidden] @ [hidden,
+neurons], in the stage's dtype, on random matrices for about a quarter of a second). Real runs also
+spend time outside matmuls (norms, softmax, data, the optimiser's assignment) and the machine's load
+changes, so the time is an estimate of the order of the run, not a promise.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class StagePlan:
                 "seconds": self.seconds, "how": self.how}
 
     def describe(self) -> str:
-        time_ = "" if math.isnan(self.seconds) else f", at least ~{_duration(self.seconds)}"
+        time_ = "" if math.isnan(self.seconds) else f", about {_duration(self.seconds)}"
         memory = (f"{_size(self.memory):>11} of {_size(self.available):>11} per process, "
                   f"{'fits' if self.fits else 'DOES NOT FIT'}" if self.memory else "no memory beyond the files")
         return f"{self.stage:<13}{memory}{time_}\n             {self.how}"
@@ -60,20 +61,21 @@ def _duration(s: float) -> str:
     return f"{s:.1f} s" if s < 120 else f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
 
-def matmul_rate(device: str, dtype: str) -> float:
-    """Floating-point operations per second of a square matmul on `device` now."""
+def matmul_rate(device: str, dtype: str, rows: int, inner: int, cols: int) -> float:
+    """Floating-point operations per second on `device` now, of a [rows, inner] @ [inner, cols]
+    matmul (the model's own: tokens of a micro-batch, hidden size, neurons)."""
     import torch
 
-    n = 1024 if device.startswith("cuda") else 512
-    a = torch.randn(n, n, dtype=getattr(torch, dtype), device=device)
-    a @ a  # warm-up
+    a = torch.randn(rows, inner, dtype=getattr(torch, dtype), device=device)
+    b = torch.randn(inner, cols, dtype=getattr(torch, dtype), device=device)
+    a @ b  # warm-up
     reps, t0 = 0, time.perf_counter()
     while reps < 3 or time.perf_counter() - t0 < 0.25:
-        a @ a
+        a @ b
         reps += 1
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
-    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
+    return 2 * rows * inner * cols * reps / (time.perf_counter() - t0)
 
 
 def _edge_entries(s: ModelShape, delay: float) -> list[tuple[int, int]]:
@@ -156,7 +158,8 @@ def plan_convert(cfg: DistillConfig, data: CalibrationData, run: PassSettings, *
     world = cfg.plan_world or (cfg.nproc if cfg.nproc > 1 else int(os.environ.get("WORLD_SIZE", "1")))
     local = cfg.nproc if cfg.nproc > 1 and cfg.plan_world is None else None
     train_dtype = "bfloat16" if resolve_precision(cfg.precision, device) == "bf16-mixed" else "float32"
-    rates = {d: matmul_rate(device, d) if timed else None for d in {run.dtype, train_dtype}}
+    rows = min(cfg.micro_batch * cfg.seq_len, 4096)
+    rates = {d: matmul_rate(device, d, rows, s.hidden, s.neurons) if timed else None for d in {run.dtype, train_dtype}}
     return [calibration_plan(s, data, run, dtp.delay, device, rates[run.dtype]),
             layout_plan(s, dtp, int(psutil.virtual_memory().available), rates[train_dtype]),
             distill_plan(cfg, s, world, local, device, rates[train_dtype]),
