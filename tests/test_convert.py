@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -125,14 +124,24 @@ def test_a_sigkill_in_each_stage_resumes_to_the_same_student(setup, straight, tm
 
 def test_sigterm_ends_it_in_one_line(setup, tmp_path):
     out = tmp_path / "stopped"
-    proc = subprocess.Popen([sys.executable, "-m", "dtpshard", *args_for(setup, out)], stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    for line in proc.stderr:  # the calibration has started
-        if "stage 1/4 calibration:" in line:
-            proc.send_signal(signal.SIGTERM)
-            break
-    rest = proc.stderr.read().strip().splitlines()
-    assert proc.wait(timeout=120) == 130
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a fork of this process, its stderr the pipe
+        try:
+            os.dup2(write, 2)
+            sys.stderr = os.fdopen(2, "w", buffering=1)
+            os._exit(main(args_for(setup, out)))
+        finally:
+            os._exit(99)
+    os.close(write)
+    with os.fdopen(read) as err:
+        for line in err:  # the calibration has started
+            if "stage 1/4 calibration:" in line:
+                os.kill(pid, signal.SIGTERM)
+                break
+        rest = err.read().strip().splitlines()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 130
     assert rest[-1:] == ["dtpshard convert: interrupted"], rest
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
 
