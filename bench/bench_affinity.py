@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from dtpshard.affinity.scorer import ScoreOptions, compute_affinity
-from dtpshard.core.shape import shape_from_hf_config
 from dtpshard.model.dense import DenseModel
 
 
@@ -49,10 +48,13 @@ def bench_model(name: str, hf, ids: torch.Tensor, micro_batch: int, repeat: int,
     time and of this process's CPU time (less sensitive to other processes; use --threads 1)."""
     gpu = device.startswith("cuda")
     hf, ids = hf.to(device), ids.to(device)
-    backbone = lambda: hf_forward(hf, ids, micro_batch, True)  # noqa: E731
+
+    def backbone():
+        return hf_forward(hf, ids, micro_batch, True)
+
     backbone()
     t_full = min(timed(lambda: hf_forward(hf, ids, micro_batch, False), device)[0] for _ in range(max(1, repeat // 2)))
-    dense = DenseModel(shape_from_hf_config(hf.config), hf.config, hf.state_dict(), device=device)
+    dense = DenseModel.from_state_dict(hf.config, hf.state_dict(), device=device)
     threads = "" if gpu else f", {torch.get_num_threads()} threads"
     print(f"\n## {name}: {ids.shape[0]} x {ids.shape[1]} tokens on {device}{threads}")
     print(f"dense forward with LM head (transformers): {t_full:.2f} s\n")

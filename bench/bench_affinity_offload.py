@@ -141,7 +141,10 @@ def main() -> None:
                 above = r["peak"] - r["base"]
                 print(f"| {name} | {r['peak'] / GB:.2f} | {r['peak'] / on_disk:.2f} | {above / GB:.2f} | "
                       f"{above / on_disk:.2f} | {r['wall']:.1f} |")
-        med = lambda f: float(np.median([f(a, b) for a, b in zip(runs["offload"], runs["memory"])]))  # noqa: E731
+
+        def med(f):
+            return float(np.median([f(a, b) for a, b in zip(runs["offload"], runs["memory"])]))
+
         print(f"\nstreamed / in memory, median of the {args.repeat} A-B pairs: peak RSS "
               f"{med(lambda a, b: a['peak'] / b['peak']):.2f}, peak above imports "
               f"{med(lambda a, b: (a['peak'] - a['base']) / (b['peak'] - b['base'])):.2f} (target <= 0.6), "

@@ -166,7 +166,10 @@ def main() -> None:
 
 
 def report(before: list[dict], arms: dict[str, dict]) -> None:
-    peak = lambda rec, phase: max(v for v in rec["measured"][phase] if v is not None)  # noqa: E731 - largest rank
+
+    def peak(rec: dict, phase: str) -> int:  # of the largest rank
+        return max(v for v in rec["measured"][phase] if v is not None)
+
     base = {p: max(r[p] for r in before) for p in ("setup", "training", "saving")}
     print(f"\npeak RSS per process (largest rank), MB {'setup':>9} {'training':>9} {'saving':>9}"
           f"   {'setup / before':>14}")
@@ -187,7 +190,10 @@ def report(before: list[dict], arms: dict[str, dict]) -> None:
 
 
 def checkpointing_line(arms: dict[str, dict]) -> None:
-    peak = lambda rec: max(v for v in rec["measured"]["training"] if v is not None)  # noqa: E731 - largest rank
+
+    def peak(rec: dict) -> int:  # of the largest rank
+        return max(v for v in rec["measured"]["training"] if v is not None)
+
     plain, ckpt = arms["FSDP fp32"], arms["FSDP fp32, --grad-checkpointing"]
     planned = plain["plan"]["parts"]["activations"] - plain["plan"]["activations_with_checkpointing"]
     print(f"\nactivation memory --grad-checkpointing saves under --fsdp (training peak, largest rank): measured "

@@ -83,12 +83,13 @@ def _timed(net, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, fl
 
 def worker(model: str, args: dict, out: str) -> int:
     from dtpshard.core.launch import process_group, set_threads
+    from dtpshard.core.settings import resolve_dtp
     from dtpshard.runtime.ranks import RankModel, check_world
 
     set_threads(args["threads"])
     with process_group(timeout=300) as (rank, world):
         ckpt, _ = check_world(model, world)
-        net = RankModel(ckpt, rank, world, timeout=300)
+        net = RankModel(ckpt, rank, resolve_dtp(ckpt.shape, devices=world), timeout=300)
         real_link = net.link
         prompt = torch.randint(0, ckpt.shape.vocab, (1, args["prompt_len"]),
                                generator=torch.Generator().manual_seed(0))

@@ -11,6 +11,9 @@
 6. The teacher cache on CUDA: built, then a short distillation reading it (`--teacher-cache`).
 7. CUDA-graph decoding with NCCL (runtime/graphs.py): equal to eager decoding (1 rank, or 2 with
    two GPUs), and ms/token eager vs graph replay.
+8. vLLM (where `import vllm` works: its CUDA build with dtpshard installed beside it): a DTP student
+   against plain TP on the same weights (bench/bench_vllm.py), TP 2, 4 and 8 as the GPUs allow,
+   batch 1 and 8, compiled with CUDA graphs (vLLM's default), bf16; the ratio is DTP / TP throughput.
 
     PYTHONPATH=. python bench/cuda_check.py
 """
@@ -190,12 +193,13 @@ def teacher_cache() -> bool:
 
 def _graph_timing(model_dir: str, out: str) -> int:
     from dtpshard.core.launch import process_group
+    from dtpshard.core.settings import resolve_dtp
     from dtpshard.runtime.graphs import GraphDecoder
     from dtpshard.runtime.ranks import RankModel, check_world
 
     with process_group(timeout=300, backend="nccl") as (rank, world):
         ckpt, _ = check_world(model_dir, world)
-        net = RankModel(ckpt, rank, world, delay=1, timeout=300, device="cuda")
+        net = RankModel(ckpt, rank, resolve_dtp(ckpt.shape, devices=world, delay=1), timeout=300, device="cuda")
         prompt = torch.randint(0, ckpt.shape.vocab, (1, 128), device="cuda")
         res = {}
         for name, dec in (("eager", net), ("graph", GraphDecoder(net, 1, 512)), ("eager ", net),
@@ -242,6 +246,25 @@ def cuda_graphs() -> bool:
     return ok
 
 
+def vllm_pair() -> bool:
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("vllm") is None:
+        print("SKIP  vLLM DTP vs TP: vllm is not installed here (pip install vllm, then this checkout)")
+        return True
+    from bench_vllm import make_pair, measure, table
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU")}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for tp in (t for t in (2, 4, 8) if t <= torch.cuda.device_count()):
+            pair = make_pair(Path(tmp) / f"tp{tp}", tp, dtype="bfloat16")
+            rows += measure(Path(sys.executable), pair, tp, [1, 8], 65, 3, dtype="bfloat16", eager=False, env=env)
+    print(table(rows))
+    return check("vLLM DTP vs TP ran", bool(rows), f"{len(rows)} rows") if rows else True
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         raise SystemExit("bench/cuda_check.py needs a CUDA device: torch.cuda.is_available() is False here")
@@ -252,4 +275,5 @@ if __name__ == "__main__":
     ok &= compiled()
     ok &= teacher_cache()
     ok &= cuda_graphs()
+    ok &= vllm_pair()
     sys.exit(0 if ok else 1)

@@ -6,9 +6,8 @@ these reasons only, said here once rather than at each:
 - The help stays fast. `dtpshard --help` imports only cli.py (and this package), and
   `dtpshard COMMAND --help` the command's module and what that imports at its top. On that path
   a module the help does not use waits for the function that uses it when it takes a noticeable
-  time to import (docs/benchmarks.md, "Import times"): torch, transformers, scipy, matplotlib, and
-  cyclopts for the top-level help; in the command modules that do not load torch, also yaml,
-  psutil and importlib.metadata.
+  time to import (docs/benchmarks.md, "Import times"): torch, transformers, scipy, matplotlib; in
+  the command modules that do not load torch, also yaml, psutil and importlib.metadata.
 - An optional dependency: datasets and pyarrow (the `hf` extra), tensorboard.
 - A part of torch that only one option uses and that costs as much again to import: FSDP2, DTensor
   and distributed checkpoints (`--fsdp`, training/fsdp.py).

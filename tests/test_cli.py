@@ -97,9 +97,12 @@ def test_flag_spellings(tmp_path):
     fn = cli.load_command("affinity")
     got = cli.parse("affinity", fn, ["m", "--out", "o", "--seq-len", "8", "--text", "a", "b", "--no-progress",
                                      "--json"])
-    assert (got["seq_len"], got["text"], got["progress"], got["json"]) == (8, ["a", "b"], False, True)
+    assert (got["data"].seq_len, got["data"].text, got["progress"], got["json"]) == (8, ["a", "b"], False, True)
     fn = cli.load_command("distill")
-    compile_as = lambda *flags: cli.parse("distill", fn, ["t", "--out", "o", *flags])["cfg"].compile  # noqa: E731
+
+    def compile_as(*flags):
+        return cli.parse("distill", fn, ["t", "--out", "o", *flags])["cfg"].compile
+
     assert (compile_as(), compile_as("--compile"), compile_as("--compile", "off"), compile_as("--no-compile"),
             compile_as("--compile=on", "--steps", "3")) == ("auto", "on", "off", "off", "on")
 

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -128,6 +129,17 @@ def test_tensor_parallel_student_starts_at_kl_zero(setup, tmp_path):
     assert main(args_for(setup, run, delay=0, steps=1, layout=None, devices=2)) == 0
     first, train = rundir.read_metrics(run)[:2]
     assert abs(first["eval_kl"]) < 1e-6 and abs(train["kl"]) < 1e-6  # fp32 rounding; δ = 1 starts near 0.1
+
+
+def test_model_card_names_no_place_on_this_machine(setup, straight):
+    """The card is made to be uploaded: the teacher by its name, the run's records relative to the
+    card, any other file (the layout, the text) by its name; no absolute path, no home directory."""
+    card = (straight / "final" / "README.md").read_text()
+    assert not re.findall(r"(?<![\w:/.~-])/[\w.-]+/", card) and "~/" not in card, card
+    for place in (setup["root"], setup["model"], Path.home()):
+        assert str(place) not in card
+    assert "`../config.json`" in card and "`../metrics.jsonl`" in card
+    assert "`llama` (llama family)" in card and "`layout.json`, kind random" in card and "text:docs.txt" in card
 
 
 def test_lr_schedule(straight):

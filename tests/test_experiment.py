@@ -207,6 +207,29 @@ def test_config_json_reads_back_as_the_same_typed_experiment(study):
     assert _compared(published) == _compared(record(load_config(STUDY)))
 
 
+def test_the_sixteen_random_layouts_study_extends_the_published_one():
+    """smollm2_random16.toml is the δ = 1 study (every setting, every layout and run of its
+    published config.json) with twelve random layouts and random-3's second seed added: what lets
+    its directory reuse the published runs."""
+    import dataclasses
+
+    from dtpshard.studies.config import read_record
+    from dtpshard.studies.experiment import load_config
+
+    published = read_record(json.loads((ROOT / "docs" / "results" / "smollm2-l3-d1" / "config.json").read_text()))
+    extended = load_config(ROOT / "dtpshard" / "configs" / "smollm2_random16.toml")
+    assert dataclasses.replace(extended, arms=[]) == dataclasses.replace(published, arms=[])
+
+    def runs(cfg):
+        return {(spec.name, seed): spec for arm in cfg.arms for spec in arm.layouts for seed in arm.seeds}
+
+    old, new = runs(published), runs(extended)
+    assert all(new.get(k) == spec for k, spec in old.items())
+    added = sorted(set(new) - set(old))
+    assert added == sorted([("random-3", 1)] + [(f"random-{s}", 0) for s in range(4, 16)])
+    assert all(new[k].kind == "random" and new[k].seed == int(k[0].split("-")[1]) for k in added)
+
+
 def test_hand_edited_scores_are_recomputed_and_timings_refused_in_one_line(study, tmp_path, capsys):
     out = tmp_path / "exp"
     assert main(["experiment", str(study), "--out", str(out)]) == 0

@@ -12,6 +12,7 @@ DELAYS = (0, 1, 2)
 
 def _worker(model_dir, out_dir, backend):
     from dtpshard.core.launch import process_group, set_threads
+    from dtpshard.core.settings import resolve_dtp
     from dtpshard.runtime.graphs import GraphDecoder
     from dtpshard.runtime.ranks import RankModel, check_world
 
@@ -20,7 +21,7 @@ def _worker(model_dir, out_dir, backend):
     with process_group(timeout=120, backend=backend) as (rank, world):
         dev = "cuda" if backend == "nccl" else "cpu"
         ckpt, _ = check_world(model_dir, world)
-        net = RankModel(ckpt, rank, world, timeout=120, device=dev)
+        net = RankModel(ckpt, rank, resolve_dtp(ckpt.shape, devices=world), timeout=120, device=dev)
         res = {}
         for delay in DELAYS:
             net.set_delay(delay)

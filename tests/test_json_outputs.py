@@ -20,7 +20,7 @@ def test_layout_score_and_permute(tiny_dirs, tmp_path, capsys):
     out = _one_object(capsys)
     layout = Layout.load(tmp_path / "l.json")
     assert out["score"]["J"] == layout.score["J"] > out["score"]["random_expectation"]
-    assert out["kind"] == "optimised" and out["sha256"] == layout.content_sha256()
+    assert out["kind"] == "optimised" and out["layout_sha256"] == layout.content_sha256()
     assert main(["score", str(aff), str(tmp_path / "l.json"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["J"] == out["score"]["J"]
 

@@ -40,12 +40,13 @@ def _threads() -> list[str]:
 
 def _ended_in_order(model, out, delay, latency):
     """One rank: a forward, then a transfer posted and never taken, left for the end to take."""
+    from dtpshard.core.settings import resolve_dtp
     from dtpshard.runtime.ranks import RankModel, check_world
 
     torch.set_num_threads(1)
     with process_group(timeout=60) as (rank, world):
         ckpt, _ = check_world(model, world)
-        net = RankModel(ckpt, rank, world, delay=delay, timeout=60, latency=latency)
+        net = RankModel(ckpt, rank, resolve_dtp(ckpt.shape, devices=world, delay=delay), timeout=60, latency=latency)
         net(torch.zeros(1, 5, dtype=torch.long))
         net.link.post(0, torch.ones(4))
         inside = _threads()

@@ -133,3 +133,14 @@ def test_constructors_refuse_bad_devices():
         Layout.random(MODEL, 5)
     with pytest.raises(UserError, match="devices=0 must be at least 1"):
         Layout.contiguous(MODEL, 0)
+
+
+def test_a_recorded_layout_hash_is_checked_under_either_key(tmp_path):
+    from dtpshard.core.layout import HASH_KEY
+
+    layout = Layout.random(UnitShape(layers=2, kv_groups=4, heads_per_group=2, neurons=16), devices=2, seed=1)
+    for key in (HASH_KEY, "sha256"):  # "sha256": files that recorded it under the older key
+        obj = {**layout.to_json(), key: layout.content_sha256()}
+        assert Layout.from_json(obj).content_sha256() == layout.content_sha256()
+        with pytest.raises(UserError, match="the file was edited"):
+            Layout.from_json({**obj, key: "0" * 16})

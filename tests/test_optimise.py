@@ -296,9 +296,10 @@ def test_delay_zero_has_no_edges_and_kinds_are_checked():
         optimise_layout(aff, 4, 1, "best")
     with pytest.raises(UserError, match="kind 'random'"):  # contiguous and random are made, not optimised
         optimise_layout(aff, 4, 1, "random")
+    from dtpshard.core.settings import DTPSettings
     from dtpshard.layouts.make import make_layout
 
     with pytest.raises(UserError, match="--layers and --restarts"):
-        make_layout(aff.model, 4, 1, "random", affinity=aff, restarts=2)
-    scored = make_layout(aff.model, 4, 1, "contiguous", affinity=aff)
+        make_layout(aff.model, DTPSettings(4, 1, "sqrt"), "random", affinity=aff, restarts=2)
+    scored = make_layout(aff.model, DTPSettings(4, 1, "sqrt"), "contiguous", affinity=aff)
     assert scored.is_identity() and scored.score["J"] == pytest.approx(colocated_score(aff, scored)["J"], rel=1e-12)

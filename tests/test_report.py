@@ -20,18 +20,18 @@ PLAN = {
 ZERO = {"optimised": 1.0, "contiguous": 1.2, "random-0": 1.2, "random-1": 1.3, "anti": 1.9}
 
 
-def make_experiment(d, unfinished=None):
+def make_experiment(d, unfinished=None, plan=PLAN, zero_kl=ZERO):
     (d / "layouts").mkdir(parents=True)
     (d / "config.json").write_text(json.dumps({"model": "synthetic", "devices": 4, "delay": 1,
                                                "training": {"steps": 100, "micro_batch": 2, "grad_accum": 1,
                                                             "seq_len": 64}}))
     zero = {}
-    for name, (kind, J, seeds) in PLAN.items():
+    for name, (kind, J, seeds) in plan.items():
         up = [J / 10, J / 12, J / 9]
         layout = {"format": "dtpshard.layout/1", "kind": kind, "score": {
             "J": J, "ratio_to_random": J / 5, "layers": [{"layer": i, "up": u, "down": 0.3} for i, u in enumerate(up)]}}
         (d / "layouts" / f"{name}.json").write_text(json.dumps(layout))
-        zero[name] = {"kl": ZERO[name], "ppl": float(np.exp(3 + ZERO[name])), "tokens": 100}
+        zero[name] = {"kl": zero_kl[name], "ppl": float(np.exp(3 + zero_kl[name])), "tokens": 100}
         for seed, kl in seeds.items():
             run = d / "runs" / f"{name}-s{seed}"
             run.mkdir(parents=True)
@@ -184,7 +184,7 @@ def test_head_start_and_side_by_side_sections(tmp_path):
     assert (d / "figures" / "head_start.png").read_bytes()[:4] == b"\x89PNG"
     opt = np.mean([c for c in PLAN["optimised"][2].values()], axis=0)
     cont = np.mean([c for c in PLAN["contiguous"][2].values()], axis=0)
-    section = md[md.index("## The head start over training"):]
+    section = _section(md, "The head start over training")
     rows = [ln for ln in section.splitlines() if ln.startswith("| 100 |")]
     assert len(rows) == 2  # the chosen steps' table and the every-evaluation one
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
@@ -198,3 +198,94 @@ def test_head_start_and_side_by_side_sections(tmp_path):
     side = md[md.index("## Side by side with"):]
     assert "| this study (δ = 1) | optimised | 3 | 0.600 | 0.400 |" in side
     assert f"{other} (δ = 1) | contiguous |" in side
+
+
+# four random layouts: random-1 beats optimised-s1, random-2 stalls with one of its two seeds
+RIVALS = {
+    "optimised": ("optimised", 9.0, {0: [1.0, 0.50, 0.30], 1: [1.0, 0.55, 0.36]}),
+    "contiguous": ("contiguous", 5.0, {0: [1.2, 0.60, 0.40], 1: [1.2, 0.62, 0.42]}),
+    "random-0": ("random", 5.2, {0: [1.3, 0.70, 0.45]}),
+    "random-1": ("random", 5.1, {0: [1.3, 0.52, 0.35]}),
+    "random-2": ("random", 5.15, {0: [1.3, 1.0, 0.9], 1: [1.3, 0.6, 0.38]}),
+    "random-3": ("random", 4.9, {0: [1.25, 0.65, 0.44]}),
+    "anti": ("anti", 2.0, {0: [1.9, 1.5, 1.2]}),
+}
+RIVALS_ZERO = {name: seeds[0][0] for name, (_, _, seeds) in RIVALS.items()}
+UP_DOWN = {"random-0": (0.34, 0.33), "random-1": (0.33, 0.32), "random-2": (0.30, 0.36), "random-3": (0.35, 0.34)}
+
+
+def _rivals(d, plan=RIVALS):
+    make_experiment(d, plan=plan, zero_kl=RIVALS_ZERO)
+    for name, (up, down) in UP_DOWN.items():
+        p = d / "layouts" / f"{name}.json"
+        lay = json.loads(p.read_text())
+        lay["score"]["edges"] = [{"src": 0, "dst": 1, "colocated": up}, {"src": 1, "dst": 2, "colocated": down}]
+        p.write_text(json.dumps(lay))
+    return write_report(d).read_text()
+
+
+def _section(md, title):
+    part = md[md.index(f"## {title}") + 3:]
+    return part[:part.index("\n## ")] if "\n## " in part else part
+
+
+def test_who_beats_whom_at_every_evaluation(tmp_path):
+    sec = _section(_rivals(tmp_path / "exp"), "Who beats whom")
+    # random-2 counts once, with its seed mean (0.64 at step 100, 0.8 at step 50)
+    assert "| 100 | 4/4 random, 2/2 contiguous | 3/4 random, 2/2 contiguous | held |" in sec
+    assert "| 50 | 4/4 random, 2/2 contiguous | 3/4 random, 2/2 contiguous | held |" in sec
+    assert "| 0 | 4/4 random, 2/2 contiguous | 4/4 random, 2/2 contiguous | held |" in sec
+    assert "all but one of the 4 random layouts\". At step 100: **held**; at 3 of 3 evaluations" in sec
+    assert "optimised-s1 (0.3600) to random-1 (0.3500)" in sec
+    assert "the narrowest win: optimised-s1 (0.3600) over random-2 (0.3800)" not in sec  # a layout, not a seed
+    assert "the narrowest win: optimised-s1 (0.3600) over contiguous-s0 (0.4000), by 0.0400 (10.0%)" in sec
+
+    beaten_twice = {**RIVALS, "random-3": ("random", 4.9, {0: [1.25, 0.65, 0.355]})}
+    sec = _section(_rivals(tmp_path / "two", beaten_twice), "Who beats whom")
+    assert "| 100 | 4/4 random, 2/2 contiguous | 2/4 random, 2/2 contiguous | not held |" in sec
+    assert "At step 100: **not held**; at 2 of 3 evaluations (steps 0, 50)" in sec
+    assert "optimised-s1 (0.3600) to random-1 (0.3500), random-3 (0.3550)" in sec
+
+
+def test_no_dominance_section_without_rivals(tmp_path):
+    plan = {k: v for k, v in RIVALS.items() if k in ("optimised", "contiguous", "anti")}  # no random layout
+    md = write_report(make_experiment(tmp_path / "exp", plan=plan, zero_kl=RIVALS_ZERO)).read_text()
+    assert "## Who beats whom" not in md
+
+
+def test_stalled_layouts_their_j_and_layout_or_training(tmp_path):
+    from dtpshard.studies.stalls import STALL_KEPT
+
+    md = _rivals(tmp_path / "exp")
+    sec = _section(md, "Layouts that stall")
+    assert f"more than {STALL_KEPT:.0%} of its KL at step 0" in sec
+    ranked = sorted(RIVALS, key=lambda n: -RIVALS[n][1])  # J rank among the 7 trained layouts
+    assert ("| random-2 | random | 1 of 2 | random-2-s0 1.300 → 0.900 (69%); random-2-s1 1.300 → 0.380 (29%) | "
+            f"5.1500 | {ranked.index('random-2') + 1} |") in sec
+    assert "| no (3 layouts that trained normally have a lower J: contiguous, random-1, random-3) |" in sec
+    assert "| anti | anti | 1 of 1 | anti-s0 1.900 → 1.200 (63%) | 2.0000 | 7 | 7 | yes |" in sec
+    # the correlation without the anti and stalled layouts, recomputed on the seed means
+    kept = ["contiguous", "optimised", "random-0", "random-1", "random-3"]
+    js = [RIVALS[n][1] for n in kept]
+    kl = [np.mean([c[2] for c in RIVALS[n][2].values()]) for n in kept]
+    r = pearsonr(js, kl).statistic
+    assert "J against the trained KL without anti, random-2:" in sec
+    assert f"KL step 100 against J over 5 layouts: Pearson r = {r:+.3f}" in sec
+    assert "random-2 stalls with 1 of its 2 training seeds: a property of its training" in sec
+    peers = [UP_DOWN[n][0] for n in ("random-0", "random-1", "random-3")]
+    assert (f"| the other 3: mean ± sd | {np.mean([5.2, 5.1, 4.9]):.4f} ± {np.std([5.2, 5.1, 4.9], ddof=1):.4f} | "
+            f"{1.2833:.4f} ± ") in sec
+    z = (0.30 - np.mean(peers)) / np.std(peers, ddof=1)
+    assert _row(sec, "random-2: (value − mean) / sd")[3] == f"{z:+.2f}"  # the up edge's column
+    assert "| random-2: rank of 4 (1 = highest) | 2 | 1 | 4 | 1 |" in sec
+    assert "### anti" not in sec  # one seed and no other anti layout: nothing to tell with
+
+    both = {**RIVALS, "random-2": ("random", 5.15, {0: [1.3, 1.0, 0.9], 1: [1.3, 1.1, 0.95]})}
+    sec = _section(_rivals(tmp_path / "both", both), "Layouts that stall")
+    assert "random-2 stalls with all 2 of its training seeds: a property of its layout." in sec
+
+
+def test_no_stall_is_said_so(tmp_path):
+    md = write_report(make_experiment(tmp_path / "exp")).read_text()
+    assert "No run stalls." in _section(md, "Layouts that stall")
+    assert "without" not in _section(md, "Layouts that stall")  # no anti run, no stall: nothing to leave out

@@ -42,6 +42,7 @@ def _ids(T, seed, vocab=384):
 def _equivalence_worker(model_dir, layout_path, out_dir):
     """One rank: everything the test compares, saved to out_dir/rank{r}.pt."""
     from dtpshard.core.launch import process_group, set_threads
+    from dtpshard.core.settings import resolve_dtp
     from dtpshard.runtime.ranks import RankModel, check_world
 
     set_threads()  # one core each: oversubscribed OpenMP threads make a forward ~10x slower
@@ -50,7 +51,7 @@ def _equivalence_worker(model_dir, layout_path, out_dir):
         ckpt, _ = check_world(model_dir, world)
         res = {}
         for name, lay in (("contiguous", None), ("random", Layout.load(layout_path))):
-            net = RankModel(ckpt, rank, world, lay, delay=0, timeout=120)
+            net = RankModel(ckpt, rank, resolve_dtp(ckpt.shape, devices=world, delay=0), lay, timeout=120)
             res[name, "bytes"] = net.sharded_bytes()
             for delay in DELAYS:
                 net.set_delay(delay)

@@ -120,10 +120,12 @@ def _cli(args, env_extra=None):
 
 
 def test_cached_distillation_resumes_after_a_kill(cached, tmp_path, capsys):
-    args = lambda run: ["distill", str(cached["model"]), "--out", str(run), "--teacher-cache",  # noqa: E731
-                        str(cached["cache"]), "--no-progress", "--eval-blocks", "2", "--eval-every", "4",
-                        "--checkpoint-every", "3", "--devices", "2", "--lr", "1e-3", "--warmup", "2",
-                        "--eval-text", str(cached["root"] / "docs.txt"), "--seed", "1", *cached["data"]]
+    def args(run):
+        return ["distill", str(cached["model"]), "--out", str(run), "--teacher-cache", str(cached["cache"]),
+                "--no-progress", "--eval-blocks", "2", "--eval-every", "4", "--checkpoint-every", "3", "--devices",
+                "2", "--lr", "1e-3", "--warmup", "2", "--eval-text", str(cached["root"] / "docs.txt"), "--seed", "1",
+                *cached["data"]]
+
     straight = tmp_path / "straight"
     assert main(args(straight)) == 0
     rows = rundir.read_metrics(straight)
@@ -134,7 +136,10 @@ def test_cached_distillation_resumes_after_a_kill(cached, tmp_path, capsys):
     first = _cli(args(run), {"DTPSHARD_TEST_CRASH": "step:5"})
     assert first.returncode == 17, first.stderr
     assert _cli(args(run)).returncode == 0
-    strip = lambda rs: [{k: v for k, v in r.items() if k != "wall"} for r in rs]  # noqa: E731
+
+    def strip(rs):
+        return [{k: v for k, v in r.items() if k != "wall"} for r in rs]
+
     assert strip(rundir.read_metrics(run)) == strip(rows)
     # the same run without the cache computes another loss: refused
     (run / "DONE").unlink()

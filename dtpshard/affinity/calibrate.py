@@ -10,9 +10,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from cyclopts import Parameter
 
 from dtpshard.affinity.file import Affinity, edges_for_delay, is_affinity_file
 from dtpshard.affinity.offload import GiB, HiddenStates, Plan, default_budget, plan
@@ -21,6 +22,7 @@ from dtpshard.core.devices import pick_device
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, check_replaceable, local_paths
 from dtpshard.core.io import check_output_file, check_writable_dir, dumps
+from dtpshard.core.settings import DEFAULT
 from dtpshard.core.shape import check_delay
 from dtpshard.core.vocab import AffinityDType, Count, Delay, Device, NonNegativeInt, NonNegativeNumber, Proxy, Seed
 from dtpshard.data.blocks import load_texts, make_blocks
@@ -60,7 +62,6 @@ class PassSettings:
     Args:
         micro_batch: sequences per module call (memory)
         chunk: cap on tokens per score chunk; 0 = automatic (memory)
-        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         dtype: compute dtype of the calibration pass (sums are always accumulated in float64)
         offload: --offload reads one decoder layer at a time from the checkpoint, --no-offload holds the whole model;
             default: offload only when the model does not fit --memory-budget
@@ -73,10 +74,10 @@ class PassSettings:
     micro_batch: Count = 4
     chunk: NonNegativeInt = 0
     device: Device = "auto"
-    dtype: AffinityDType = "float32"  # sums are float64 whatever it is
-    offload: bool | None = None  # None: only when the model does not fit the budget
-    memory_budget: NonNegativeNumber = 0.0  # GiB; 0: 0.8 x what is available now
-    spill_dir: Path | None = None  # None: the output's directory
+    dtype: AffinityDType = "float32"
+    offload: bool | None = None
+    memory_budget: NonNegativeNumber = 0.0
+    spill_dir: Path | None = None
 
 
 @dataclass
@@ -115,7 +116,7 @@ class CalibrationPlan:
         return f"affinity pass: {self.memory.describe()}"
 
 
-def plan_calibration(model: Path, out: Path, data: CalibrationData = CalibrationData(), *, delay: float = 1,
+def plan_calibration(model: Path, out: Path, data: CalibrationData = CalibrationData(), *, delay: float = DEFAULT.delay,
                      run: PassSettings = PassSettings()) -> CalibrationPlan:
     """Read the model's headers and the calibration tokens and plan the pass; every bad input
     (model, data, δ, --out) is refused here, before any scoring."""
@@ -162,19 +163,17 @@ def run_calibration(p: CalibrationPlan, proxy: str = "first-order", progress: bo
     return CalibrationResult(p.out, len(edges), int(p.ids.numel()), seconds, str(p.device), p.source, options, p.memory)
 
 
-def calibrate(model: Path, out: Path, data: CalibrationData = CalibrationData(), *, delay: float = 1,
+def calibrate(model: Path, out: Path, data: CalibrationData = CalibrationData(), *, delay: float = DEFAULT.delay,
               proxy: str = "first-order", run: PassSettings = PassSettings(),
               progress: bool = False) -> CalibrationResult:
     """The whole pass: plan_calibration, then run_calibration."""
     return run_calibration(plan_calibration(model, out, data, delay=delay, run=run), proxy, progress)
 
 
-def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, dataset: str | None = None,
-                 text_field: str = "text", tokenizer: Path | None = None, blocks: Count = 64, seq_len: Count = 1024,
-                 delay: Delay = 1.0, seed: Seed = 0, proxy: Proxy = "first-order", micro_batch: Count = 4,
-                 chunk: NonNegativeInt = 0, device: Device = "auto", dtype: AffinityDType = "float32",
-                 offload: bool | None = None, memory_budget: NonNegativeNumber = 0.0, spill_dir: Path | None = None,
-                 progress: bool = True, json: bool = False) -> int:
+def affinity_cmd(model: Path, *, out: Path, data: Annotated[CalibrationData, Parameter(name="*")] = CalibrationData(),
+                 delay: Delay = DEFAULT.delay, proxy: Proxy = "first-order",
+                 run: Annotated[PassSettings, Parameter(name="*")] = PassSettings(), progress: bool = True,
+                 json: bool = False) -> int:
     """Score how much every unit depends on every co-located unit (docs/design.md §2), in one pass.
 
     Calibration text (--text files, or --dataset, or by default the built-in offline corpus) is
@@ -192,37 +191,17 @@ def affinity_cmd(model: Path, *, out: Path, text: list[str] | None = None, datas
     Args:
         model: Hugging Face checkpoint directory (llama, mistral, qwen2 or qwen3 family)
         out: affinity file to write (required; safetensors, format dtpshard.affinity/1)
-        text: calibration text files or directories (.txt split at blank lines, .jsonl/.json records, .parquet)
-        dataset: a save_to_disk directory, a parquet file or directory, or a hub name: fineweb-edu, wikitext-2,
-            owner/name[:config]
-        text_field: the column or JSON field that holds the text
-        tokenizer: tokenizer directory, where MODEL has no tokenizer files
-        blocks: number of calibration blocks
-        seq_len: tokens per block
         delay: DTP delay δ; every edge b-δ <= a <= b-1 is scored (δ >= 2 adds attention->attention, FFN->FFN, ...)
-        seed: seed of the document order
         proxy: the score: first-order (the paper's), group-unit (a KV group's heads summed before squaring),
             exact-jacobian (ρ moves with the contribution), ablation (the contribution actually removed, norm and
             unit recomputed)
-        micro_batch: sequences per module call (memory)
-        chunk: cap on tokens per score chunk; 0 = automatic (memory)
-        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
-        dtype: compute dtype of the calibration pass (sums are always accumulated in float64)
-        offload: --offload reads one decoder layer at a time from the checkpoint, --no-offload holds the whole model;
-            default: offload only when the model does not fit --memory-budget
-        memory_budget: GiB the pass may hold (model and calibration hidden states); 0 = 0.8 x the memory available
-            now (RAM, or the GPU's free memory)
-        spill_dir: directory for the hidden states that do not fit the budget, in anonymous temporary files
-            (default: the directory of --out)
         progress: show a progress bar
         json: print one JSON object {out, edges, tokens, seconds, ...} on stdout
     """
-    data = CalibrationData(text, dataset, text_field, tokenizer, blocks, seq_len, seed)
-    run = PassSettings(micro_batch, chunk, device, dtype, offload, memory_budget, spill_dir)
     pass_ = plan_calibration(model, out, data, delay=delay, run=run)
     print(pass_.describe(), file=sys.stderr)
     result = run_calibration(pass_, proxy, progress)
-    print(f"wrote {out}: {result.edges} edges, {result.tokens} tokens ({blocks} x {seq_len}), "
+    print(f"wrote {out}: {result.edges} edges, {result.tokens} tokens ({data.blocks} x {data.seq_len}), "
           f"{result.seconds:.1f} s on {result.device}", file=sys.stderr)
     if json:
         print(dumps(result.to_json(model, delay, data)))

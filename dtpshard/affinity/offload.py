@@ -121,7 +121,9 @@ class Plan:
     hidden_budget: int  # of which may stay in memory; the rest is spilled to disk
 
     def describe(self) -> str:
-        gib = lambda n: f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"  # noqa: E731
+        def gib(n: float) -> str:
+            return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
+
         how = f"one layer at a time (about {gib(self.window)} of weights)" if self.offload \
             else f"whole model in memory ({gib(self.weights)})"
         spill = "in memory" if self.hidden <= self.hidden_budget else \

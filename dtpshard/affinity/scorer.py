@@ -50,6 +50,7 @@ from tqdm import tqdm
 
 from dtpshard.affinity.file import edges_for_delay
 from dtpshard.affinity.offload import DiskArray, HiddenStates, MemoryArray
+from dtpshard.core.settings import DEFAULT
 from dtpshard.core.shape import ModelShape
 from dtpshard.core.vocab import PROXIES
 from dtpshard.model.dense import DenseModel, LayerWeights
@@ -298,13 +299,15 @@ def output_weight(layer: LayerWeights, module: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compute_affinity(model: DenseModel, blocks: torch.Tensor, delay: float = 1, opts: ScoreOptions = ScoreOptions(),
-                     micro_batch: int = 4, chunk: int | None = None, progress: bool = False,
-                     hidden: HiddenStates | None = None) -> dict[tuple[int, int], np.ndarray]:
+def compute_affinity(model: DenseModel, blocks: torch.Tensor, delay: float = DEFAULT.delay,
+                     opts: ScoreOptions = ScoreOptions(), micro_batch: int = 4, chunk: int | None = None,
+                     progress: bool = False, hidden: HiddenStates | None = None) -> dict[tuple[int, int], np.ndarray]:
     """All edges of `delay` over token blocks [B, T]: {(a, b): S_ab float64 [units(a), units(b)]}.
 
-    Module by module over all blocks, each layer's weights asked for only while its modules run
-    (a `StreamedDense` model then holds one layer at a time): kept are the residual stream of
+    Module by module over all blocks, each module run by the decoder's own loop (DenseModel.step:
+    Decoder.walk over that module, its hook giving what the module computed), each layer's
+    weights asked for only while its modules run (a `StreamedDense` model then holds one layer
+    at a time and reads each once): kept are the residual stream of
     every calibration token ([B, T, D]) and, for each module a that a later edge still needs, its
     outputs (o or act) and its output weight. `hidden` holds those [B, ...] arrays (default: all
     in memory); micro_batch sequences go through a module at once, `chunk` caps the tokens per
@@ -334,13 +337,12 @@ def compute_affinity(model: DenseModel, blocks: torch.Tensor, delay: float = 1, 
             scorers = {a: EdgeScorer(s, sources[a][0], layer, a, b, opts, chunk) for a in into[b]}
             keep = None
             for b0 in steps:
-                x = x_all.read(b0, b0 + micro_batch)  # a view in memory; updated after the scores
+                x = x_all.read(b0, b0 + micro_batch)
+                after, r = model.step(b, x)  # module b through the decoder's loop, and what it computed
                 if b % 2 == 0:
-                    r = model.attention(b // 2, x)
                     w = r.qkv * r.rho[..., None] if into[b] and opts.rho != "held" else None
                     src, tgt = r.o, Target(x, r.rho, w=w)
                 else:
-                    r = model.ffn(b // 2, x)
                     src, tgt = r.act, Target(x, r.rho, r.gate, r.up, r.act)
                 flat = Target(*(None if v is None else v.flatten(0, 1) for v in
                                 (tgt.x, tgt.rho, tgt.g, tgt.u, tgt.act, tgt.w)))
@@ -349,14 +351,13 @@ def compute_affinity(model: DenseModel, blocks: torch.Tensor, delay: float = 1, 
                 if b in last_use:
                     keep = hidden.new((B,) + src.shape[1:], src.dtype, src.device) if keep is None else keep
                     keep.write(b0, src)
-                x += r.out
-                x_all.write(b0, x)
+                x_all.write(b0, after)
                 bar.update()
             for a, scorer in scorers.items():
                 out[(a, b)] = scorer.result()
             if keep is not None:
                 sources[b] = (output_weight(layer, b), keep)
-            del scorers, layer, r, src, tgt, flat, x  # freed before the next layer is read
+            del scorers, layer, r, src, tgt, flat, x, after  # freed before the next layer is read
             for a in [a for a in sources if last_use[a] <= b]:
                 hidden.free(sources.pop(a)[1])
     finally:

@@ -95,7 +95,7 @@ def naming(path: str | Path) -> Iterator[None]:
         yield
     except UserError:
         raise
-    except Exception as e:  # noqa: BLE001 - `describe` decides which ones are the user's
+    except Exception as e:  # `describe` decides which ones are the user's
         line = describe(e, path)
         if line is None:
             raise

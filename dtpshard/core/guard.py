@@ -123,7 +123,7 @@ def check_replaceable(out: Path, own: Callable[[Path], bool], what: str, *, forc
         raise UserError(f"output {out} exists (use --force to replace it)")
     try:
         mine = own(out)
-    except Exception:  # noqa: BLE001 - whatever cannot be read as the command's own output is not its own
+    except Exception:  # whatever cannot be read as the command's own output is not its own
         mine = False
     if not mine:
         who = "--force" if force else "this command"

@@ -147,7 +147,7 @@ def writing(path: str | Path) -> Iterator[None]:
         if e.errno in (errno.ENOSPC, errno.EDQUOT) or (e.errno is not None and e.filename is None):
             raise OSError(e.errno, os.strerror(e.errno), str(path)) from e
         raise
-    except Exception as e:  # noqa: BLE001 - torch and safetensors report a full disk as their own errors
+    except Exception as e:  # torch and safetensors report a full disk as their own errors
         where = path if path.is_dir() else path.parent
         if _disk_full(e, where if str(where) else Path(".")):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from e
@@ -206,10 +206,35 @@ def atomic_dir(path: str | Path, force: bool = False) -> Iterator[Path]:
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
+SHORT_HASH = 16  # hex digits of a content id (a layout's, a data set's, a teacher cache's inputs)
+
+
+def short_sha256(data: bytes | Any) -> str:
+    """A content id: the first SHORT_HASH hex digits of SHA-256 of `data` (or of a hashlib object)."""
+    return (hashlib.sha256(data) if isinstance(data, bytes) else data).hexdigest()[:SHORT_HASH]
+
+
 def file_sha256(path: str | Path) -> str:
     """The SHA-256 of a file's bytes, read in chunks (hashlib.file_digest)."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_hashes(paths: list[Path]) -> dict[str, str]:
+    """The weight-hash helper: {file name: SHA-256} of each file (a model card's, a study's provenance)."""
+    return {Path(p).name: file_sha256(p) for p in paths}
+
+
+def files_id(paths: list[Path]) -> str:
+    """One content id of several files: their names and bytes, in name order (a teacher cache's
+    record of the teacher and tokenizer it was made from)."""
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        h.update(p.name.encode() + b"\0")
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+    return short_sha256(h)
 
 
 def cache_dir() -> Path:
@@ -316,6 +341,31 @@ def read_json_object(path: str | Path, what: str = "file", max_bytes: int = SMAL
     if keys is not None:
         check_keys(obj, keys, f"{path}")
     return obj
+
+
+def read_options(path: str | Path, flag: str = "--config") -> dict[str, Any]:
+    """A command's options file (YAML or JSON, a mapping of option names to values), within
+    bounds: at most STUDY_BYTES, as `check_tree`; any problem is one line naming `flag` and the file."""
+    import yaml
+
+    path, where = Path(path), f"{flag} {path}"
+    try:
+        if path.is_file() and path.stat().st_size > STUDY_BYTES:
+            raise UserError(f"{where}: {path.stat().st_size} bytes, more than a config can need "
+                            f"({STUDY_BYTES} at most)")
+        data = check_tree(yaml.safe_load(path.read_text(encoding="utf-8")), where)
+    except RecursionError:
+        raise UserError(f"{where}: nested too deeply") from None
+    except FileNotFoundError:
+        raise UserError(f"{where}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else (e.strerror or str(e)).lower()
+        raise UserError(f"{where}: cannot read it ({why})") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"{where}: not YAML or JSON ({str(e).splitlines()[0]})") from None
+    if data is not None and not isinstance(data, dict):  # an empty file sets nothing
+        raise UserError(f"{where}: must hold a mapping of option names to values, not {type(data).__name__}")
+    return data or {}
 
 
 def check_keys(obj: dict[str, Any], known: set[str] | tuple[str, ...], where: str) -> None:

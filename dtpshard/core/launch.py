@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dtpshard.core.errors import UserError, explain
+from dtpshard.core.shape import FAMILY
 
 
 class RankFailure(UserError):
@@ -207,9 +208,7 @@ def free_port() -> int:
 
 
 _PRELOAD = ("dtpshard.runtime.run", "dtpshard.training.loop", "dtpshard.model.generate",
-            "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
-            "transformers.models.qwen3.modeling_qwen3", "transformers.models.mistral.modeling_mistral",
-            "transformers.tokenization_utils_fast")
+            *(f.modeling for f in FAMILY.values()), "transformers.tokenization_utils_fast")
 STOP_GRACE = 3.0  # seconds a stopped rank has between SIGTERM (its temporaries removed) and SIGKILL
 
 
@@ -267,7 +266,7 @@ def _child(stdio: Any, env: dict[str, str], target: Callable[..., Any], args: tu
         code = target(*args)
     except SystemExit as e:  # SIGTERM in io.exit_on_sigterm, after its cleanup: quiet, as SIGTERM is
         code = _exit_code(e)
-    except Exception as e:  # noqa: BLE001 -- a user's error (per explain: a full disk too): said once, by the launcher
+    except Exception as e:  # a user's error (per explain: a full disk too): said once, by the launcher
         line = explain(e)
         if line is None:
             said.with_suffix(".error").write_text(traceback.format_exc())
@@ -275,7 +274,7 @@ def _child(stdio: Any, env: dict[str, str], target: Callable[..., Any], args: tu
         else:
             said.with_suffix(".user").write_text(line)
             code = 2
-    except BaseException:  # noqa: BLE001 -- the launcher shows the root cause's traceback
+    except BaseException:  # the launcher shows the root cause's traceback
         said.with_suffix(".error").write_text(traceback.format_exc())
         code = 1
     sys.stdout.flush()

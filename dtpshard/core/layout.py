@@ -9,7 +9,6 @@ permutations by layer.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -19,11 +18,14 @@ from typing import Any
 import numpy as np
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import atomic_write_text, check_keys, dumps, loads
+from dtpshard.core.io import atomic_write_text, check_keys, dumps, loads, short_sha256
+from dtpshard.core.settings import DEFAULT
 from dtpshard.core.shape import UNIT_FIELDS, UnitShape, check_devices
 
 FORMAT = "dtpshard.layout/1"
-KEYS = ("format", "devices", "delay", "kind", "seed", "model", "layers", "score")  # a layout file's, all of them
+KEYS = ("format", "devices", "delay", "kind", "seed", "model", "layers", "score")  # what a layout file is written with
+HASH_KEY = "layout_sha256"  # the one key of a layout's content hash (content_sha256), wherever it is recorded
+READ_KEYS = (*KEYS, HASH_KEY, "sha256")  # a file may record its hash, under the key or the older "sha256"
 LAYER_KEYS = ("kv_perm", "ffn_perm")
 MAX_BYTES = 1 << 30  # before the model it is for is known: a 405B model's layout is ~50 MB
 
@@ -53,14 +55,14 @@ class Layout:
 
     # -- construction --------------------------------------------------------------------
     @classmethod
-    def contiguous(cls, model: UnitShape, devices: int, delay: float = 1) -> Layout:
+    def contiguous(cls, model: UnitShape, devices: int, delay: float = DEFAULT.delay) -> Layout:
         check_devices(model, devices)
         n = model.layers
         return cls(devices, delay, "contiguous", model.unit_shape(),
                    [np.arange(model.kv_groups) for _ in range(n)], [np.arange(model.neurons) for _ in range(n)])
 
     @classmethod
-    def random(cls, model: UnitShape, devices: int, delay: float = 1, seed: int = 0) -> Layout:
+    def random(cls, model: UnitShape, devices: int, delay: float = DEFAULT.delay, seed: int = 0) -> Layout:
         check_devices(model, devices)
         rng = np.random.default_rng(seed)
         kv = [rng.permutation(model.kv_groups) for _ in range(model.layers)]
@@ -99,10 +101,11 @@ class Layout:
 
     def content_sha256(self) -> str:
         """A hash of what the layout does (L and every permutation), not of its file: a layout
-        rescored or saved with other timings keeps its hash. First 16 hex digits of SHA-256."""
+        rescored or saved with other timings keeps its hash: core.io.short_sha256. Published as
+        `layout_sha256` everywhere (a layout file, a run's config.json, a student's record)."""
         perms = [[int(i) for i in p] for p in self.kv_perms + self.ffn_perms]
         data = json.dumps({"devices": self.devices, "perms": perms}, separators=(",", ":"))
-        return hashlib.sha256(data.encode()).hexdigest()[:16]
+        return short_sha256(data.encode())
 
     def function_key(self) -> str:
         """What makes two layouts the same DTP function: which units share a device, layer by layer.
@@ -139,7 +142,7 @@ class Layout:
             raise UserError(f"{where}: not a JSON object")
         if obj.get("format") != FORMAT:
             raise UserError(f"{where}: format={obj.get('format')!r}, expected {FORMAT!r}")
-        check_keys(obj, KEYS, where)
+        check_keys(obj, READ_KEYS, where)
         for key in ("devices", "delay", "model", "layers"):
             if key not in obj:
                 raise UserError(f"{where}: missing field {key!r}")
@@ -169,8 +172,13 @@ class Layout:
             kv.append(_check_perm(entry.get("kv_perm"), model.kv_groups, f"{where}: layer {i} kv_perm"))
             ffn.append(_check_perm(entry.get("ffn_perm"), model.neurons, f"{where}: layer {i} ffn_perm"))
         seed = obj.get("seed")
-        return cls(devices, delay, str(obj.get("kind", "unknown")), model, kv, ffn,
-                   seed=seed if _is_int(seed) else None, score=dict(score))
+        layout = cls(devices, delay, str(obj.get("kind", "unknown")), model, kv, ffn,
+                     seed=seed if _is_int(seed) else None, score=dict(score))
+        recorded = obj.get(HASH_KEY, obj.get("sha256"))
+        if recorded is not None and recorded != layout.content_sha256():
+            raise UserError(f"{where}: records {HASH_KEY} {recorded!r}, but its permutations hash to "
+                            f"{layout.content_sha256()!r} (the file was edited)")
+        return layout
 
     @classmethod
     def load(cls, path: str | Path, model: UnitShape | None = None) -> Layout:

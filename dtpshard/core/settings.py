@@ -3,11 +3,15 @@
 Every command and loader that runs a DTP model asks `resolve_dtp`, in one order of precedence:
 what the user said (flags, arguments), then what a distilled student recorded about itself, then
 the layout (made for some L and δ), then the defaults (L = 4, δ = 1, stage3 = sqrt: the paper's).
-`read_record` is the one reader of a student's record, wherever it is stored.
+`read_record` is the one reader of a student's record, wherever it is stored, and
+`warn_if_other_settings` the one rule for a student run with settings other than its record.
+A resolved `DTPSettings` is what travels: the model, the runtime, the schedule and the layouts
+take it whole, and no default is written anywhere but here.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -16,9 +20,14 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.shape import FAMILIES, MAX_UNITS, UnitShape, check_delay, check_devices
 from dtpshard.core.vocab import STAGE3
 
+log = logging.getLogger("dtpshard")
+
 
 @dataclass(frozen=True)
 class DTPSettings:
+    """L, δ and the stage-3 scale of a DTP run. Made by `resolve_dtp` (which checks them against
+    the model); built by hand, `check` is the same check."""
+
     devices: int  # L
     delay: float  # δ, in modules (an int when whole)
     stage3: str  # own-partial scale of the last δ modules: "sqrt" (√L, the paper's) or "one"
@@ -26,8 +35,25 @@ class DTPSettings:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    def check(self, shape: UnitShape | None) -> DTPSettings:
+        """Refuse settings that `shape` cannot run (L divides G and N, 0 <= δ <= M, a known stage3)."""
+        check_stage3(self.stage3)
+        if shape is not None:
+            check_devices(shape, self.devices)
+        check_delay(shape, self.delay)
+        return self
+
+    @property
+    def dense(self) -> bool:
+        """Whether these settings compute the dense function (one device, or nothing delayed)."""
+        return self.devices == 1 or self.delay == 0
+
+    def describe(self) -> str:
+        return f"devices={self.devices}, delay={self.delay}, stage3={self.stage3}"
+
 
 DEFAULT = DTPSettings(devices=4, delay=1, stage3="sqrt")
+DENSE = DTPSettings(devices=1, delay=0, stage3=DEFAULT.stage3)  # the dense model (stage 3 is empty at δ = 0)
 
 
 def check_stage3(stage3: Any, where: str = "stage3") -> str:
@@ -57,10 +83,7 @@ def resolve_dtp(shape: UnitShape | None = None, *, devices: int | None = None, d
         return getattr(DEFAULT, name)
 
     out = DTPSettings(int(pick("devices", devices)), plain_delay(pick("delay", delay)),
-                      check_stage3(pick("stage3", stage3)))
-    if shape is not None:
-        check_devices(shape, out.devices)
-    check_delay(shape, out.delay)
+                      check_stage3(pick("stage3", stage3))).check(shape)
     if layout is not None and layout.devices != out.devices:
         raise UserError(f"{where} was made for devices={layout.devices}, the model runs devices={out.devices}")
     return out
@@ -86,3 +109,18 @@ def read_record(saved: Any, where: str) -> dict[str, Any] | None:
         if key in saved and not ok(saved[key]):
             raise UserError(f"{where}: {key} = {json.dumps(saved[key])} is not a valid DTP setting")
     return dict(saved)
+
+
+def warn_if_other_settings(where: Any, record: dict[str, Any] | None, settings: DTPSettings) -> None:
+    """One line when a DTP student is about to run with settings other than those it recorded:
+    a distilled student computes its own (L, δ, stage3) function, and differs from any other by
+    O(1) logits (run dense, it is not the function it was distilled for)."""
+    if record is None:
+        return
+    trained = DTPSettings(record.get("devices", DEFAULT.devices), record.get("delay", DEFAULT.delay),
+                          record.get("stage3", DEFAULT.stage3))
+    if trained == settings or trained.dense and settings.dense:
+        return
+    dense = " (a dense model)" if settings.dense else ""
+    log.warning(f"warning: {where} is a DTP student distilled for {trained.describe()}; running it with "
+                f"{settings.describe()}{dense} computes another function than the one it was distilled for")

@@ -11,7 +11,33 @@ from typing import Any
 
 from dtpshard.core.errors import UserError
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+@dataclass(frozen=True)
+class Family:
+    """What dtpshard knows of a supported model family (transformers' model_type `name`)."""
+
+    name: str
+    prefix: str  # transformers' class prefix: {prefix}RotaryEmbedding, {prefix}ForCausalLM
+    qkv_bias: bool  # q/k/v projections with a bias (Qwen2)
+    qk_norm: bool  # RMSNorm on each head's q and k (Qwen3)
+    window_by_default: bool  # a sliding_window with use_sliding_window unset is used (Llama, Mistral)
+
+    @property
+    def modeling(self) -> str:
+        """transformers' module of the family's classes."""
+        return f"transformers.models.{self.name}.modeling_{self.name}"
+
+    @property
+    def causal_lm(self) -> str:
+        return f"{self.prefix}ForCausalLM"
+
+
+# the one table of supported families
+FAMILY = {f.name: f for f in (Family("llama", "Llama", qkv_bias=False, qk_norm=False, window_by_default=True),
+                              Family("qwen2", "Qwen2", qkv_bias=True, qk_norm=False, window_by_default=False),
+                              Family("qwen3", "Qwen3", qkv_bias=False, qk_norm=True, window_by_default=False),
+                              Family("mistral", "Mistral", qkv_bias=False, qk_norm=False, window_by_default=True))}
+FAMILIES = tuple(FAMILY)
 STUDENT_TYPE = "dtp"  # a distilled student's model_type (model/student.py): its `dtp` block names the base family
 UNIT_FIELDS = ("layers", "kv_groups", "heads_per_group", "neurons")  # what a layout or an affinity file records
 
@@ -140,10 +166,10 @@ def shape_from_hf_config(cfg: Any) -> ModelShape:
     sliding_layers = [t for t in layer_types if t != "full_attention"]
     use_sw = _get(cfg, "use_sliding_window")
     window = _get(cfg, "sliding_window")
-    if use_sw or sliding_layers or (window is not None and use_sw is None and family in ("mistral", "llama")):
+    if use_sw or sliding_layers or (window is not None and use_sw is None and FAMILY[family].window_by_default):
         raise UserError(f"sliding_window={window!r} (use_sliding_window={use_sw!r}): "
                         "sliding-window attention is not supported")
-    if family in ("llama", "mistral", "qwen3") and _get(cfg, "attention_bias"):
+    if not FAMILY[family].qkv_bias and _get(cfg, "attention_bias"):
         raise UserError("attention_bias=True is not supported (an o_proj bias cannot be split into partials)")
     if _get(cfg, "mlp_bias"):
         raise UserError("mlp_bias=True is not supported")
@@ -159,7 +185,7 @@ def shape_from_hf_config(cfg: Any) -> ModelShape:
         family=family, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads_per_group=heads // kv,
         kv_groups=kv, head_dim=head_dim, neurons=cfg.intermediate_size, vocab=cfg.vocab_size,
         rms_eps=float(_get(cfg, "rms_norm_eps", 1e-6)), tied=bool(_get(cfg, "tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2", qk_norm=family == "qwen3")
+        qkv_bias=FAMILY[family].qkv_bias, qk_norm=FAMILY[family].qk_norm)
 
 
 MAX_LAYERS = 1 << 16  # far beyond any model (405B has 126); a count beyond it is a damaged file

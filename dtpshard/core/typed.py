@@ -17,7 +17,7 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, TypedDict, Union
 
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
@@ -223,3 +223,15 @@ def from_table(cls: type, table: Any, key: str = "") -> Any:
         if name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise Invalid("", None, join(key, name), line=f"missing key {join(key, name)!r}")
     return cls(**values)
+
+
+def partial_of(cls: type, skip: tuple[str, ...] = ()) -> type:
+    """A TypedDict of the dataclass `cls`'s fields but `skip`, every key optional, a dataclass
+    field a TypedDict of its own fields: the keys of a table that overrides some of a file's
+    (`experiment --training.lr`), each with its field's type and its class's docstring."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    keys = {f.name: partial_of(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else hints[f.name]
+            for f in dataclasses.fields(cls) if f.name not in skip}
+    out = TypedDict(f"Partial{cls.__name__}", keys, total=False)  # type: ignore[operator]
+    out.__doc__ = cls.__doc__
+    return out

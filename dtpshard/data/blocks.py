@@ -257,7 +257,7 @@ def _hf_texts(name: str, role: str, field: str) -> Texts:
         try:
             with hub_offline(offline is not None):
                 rows = datasets.load_dataset(path, config, split=split)[field]
-        except Exception as e:  # noqa: BLE001 - network/hub errors come in many types
+        except Exception as e:  # network/hub errors come in many types
             raise fail(e) from None
         docs = _articles(rows)
         if not docs:
@@ -276,7 +276,7 @@ def _hf_texts(name: str, role: str, field: str) -> Texts:
                         yield doc
         except UserError:
             raise
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise fail(e) from None
 
     return Texts(source + " streamed", role, stream=stream)

@@ -32,7 +32,7 @@ def read_parquet(path: Path, field: str) -> list[str]:
         raise UserError(f"{path}: reading parquet needs pyarrow (pip install 'dtpshard[hf]' or pyarrow)") from None
     try:
         schema = pq.read_schema(str(path))
-    except Exception as e:  # noqa: BLE001 - pyarrow raises its own exception types
+    except Exception as e:  # pyarrow raises its own exception types
         raise UserError(f"{path}: not a readable parquet file ({_first_line(e)})") from None
     if field not in schema.names:
         raise UserError(f"{path}: no column {field!r} (columns: {', '.join(schema.names)}); pick one with --text-field")
@@ -55,7 +55,7 @@ def _saved(path: Path, role: str, field: str) -> tuple[list[str], str, bool]:
                         "(pip install 'dtpshard[hf]')") from None
     try:
         ds = datasets.load_from_disk(str(path))
-    except Exception as e:  # noqa: BLE001 - datasets raises many types for a damaged directory
+    except Exception as e:  # datasets raises many types for a damaged directory
         raise UserError(f"--dataset {path}: cannot load it with datasets.load_from_disk ({_first_line(e)})") from None
     if not isinstance(ds, datasets.DatasetDict):
         return _column(ds, field, str(path)), f"dataset:{path}", False

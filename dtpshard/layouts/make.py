@@ -14,7 +14,8 @@ from dtpshard.affinity.file import Affinity, edges_for_delay
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, check_replaceable
 from dtpshard.core.io import check_output_file, dumps
-from dtpshard.core.layout import Layout, is_layout_file
+from dtpshard.core.layout import HASH_KEY, Layout, is_layout_file
+from dtpshard.core.settings import DEFAULT, DTPSettings, plain_delay
 from dtpshard.core.shape import UnitShape, check_delay, check_devices
 from dtpshard.core.vocab import FIXED_KINDS, LAYOUT_KINDS, OPTIMISING_KINDS, Count, Delay, KvSearch, LayoutKind, Seed
 from dtpshard.layouts.optimise import Problem, optimise_layout, score_record
@@ -38,11 +39,13 @@ def _describe(layout: Layout) -> str:
             f"{s['seconds']:.2f} s{sweeps}")
 
 
-def make_layout(model: UnitShape, devices: int, delay: float, kind: str, *, affinity: Any = None,
+def make_layout(model: UnitShape, settings: DTPSettings, kind: str, *, affinity: Any = None,
                 layers: int | None = None, restarts: int = 1, seed: int = 0, kv_search: str = "assignment",
                 max_sweeps: int = 20) -> Layout:
     """A layout of any family: contiguous and random ones here (scored when an affinity is given),
-    the optimising families by dtpshard.layouts.optimise (they need the affinity)."""
+    the optimising families by dtpshard.layouts.optimise (they need the affinity). A layout is
+    made for the settings' L and δ (the stage-3 scale does not change which units share a device)."""
+    devices, delay = settings.devices, settings.delay
     if kind in OPTIMISING_KINDS:
         if affinity is None:
             raise UserError(f"kind {kind} optimises J and needs an affinity file")
@@ -64,9 +67,9 @@ def make_layout(model: UnitShape, devices: int, delay: float, kind: str, *, affi
     return layout
 
 
-def layout_cmd(source: Path, *, out: Path, devices: Count = 4, delay: Delay = 1.0, kind: LayoutKind = "optimised",
-               layers: Count | None = None, restarts: Count = 1, seed: Seed = 0, kv_search: KvSearch = "assignment",
-               max_sweeps: Count = 20, json: bool = False) -> int:
+def layout_cmd(source: Path, *, out: Path, devices: Count = DEFAULT.devices, delay: Delay = DEFAULT.delay,
+               kind: LayoutKind = "optimised", layers: Count | None = None, restarts: Count = 1, seed: Seed = 0,
+               kv_search: KvSearch = "assignment", max_sweeps: Count = 20, json: bool = False) -> int:
     """Make a layout (docs/design.md §3) and write it as JSON; prints J, its random expectation and the time.
 
     Args:
@@ -80,10 +83,10 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = 4, delay: Delay = 1.
         seed: seed of the random layout, or of the random restarts
         kv_search: KV-group block update: exact assignment, or the paper's exhaustive search over labelled partitions
         max_sweeps: stop after this many sweeps even if J still grows by more than 1e-9
-        json: print one JSON object {out, kind, devices, delay, seed, sha256, score: {J, ...}} instead of text
+        json: print one JSON object {out, kind, devices, delay, seed, layout_sha256, score: {J, ...}} instead of text
     """
     check_delay(None, delay)
-    delay = int(delay) if float(delay).is_integer() else delay
+    delay = plain_delay(delay)
     source = Path(source)
     if not source.exists():
         raise UserError(f"{source}: no such model directory or affinity file")
@@ -101,17 +104,17 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = 4, delay: Delay = 1.
             raise UserError(f"--delay {delay}: no edges at δ < 1 (every module sees all partials); J is defined "
                             f"from δ = 1, and {source} scores edges up to δ = {affinity.delay}")
     check_devices(model, devices, where=str(source))
-    check_delay(model, delay)
+    settings = DTPSettings(devices, delay, DEFAULT.stage3).check(model)  # a layout has no stage-3 scale
     check_output_file(Path(out))  # before the (possibly long) optimisation, not after
     check_replaceable(Path(out), is_layout_file, "a layout file (dtpshard.layout/1)")
-    layout = make_layout(model, devices, delay, kind, affinity=affinity, layers=layers, restarts=restarts,
+    layout = make_layout(model, settings, kind, affinity=affinity, layers=layers, restarts=restarts,
                          seed=seed, kv_search=kv_search, max_sweeps=max_sweeps)
     if affinity is not None:
         layout.score["affinity"] = str(source)
     layout.save(out)
     if json:
         print(dumps({"out": str(out), "kind": layout.kind, "devices": layout.devices, "delay": layout.delay,
-                     "seed": layout.seed, "sha256": layout.content_sha256(), "score": layout.score}))
+                     "seed": layout.seed, HASH_KEY: layout.content_sha256(), "score": layout.score}))
     else:
         print(f"{_describe(layout)} -> {out}")
     return 0

@@ -184,7 +184,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _copy_bytes(fin, fout, count: int) -> None:  # noqa: ANN001 -- binary files
+def _copy_bytes(fin, fout, count: int) -> None:  # binary files
     buf = memoryview(bytearray(min(_CHUNK, count)))
     while count:
         n = fin.readinto(buf[:min(len(buf), count)])
@@ -194,7 +194,7 @@ def _copy_bytes(fin, fout, count: int) -> None:  # noqa: ANN001 -- binary files
         count -= n
 
 
-def _same_bytes(a, b, count: int) -> bool:  # noqa: ANN001 -- binary files
+def _same_bytes(a, b, count: int) -> bool:  # binary files
     while count:
         n = min(_CHUNK, count)
         if a.read(n) != b.read(n):
@@ -223,8 +223,8 @@ def copy_other_files(src: Path, dst: Path, skip: set[Path]) -> int:
 
 
 # -- the optional forward check ------------------------------------------------------------------
-def check_logits(original: Path, permuted: Path, ckpt, tokens: int, tolerance: float,  # noqa: ANN001
-                 say=print) -> dict:  # noqa: ANN001
+def check_logits(original: Path, permuted: Path, ckpt, tokens: int, tolerance: float,
+                 say=print) -> dict:
     tokens = min(tokens, getattr(ckpt.hf_config, "max_position_embeddings", None) or tokens)
     diff, scale = dense_logits_diff(original, permuted, tokens, ckpt.shape.vocab)
     rel = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))

@@ -158,7 +158,7 @@ def format_score(score: dict) -> str:
     return "\n".join(lines)
 
 
-def score_cmd(affinity: Path, layout: Path, json: bool = False) -> int:
+def score_cmd(affinity: Path, layout: Path, *, json: bool = False) -> int:
     """Co-located score J of a layout under an affinity file (docs/design.md §3).
 
     Args:

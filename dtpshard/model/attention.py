@@ -3,10 +3,13 @@
 `attend` is the one call every forward makes (the simulator over all devices at once, a rank on
 its own KV groups, calibration at L = 1): append the new keys and values to the cache, expand the
 KV groups to their query heads, and scaled dot-product attention, causal over cache + new
-positions. A cache is anything with `start`, `append` and `advance`: `KVCache` grows with
-each call; the runtime's CUDA-graph decoder uses a fixed-size one (runtime/graphs.py).
+positions. A cache is a sequence of slots, one per attention module, with `start` and `advance`;
+a slot has `append`. `KVCache` grows with each call; the runtime's CUDA-graph decoder uses a
+fixed-size one (runtime/graphs.py).
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,41 +19,58 @@ import torch.nn.functional as F
 _CPU_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 9)
 
 
-class KVCache:
-    """Per layer (k, v), each [L*B, G/L, T, hd]: every device keeps only its own KV groups."""
+class KVSlot:
+    """One attention module's keys and values so far, each [L*B, G/L, T, hd]: every device keeps only
+    its own KV groups."""
 
-    def __init__(self, layers: int):
-        self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layers
+    def __init__(self) -> None:
+        self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def length(self) -> int:
-        return 0 if self.kv[0] is None else self.kv[0][0].shape[2]
+        return 0 if self.kv is None else self.kv[0].shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """-> the keys and values so far and no mask (the causal rule over them holds)."""
+        if self.kv is not None:
+            k, v = torch.cat([self.kv[0], k], dim=2), torch.cat([self.kv[1], v], dim=2)
+        self.kv = (k, v)
+        return k, v, None
+
+
+class KVCache:
+    """A growing slot per attention module (`cache[i]`: layer i's attention)."""
+
+    def __init__(self, layers: int):
+        self.slots = [KVSlot() for _ in range(layers)]
+
+    def __getitem__(self, i: int) -> KVSlot:
+        return self.slots[i]
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @property
+    def length(self) -> int:
+        return self.slots[0].length
 
     def start(self) -> int:
         """The position of the next token appended (an int here; a fixed-size cache's is a tensor)."""
         return self.length
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        """-> the layer's keys and values so far and no mask (the causal rule over them holds)."""
-        past = self.kv[layer]
-        if past is not None:
-            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        self.kv[layer] = (k, v)
-        return k, v, None
-
     def advance(self, length: int) -> None:
-        """Called once a forward has appended `length` tokens to every layer (nothing to do here)."""
+        """Called once a forward has appended `length` tokens to every slot (nothing to do here)."""
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_per_group: int, cache=None,  # noqa: ANN001
-           layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_per_group: int, kv: Any = None,
+           mask: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H, T, hd], k and v [N, G, T, hd] (rotary already applied) -> o [N, H, T, hd], with
-    H = G · heads_per_group. With a cache, k and v are appended to layer `layer`'s entry first and
+    H = G · heads_per_group. With a cache slot `kv`, k and v are appended to it first and
     query t sees the P cached positions and new positions up to t. `mask` (boolean, broadcastable
     to [N, H, T, P + T], True = attend) replaces that causal rule, e.g. for left padding; the caller
     builds it causal. A cache may give its own mask (a fixed-size cache: the positions filled)."""
-    if cache is not None:
-        k, v, visible = cache.append(layer, k, v)
+    if kv is not None:
+        k, v, visible = kv.append(k, v)
         mask = visible if mask is None else mask
     T = q.shape[2]
     cached = k.shape[2] - T

@@ -6,6 +6,7 @@ Gemma post-norm, is refused by name).
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -18,12 +19,19 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from dtpshard.core.errors import UserError, naming
-from dtpshard.core.io import SMALL_JSON, dumps, read_json, read_json_object
-from dtpshard.core.shape import STUDENT_TYPE, ModelShape, family_config, shape_from_hf_config
+from dtpshard.core.io import SMALL_JSON, dumps, file_hashes, read_json, read_json_object
+from dtpshard.core.settings import read_record
+from dtpshard.core.shape import FAMILIES, STUDENT_TYPE, ModelShape, family_config, shape_from_hf_config
 from dtpshard.model.shards import DEFAULT_MAX_SHARD_SIZE, INDEX, Weights, parse_size, write_weights
 
+# a tokenizer's files (what a teacher cache's tokenizer id hashes); a student gets them and the
+# generation defaults copied beside its weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+COPIED_FILES = (*TOKENIZER_FILES, "generation_config.json")
+
+DTP_JSON = "dtp.json"  # students before the config block recorded their settings only here (still read)
+DTP_KEY = "dtp"  # the block in a student's config.json: family, devices, delay, stage3, layout_sha256
 
 _LAYER_KEYS = {
     "input_layernorm.weight", "post_attention_layernorm.weight",
@@ -37,35 +45,44 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 def load_hf_config(path: str | Path) -> Any:
-    """The checkpoint's transformers config; a DTP student's (model_type "dtp") is dtpshard's own
-    DTPConfig (model/student.py), read without transformers' remote code: dtpshard is that code."""
+    """The checkpoint's transformers config, config.json read once; a DTP student's (model_type
+    "dtp") is dtpshard's own DTPConfig (model/student.py), read without transformers' remote code:
+    dtpshard is that code."""
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"model directory not found: {path}")
     if not (path / "config.json").is_file():
         raise UserError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
-    read_json_object(path / "config.json", "model config")  # within bounds before transformers parses it
+    raw = read_json_object(path / "config.json", "model config")  # within bounds before transformers parses it
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     try:
-        if is_student(path):
+        if raw.get("model_type") == STUDENT_TYPE:
             from dtpshard.model.student import DTPConfig
 
-            return DTPConfig.from_pretrained(str(path), local_files_only=True)
+            return DTPConfig.from_dict(raw)
+        if raw.get("model_type") in FAMILIES:  # what AutoConfig does with the file's dict for these
+            return CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
+        # any other model is refused by name (core.shape), after transformers has read it its own way
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{path}/config.json: {first}") from None
 
 
-def is_student(path: str | Path) -> bool:
-    """Whether config.json in `path` is a DTP student's (model_type "dtp"); False when it is unreadable
-    (transformers names what is wrong with it when the config is read)."""
-    try:
-        raw = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(raw, dict) and raw.get("model_type") == STUDENT_TYPE
+def is_student(hf_config: Any) -> bool:
+    """Whether a config is a DTP student's (model_type "dtp")."""
+    return getattr(hf_config, "model_type", None) == STUDENT_TYPE
+
+
+def student_record(path: Path, hf_config: Any) -> dict[str, Any] | None:
+    """What a distilled student at `path` recorded about itself (checked), None for a dense model:
+    the `dtp` block of its config.json, or the dtp.json of students saved before that block."""
+    record = read_record(getattr(hf_config, DTP_KEY, None), str(path / "config.json"))
+    if record is None and (path / DTP_JSON).is_file():
+        record = read_record(read_json_object(path / DTP_JSON, "DTP settings"), str(path / DTP_JSON))
+    return record
 
 
 def read_shape(path: str | Path) -> ModelShape:
@@ -217,10 +234,40 @@ def check_keys(keys: list[str], shape: ModelShape) -> None:
 
 @dataclass
 class Checkpoint:
+    """A checkpoint opened once (open_checkpoint) and passed along: config.json read once, every
+    weight file's header read once, and what a command asks of it from those."""
+
     path: Path
     hf_config: Any
     shape: ModelShape
     files: TensorFiles
+
+    @property
+    def family(self) -> str:
+        """The base family (a student's: the one its weights came from)."""
+        return self.shape.family
+
+    @functools.cached_property
+    def record(self) -> dict[str, Any] | None:
+        """What a distilled student recorded about itself (model/hf.py's student_record), None for a
+        dense model."""
+        return student_record(self.path, self.hf_config)
+
+    @property
+    def weight_files(self) -> list[Path]:
+        return self.files.files
+
+    def tokenizer_files(self) -> list[Path]:
+        """The tokenizer files in the checkpoint's directory (copied beside a student)."""
+        return [self.path / n for n in TOKENIZER_FILES if (self.path / n).is_file()]
+
+    def tokenizer(self, directory: str | Path | None = None) -> Any:
+        """The tokenizer in `directory`, else the checkpoint's own, picked by this config (not read again)."""
+        return _tokenizer(Path(directory or self.path), self.hf_config)
+
+    def weight_hashes(self) -> dict[str, str]:
+        """sha256 of every weight file, by name (the model card's and a study's provenance)."""
+        return file_hashes(self.weight_files)
 
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         sd = {}
@@ -232,9 +279,10 @@ class Checkpoint:
         return sd
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
+def open_checkpoint(path: str | Path, hf_config: Any = None) -> Checkpoint:
+    """The checkpoint at `path` (`hf_config`: its config when read already, load_hf_config's)."""
     path = Path(path)
-    cfg = load_hf_config(path)
+    cfg = load_hf_config(path) if hf_config is None else hf_config
     shape = shape_from_hf_config(cfg)
     files = TensorFiles(path)
     check_keys(files.keys(), shape)
@@ -246,12 +294,20 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(path, cfg, shape, files)
 
 
-def load_tokenizer(path: str | Path) -> Any:
+def load_tokenizer(path: str | Path | Checkpoint) -> Any:
+    """The tokenizer of a directory, or of an open checkpoint (whose config is not read again)."""
+    if isinstance(path, Checkpoint):
+        return path.tokenizer()
+    path = Path(path)
+    return _tokenizer(path, load_hf_config(path) if (path / "config.json").is_file() else None)
+
+
+def _tokenizer(path: Path, hf_config: Any) -> Any:
     from transformers import AutoTokenizer
 
-    # a student's tokenizer is its family's: given that config, transformers does not ask to run
-    # the student's remote code just to pick the tokenizer class
-    kw = {"config": family_config(load_hf_config(path))} if is_student(path) else {}
+    # the config given, transformers does not read config.json again to pick the tokenizer class;
+    # a student's is its family's, so transformers does not ask to run its remote code for that
+    kw = {} if hf_config is None else {"config": family_config(hf_config)}
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kw)
     except (OSError, ValueError) as e:
@@ -274,7 +330,7 @@ def save_checkpoint(out_dir: Path, hf_config: Any, weights: Weights, source: Pat
     hf_config.save_pretrained(str(out_dir))
     write_weights(out_dir, weights.specs, weights.produce, parse_size(max_shard_size))
     if source is not None:
-        for name in TOKENIZER_FILES:
+        for name in COPIED_FILES:
             if (source / name).is_file():
                 shutil.copy2(source / name, out_dir / name)
     for name, obj in (extra_json or {}).items():

@@ -1,15 +1,18 @@
 """The decoder both DTP forwards share: embedding, layers, final norm and LM head with transformers'
 parameter names, and the loop over the delay schedule.
 
-The loop is written once: every device's residual stream starts as the token embedding, each
-module's partials are computed from the streams (modules.Layer.partials) and handed to an
-exchange, which adds them as the schedule says (model/delay.py): the simulator's LocalExchange
-over the devices axis, or a rank's Link over torch.distributed (runtime/ranks.py). A rank is the
-same decoder built for one device's shard of the shape, run with L = 1.
+The loop is written once (`Decoder.walk`): every device's residual stream starts as the token
+embedding, each module's partials are computed from the streams (modules.Module.partials) and
+handed to an exchange, which adds them as the schedule says (model/delay.py): the simulator's
+LocalExchange over the devices axis, or a rank's Link over torch.distributed (runtime/ranks.py).
+A rank is the same decoder built for one device's shard of the shape, run with L = 1; the dense
+model (model/dense.py) is the whole decoder at L = 1, δ = 0, and calibration reads what each
+module computed through the loop's `hook`.
 """
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,22 +20,19 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.shape import ModelShape, family_config
+from dtpshard.core.shape import FAMILY, ModelShape, family_config
 from dtpshard.model.attention import KVCache
 from dtpshard.model.delay import Step
-from dtpshard.model.modules import Layer
+from dtpshard.model.modules import Layer, Trace, sequence
 from dtpshard.model.ops import Norm, Proj
-
-_ROTARY = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
 
 
 def rotary_for(hf_config: Any) -> nn.Module:
     """The family's own transformers rotary class (rope scaling and theta exactly as transformers);
     a student's config gives its base family's."""
     cfg = family_config(hf_config)
-    family = cfg.model_type
-    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    return getattr(mod, _ROTARY[family] + "RotaryEmbedding")(config=cfg)
+    family = FAMILY[cfg.model_type]
+    return getattr(importlib.import_module(family.modeling), family.prefix + "RotaryEmbedding")(config=cfg)
 
 
 def positions_from_mask(attention_mask: torch.Tensor, length: int) -> torch.Tensor:
@@ -68,6 +68,7 @@ class Decoder(nn.Module):
         self.lm_head = None if s.tied else Proj(s.vocab, s.hidden)
         self.rotary = rotary_for(hf_config)
         self.gradient_checkpointing = False
+        self.sequence = sequence(self.model, s.layers)  # the 2n modules: views, no parameters of their own
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [V, D]
@@ -84,7 +85,11 @@ class Decoder(nn.Module):
     def module_partials(self, m: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         cache: Any = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Partials p^m [L, B, T, D] of module m (2i: attention i, 2i+1: FFN i) from the streams x."""
-        return self.model.layers[m // 2].partials(m % 2 == 0, x, cos, sin, cache, m // 2, mask)
+        return self.sequence[m].partials(x, cos, sin, cache, mask)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] token ids -> [B, T, D] embeddings."""
+        return self.model.embed_tokens(input_ids)
 
     def rope(self, x: torch.Tensor, start: int | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [1, 1, length, hd] of positions start .. start + length - 1."""
@@ -110,18 +115,33 @@ class Decoder(nn.Module):
     def run_streams(self, input_ids: torch.Tensor, devices: int, steps: list[Step], exchange: Any, cache: Any = None,
                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> the devices' final residual streams x [devices, B, T, D]."""
-        emb = self.model.embed_tokens(input_ids)  # [B, T, D]
+        emb = self.embed(input_ids)  # [B, T, D]
         cos, sin, mask = self._rope(emb, devices, cache, attention_mask)
         x = emb.unsqueeze(0).expand(devices, *emb.shape)  # every device starts from the embedding
+        x = self.walk(x, cos, sin, steps, exchange, cache, mask)
+        if cache is not None:
+            cache.advance(input_ids.shape[1])
+        return x
+
+    def walk(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, steps: list[Step],
+             exchange: Any, cache: Any = None, mask: torch.Tensor | None = None, modules: range | None = None,
+             hook: Callable[[int, torch.Tensor, torch.Tensor, Trace], None] | None = None) -> torch.Tensor:
+        """The module loop: streams x [L, B, T, D] through `modules` (default all 2n) -> x after them.
+
+        `hook(m, x, p, trace)`, when given, sees each module's input streams, its partials and
+        what it computed on the way (modules.Trace) before the exchange adds them; without a
+        hook no trace is kept."""
         ckpt = self.gradient_checkpointing and torch.is_grad_enabled() and cache is None
-        for m, step in enumerate(steps):
-            if ckpt:
+        for m in range(len(steps)) if modules is None else modules:
+            if hook is not None:
+                trace: Trace = {}
+                p = self.sequence[m].partials(x, cos, sin, cache, mask, trace)
+                hook(m, x, p, trace)
+            elif ckpt:
                 p = checkpoint(self.module_partials, m, x, cos, sin, None, mask, use_reentrant=False)
             else:
                 p = self.module_partials(m, x, cos, sin, cache, mask)
-            x = exchange.update(m, x, p, step)
-        if cache is not None:
-            cache.advance(input_ids.shape[1])
+            x = exchange.update(m, x, p, steps[m])
         return x
 
     def head_input(self, x: torch.Tensor, exchange: Any) -> torch.Tensor:

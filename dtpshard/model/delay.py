@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dtpshard.core.settings import DTPSettings
 from dtpshard.model.ops import residual_update
 
 
@@ -31,8 +32,9 @@ class Step:
     arrivals: tuple[tuple[int, float], ...]  # (source module k, weight): others' p^k added at module m
 
 
-def schedule(modules: int, devices: int, delay: float, stage3: str = "sqrt") -> list[Step]:
-    """Per module m: s_m and the arrivals (settings checked by core.settings.resolve_dtp)."""
+def schedule(modules: int, devices: int, delay: float, stage3: str) -> list[Step]:
+    """Per module m: s_m and the arrivals, for the settings of a core.settings.DTPSettings (checked
+    by core.settings.resolve_dtp); `schedule_for(M, settings)` takes the settings whole."""
     d = math.floor(delay)
     a = delay - d
     steps = []
@@ -44,6 +46,10 @@ def schedule(modules: int, devices: int, delay: float, stage3: str = "sqrt") -> 
             arrivals.append((m - d - 1, a))
         steps.append(Step(s, tuple((k, w) for k, w in arrivals if k >= 0 and w > 0)))
     return steps
+
+
+def schedule_for(modules: int, settings: DTPSettings) -> list[Step]:
+    return schedule(modules, settings.devices, settings.delay, settings.stage3)
 
 
 def horizon(delay: float) -> int:
@@ -62,7 +68,9 @@ class LocalExchange:
     def update(self, m: int, x: torch.Tensor, p: torch.Tensor, step: Step) -> torch.Tensor:
         """x_l ← x_l + s_m·p_l^m + Σ_(k, w) w·Σ_{j≠l} p_j^k, for every device l at once."""
         self.recent[m] = p
-        x = residual_update(x, p, step.own_scale, [(self.recent[k], w) for k, w in step.arrivals])
+        # one device (the dense model, L = 1) has no others: Σ_{j≠l} is empty, not a sum that cancels
+        arrivals = [(self.recent[k], w) for k, w in step.arrivals] if x.shape[0] > 1 else []
+        x = residual_update(x, p, step.own_scale, arrivals)
         self.recent.pop(m - self.keep, None)
         return x
 

@@ -1,14 +1,14 @@
-"""The dense model, module by module, exposing what affinity needs: the DTP modules at L = 1, δ = 0.
+"""The dense model for calibration: the Decoder (model/decoder.py) of the whole shape at L = 1, δ = 0.
 
-`DenseModel` holds the same decoder layers as DTPModel (model/modules.py) with the whole weights,
-runs each module as the single device of an L = 1 model (where its partial is the dense module
-output), and asks it for the intermediates the affinity scores are made of (its `trace`):
+`DenseModel` is the same decoder as DTPModel with the whole weights run as one device, where a
+module's partial is the dense module output. Calibration reads, through the decoder's module loop
+and its hook (`step`), the intermediates the affinity scores are made of:
 
-- `attention(i, x)`: the module output, the per-query-head attention outputs o_h (before
+- attention (module 2i): the module output, the per-query-head attention outputs o_h (before
   o_proj; head h's contribution to the residual is c_h = W_o[:, h·hd:(h+1)·hd] o_h, and the
   module output is Σ_h c_h), the rms ρ of the input residual, and the q/k/v pre-activations of the
   normalised input stacked per KV group (bias excluded), i.e. W_g (γ ⊙ x / ρ).
-- `ffn(i, x)`: the module output, the neuron outputs act = silu(g)·u, the gate/up
+- FFN (module 2i+1): the module output, the neuron outputs act = silu(g)·u, the gate/up
   pre-activations g, u and ρ.
 - `weights(i)`: layer i's matrices in the form the scorer folds (`LayerWeights`).
 
@@ -22,18 +22,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from dtpshard.core.shape import ModelShape
+from dtpshard.core.settings import DENSE, warn_if_other_settings
+from dtpshard.core.shape import ModelShape, shape_from_hf_config
 from dtpshard.model.checkpoint import Checkpoint
-from dtpshard.model.decoder import rotary_for
-from dtpshard.model.delay import LocalExchange, schedule
-from dtpshard.model.hf import student_record, warn_if_student
+from dtpshard.model.decoder import Decoder, rotary_for
+from dtpshard.model.delay import LocalExchange, schedule_for
 from dtpshard.model.modules import Layer
-from dtpshard.model.ops import inv_rms, rms_norm
+from dtpshard.model.ops import inv_rms
 
 
 @dataclass
@@ -89,81 +89,88 @@ def load_layer(get: Callable[[str], torch.Tensor], s: ModelShape, i: int) -> Lay
     return layer.requires_grad_(False)
 
 
-class DenseModel:
-    """The dense forward pass, module by module (module 2i: attention i, 2i+1: FFN i)."""
+class DenseModel(Decoder):
+    """The dense forward pass (module 2i: attention i, 2i+1: FFN i): the decoder at L = 1, δ = 0."""
 
-    def __init__(self, shape: ModelShape, hf_config: Any, state_dict: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        self.shape, self.dtype, self.device = shape, dtype, torch.device(device)
+    def __init__(self, hf_config: Any, shape: ModelShape, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
+        super().__init__(hf_config, shape)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.steps = schedule_for(shape.modules, DENSE)
+        self._ropes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-        def get(name: str) -> torch.Tensor:
-            return state_dict[name].to(device=self.device, dtype=dtype)
-
-        self.embed_w = get("model.embed_tokens.weight")  # [V, D]
-        self.norm_w = get("model.norm.weight")
-        self.lm_head = self.embed_w if shape.tied else get("lm_head.weight")
-        self.layers: Sequence[Layer] = [load_layer(get, shape, i) for i in range(shape.layers)]
-        self.rotary = rotary_for(hf_config).to(self.device)
-        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    @classmethod
+    def from_state_dict(cls, hf_config: Any, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu", shape: ModelShape | None = None) -> DenseModel:
+        """The dense model of a (dense) state dict, every weight in `dtype` on `device`."""
+        with torch.device("meta"):
+            model = cls(hf_config, shape or shape_from_hf_config(hf_config), dtype, device)
+        model.load_state_dict({k: state_dict[k].to(device=model.device, dtype=dtype) for k in model.state_dict()},
+                              strict=True, assign=True)
+        model.rebuild_buffers()
+        return model.requires_grad_(False)
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> DenseModel:
-        warn_if_student(ckpt.path, student_record(Path(ckpt.path), ckpt.hf_config), devices=1, delay=0)
-        return cls(ckpt.shape, ckpt.hf_config, ckpt.state_dict(), dtype, device)
+        warn_if_other_settings(ckpt.path, ckpt.record, DENSE)
+        return cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), dtype, device, ckpt.shape)
 
     # -- pieces ----------------------------------------------------------------------------------
-    def rope(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [1, 1, T, hd] for positions 0..T-1, from transformers' rotary class."""
-        if seq_len not in self._rope:
-            pos = torch.arange(seq_len, device=self.device)[None]
-            cos, sin = self.rotary(torch.zeros(1, dtype=self.dtype, device=self.device), pos)
-            self._rope[seq_len] = (cos[:, None].to(self.dtype), sin[:, None].to(self.dtype))
-        return self._rope[seq_len]
+    def rope_for(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, 1, T, hd] for positions 0..T-1 (Decoder.rope), kept per length: calibration
+        asks for the same length at every module."""
+        if seq_len not in self._ropes:
+            self._ropes[seq_len] = self.rope(torch.zeros(1, dtype=self.dtype, device=self.device), 0, seq_len)
+        return self._ropes[seq_len]
 
     def weights(self, i: int) -> LayerWeights:
-        return LayerWeights.of(self.layers[i], self.shape)
+        return LayerWeights.of(self.model.layers[i], self.shape)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[B, T] token ids -> [B, T, D] residual stream."""
-        return self.embed_w[ids.to(self.device)]
+        return self.model.embed_tokens(ids.to(self.device))
+
+    def step(self, m: int, x: torch.Tensor) -> tuple[torch.Tensor, AttentionOut | FFNOut]:
+        """Module m on the residual x [B, T, D], through the decoder's loop: the residual after it
+        and what calibration reads of it (the loop's hook)."""
+        s = self.shape
+        B, T, _ = x.shape
+        seen: dict[str, Any] = {}
+
+        def hook(_m: int, _x: torch.Tensor, p: torch.Tensor, trace: dict[str, torch.Tensor]) -> None:
+            seen.update(trace, out=p[0])
+
+        cos, sin = self.rope_for(T) if m % 2 == 0 else (None, None)
+        after = self.walk(x[None], cos, sin, self.steps, LocalExchange(0), modules=range(m, m + 1), hook=hook)[0]
+        if m % 2:
+            return after, FFNOut(seen["out"], seen["act"][0], seen["gate"][0], seen["up"][0], rms(x, s.rms_eps))
+        r, hd, G = s.heads_per_group, s.head_dim, s.kv_groups
+        qkv = torch.cat([seen["q"][0].view(B, T, G, r * hd), seen["k"][0].view(B, T, G, hd),
+                         seen["v"][0].view(B, T, G, hd)], dim=-1)
+        o = seen["o"].transpose(1, 2)  # [B, H, T, hd] -> [B, T, H, hd]
+        return after, AttentionOut(seen["out"], o, rms(x, s.rms_eps), qkv)
 
     def attention(self, i: int, x: torch.Tensor) -> AttentionOut:
         """Attention of layer i on residual x [B, T, D]."""
-        s = self.shape
-        B, T, _ = x.shape
-        trace: dict[str, torch.Tensor] = {}
-        out = self.layers[i].partials(True, x[None], *self.rope(T), trace=trace)[0]
-        r, hd, G = s.heads_per_group, s.head_dim, s.kv_groups
-        qkv = torch.cat([trace["q"][0].view(B, T, G, r * hd), trace["k"][0].view(B, T, G, hd),
-                         trace["v"][0].view(B, T, G, hd)], dim=-1)
-        o = trace["o"].transpose(1, 2)  # [B, H, T, hd] -> [B, T, H, hd]
-        return AttentionOut(out, o, rms(x, s.rms_eps), qkv)
+        return self.step(2 * i, x)[1]  # type: ignore[return-value]
 
     def ffn(self, i: int, x: torch.Tensor) -> FFNOut:
         """SwiGLU FFN of layer i on residual x [B, T, D]."""
-        trace: dict[str, torch.Tensor] = {}
-        out = self.layers[i].partials(False, x[None], None, None, trace=trace)[0]
-        return FFNOut(out, trace["act"][0], trace["gate"][0], trace["up"][0], rms(x, self.shape.rms_eps))
+        return self.step(2 * i + 1, x)[1]  # type: ignore[return-value]
 
     def head_contributions(self, i: int, o: torch.Tensor) -> torch.Tensor:
         """c_h: [B, T, H, hd] head outputs -> [B, T, H, D] their contributions to the residual."""
         s = self.shape
-        w = self.layers[i].self_attn.o_proj.weight.view(s.hidden, s.heads, s.head_dim)  # [D, H, hd]
+        w = self.model.layers[i].self_attn.o_proj.weight.view(s.hidden, s.heads, s.head_dim)  # [D, H, hd]
         return torch.einsum("bthk,dhk->bthd", o, w)
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.norm_w, self.shape.rms_eps) @ self.lm_head.T
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """[B, T] token ids -> [B, T, V] logits: the L = 1, δ = 0 schedule over these modules."""
-        x = self.embed(ids)[None]  # [1, B, T, D]
         exchange = LocalExchange(0)
-        cos, sin = self.rope(ids.shape[1])
-        for m, step in enumerate(schedule(self.shape.modules, 1, 0)):
-            x = exchange.update(m, x, self.layers[m // 2].partials(m % 2 == 0, x, cos, sin), step)
-        return self.logits(x[0])
+        x = self.run_streams(ids.to(self.device), 1, self.steps, exchange)
+        return F.linear(self.head_input(x, exchange), self.lm_head_weight)
 
 
 EMBED_BLOCK_BYTES = 64 << 20  # embedding rows read at once by StreamedDense
@@ -191,27 +198,33 @@ class StreamedDense(DenseModel):
 
     A pass that visits the layers in order (as calibration does) reads each layer once and holds
     only it, whatever the model's size. The embedding is read in row blocks keeping only the rows
-    asked for; the final norm and LM head are read only when logits are asked for. The values are
-    the DenseModel's bit for bit: the same tensors, converted the same way.
+    asked for; the final norm and LM head are read only when logits are asked for. The values are the
+    DenseModel's bit for bit: the same tensors, converted the same way.
     """
 
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        self.shape, self.dtype, self.device = ckpt.shape, dtype, torch.device(device)
+        with torch.device("meta"):  # the embedding and the layers stay unread: the window reads them
+            super().__init__(ckpt.hf_config, ckpt.shape, dtype, device)
         self.ckpt = ckpt
-        self.layers = _LayerWindow(self)
-        self.rotary = rotary_for(ckpt.hf_config).to(self.device)
-        self._rope = {}
+        del self.model.layers
+        self.model.layers = _LayerWindow(self)
+        self.rebuild_buffers()
 
     def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
         return self.ckpt.files.get(name, rows).to(device=self.device, dtype=self.dtype)
 
     @property
-    def norm_w(self) -> torch.Tensor:  # type: ignore[override]
-        return self.read("model.norm.weight")
-
-    @property
-    def lm_head(self) -> torch.Tensor:  # type: ignore[override]
+    def lm_head_weight(self) -> torch.Tensor:  # type: ignore[override]
         return self.read("model.embed_tokens.weight" if self.shape.tied else "lm_head.weight")
+
+    def rebuild_buffers(self) -> None:
+        self.rotary = rotary_for(self.hf_config).to(self.device)
+
+    def head_input(self, x: torch.Tensor, exchange: Any) -> torch.Tensor:
+        if self.model.norm.weight.is_meta:  # read when logits are first asked for
+            self.model.norm.load_state_dict({"weight": self.read("model.norm.weight")}, assign=True)
+            self.model.norm.requires_grad_(False)
+        return super().head_input(x, exchange)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.to(self.device)

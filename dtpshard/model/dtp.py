@@ -19,9 +19,10 @@ from dtpshard.core.permutation import apply_layout
 from dtpshard.core.settings import DTPSettings, resolve_dtp
 from dtpshard.core.shape import shape_from_hf_config
 from dtpshard.model.attention import KVCache
+from dtpshard.model.checkpoint import DTP_JSON
 from dtpshard.model.decoder import Decoder
-from dtpshard.model.delay import LocalExchange, schedule
-from dtpshard.model.hf import DTP_JSON, PretrainedMixin, causal_lm_loss, output, resolve_dtype  # noqa: F401
+from dtpshard.model.delay import LocalExchange, schedule_for
+from dtpshard.model.hf import PretrainedMixin, causal_lm_loss, output, resolve_dtype
 
 __all__ = ["DTPModel", "DTP_JSON", "KVCache"]
 
@@ -33,33 +34,32 @@ class DTPModel(PretrainedMixin, Decoder):
     `.dtype`, `forward(input_ids, attention_mask=None, labels=None)` returning transformers'
     `CausalLMOutputWithPast` (`.logits`, `.loss`), left-padded batches, `.generate(...)`."""
 
-    def __init__(self, hf_config: Any, devices: int = 4, delay: float = 1, stage3: str = "sqrt"):
+    def __init__(self, hf_config: Any, settings: DTPSettings | None = None):
+        """`settings`: core.settings.resolve_dtp's (None: its defaults)."""
         Decoder.__init__(self, hf_config, shape_from_hf_config(hf_config))
         self.layout_sha256: str | None = None  # Layout.content_sha256 of the layout applied (None: contiguous)
-        self.set_dtp(devices, delay, stage3)
+        self.use(resolve_dtp(self.shape) if settings is None else settings)
 
-    def set_dtp(self, devices: int, delay: float, stage3: str = "sqrt") -> None:
-        """Change L, δ or the stage-3 scale in place (weights are shared; only views change)."""
-        self.use(resolve_dtp(self.shape, devices=devices, delay=delay, stage3=stage3))
+    def set_dtp(self, devices: int | None = None, delay: float | None = None, stage3: str | None = None) -> None:
+        """Change L, δ or the stage-3 scale in place (weights are shared; only views change); a
+        setting not given stays as it is."""
+        self.use(resolve_dtp(self.shape, devices=devices, delay=delay, stage3=stage3, record=self.settings.to_json()))
 
     def use(self, settings: DTPSettings) -> None:
-        self.settings = settings
+        self.settings = settings.check(self.shape)
         self.devices, self.delay, self.stage3 = settings.devices, settings.delay, settings.stage3
-        self.steps = schedule(self.shape.modules, self.devices, self.delay, self.stage3)
+        self.steps = schedule_for(self.shape.modules, settings)
 
     def dtp_settings(self) -> dict[str, Any]:
         return self.settings.to_json()
 
     # -- the forward pass ----------------------------------------------------------------
-    def streams(self, input_ids: torch.Tensor, cache: KVCache | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The devices' final residual streams x [L, B, T, D]."""
-        return self.run_streams(input_ids, self.devices, self.steps, LocalExchange(self.delay), cache, attention_mask)
-
     def hidden(self, input_ids: torch.Tensor, cache: KVCache | None = None,
                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """h = mean_l FinalNorm(x_l): [B, T, D], the LM head's input."""
-        return self.model.norm(self.streams(input_ids, cache, attention_mask)).mean(0)
+        """h = mean_l FinalNorm(x_l): [B, T, D], the LM head's input (Decoder.head_input)."""
+        exchange = LocalExchange(self.delay)
+        return self.head_input(self.run_streams(input_ids, self.devices, self.steps, exchange, cache, attention_mask),
+                               exchange)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, cache: KVCache | None = None, logits_to_keep: int = 0) -> Any:
@@ -79,20 +79,21 @@ class DTPModel(PretrainedMixin, Decoder):
     @classmethod
     def from_state_dict(cls, hf_config: Any, state_dict: dict[str, torch.Tensor], devices: int | None = None,
                         delay: float | None = None, stage3: str | None = None, layout: Any = None,
-                        dtype: torch.dtype | str = torch.float32, record: dict[str, Any] | None = None) -> DTPModel:
+                        dtype: torch.dtype | str = torch.float32, record: dict[str, Any] | None = None,
+                        settings: DTPSettings | None = None) -> DTPModel:
         """The DTP model of a dense (or distilled) state dict, permuted by `layout` (a Layout or its
-        file). L, δ and stage3 as core.settings.resolve_dtp says: the arguments, else the student's
-        `record`, else the layout's, else the defaults. dtype "auto": the config's, else the weights'
-        (as transformers)."""
+        file). L, δ and stage3 as core.settings.resolve_dtp says: `settings` (already resolved) or
+        the arguments, else the student's `record`, else the layout's, else the defaults. dtype
+        "auto": the config's, else the weights' (as transformers)."""
         shape = shape_from_hf_config(hf_config)
         where = f"layout {layout}" if isinstance(layout, (str, Path)) else "layout"  # name the file when there is one
         layout = as_layout(layout)
         if layout is not None:
             layout.check_model(shape, where=where)
-        settings = resolve_dtp(shape, devices=devices, delay=delay, stage3=stage3, record=record, layout=layout,
-                               where=where)
+        given = {"devices": devices, "delay": delay, "stage3": stage3} if settings is None else settings.to_json()
+        settings = resolve_dtp(shape, **given, record=record, layout=layout, where=where)
         with torch.device("meta"):
-            model = cls(hf_config, settings.devices, settings.delay, settings.stage3)
+            model = cls(hf_config, settings)
         sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
         if model.shape.tied:
             sd.pop("lm_head.weight", None)

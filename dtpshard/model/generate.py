@@ -8,7 +8,7 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.io import dumps
 from dtpshard.core.shape import check_context
 from dtpshard.core.vocab import Count, Delay, Device, LoadDType, NonNegativeInt, NonNegativeNumber, Seed, Stage3, TopP
-from dtpshard.model.checkpoint import check_token_ids, load_tokenizer
+from dtpshard.model.checkpoint import check_token_ids
 from dtpshard.model.dtp import DTPModel
 
 
@@ -32,9 +32,7 @@ def generate_cmd(model: Path, *, prompt: str, devices: Count | None = None, dela
         top_k: sample only among the k most likely tokens (0: all)
         top_p: sample only from the smallest set of tokens whose probability reaches p (1: all)
         seed: sampling seed
-        stage3: own-partial scale for the last δ modules: sqrt (√L, the paper's) or one
         dtype: weights and activations; auto keeps the checkpoint's (as transformers)
-        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         tokenizer: tokenizer directory, where MODEL has no tokenizer files
         compile: torch.compile the model's forward (pays a compile, then decodes faster on long runs)
         json: print one JSON object {text, completion, new_token_ids, ...} instead of the text
@@ -46,7 +44,7 @@ def generate_cmd(model: Path, *, prompt: str, devices: Count | None = None, dela
     dev = pick_device(device)
     net = DTPModel.from_pretrained(model, devices, delay, dtype=dtype, layout=layout, stage3=stage3,
                                    device=dev).eval()
-    tok = load_tokenizer(tokenizer or model)
+    tok = net.checkpoint.tokenizer(tokenizer)
     if compile:
         net.compile()
     ids = tok(prompt, return_tensors="pt").input_ids.to(dev)

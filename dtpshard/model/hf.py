@@ -2,7 +2,6 @@
 `dtype="auto"`, loading and saving, and the DTP block a student records in its config.json."""
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any, Self
 
@@ -10,16 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import read_json_object
-from dtpshard.core.settings import read_record
+from dtpshard.core.settings import warn_if_other_settings
 from dtpshard.model.checkpoint import open_checkpoint, save_checkpoint
 from dtpshard.model.decode import generate_ids
 from dtpshard.model.shards import DEFAULT_MAX_SHARD_SIZE, Weights
 
-log = logging.getLogger("dtpshard")
-
-DTP_JSON = "dtp.json"  # students before the config block recorded their settings only here (still read)
-DTP_KEY = "dtp"  # the block in a student's config.json: family, devices, delay, stage3, layout_sha256
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -53,25 +47,6 @@ def resolve_dtype(dtype: Any, hf_config: Any, stored: torch.dtype | None) -> tor
     if isinstance(named, torch.dtype) and named.is_floating_point:
         return named
     return stored if stored is not None and stored.is_floating_point else torch.float32
-
-
-def student_record(path: Path, hf_config: Any) -> dict[str, Any] | None:
-    """What a distilled student at `path` recorded about itself (checked), None for a dense model:
-    the `dtp` block of its config.json, or the dtp.json of students saved before that block."""
-    record = read_record(getattr(hf_config, DTP_KEY, None), str(path / "config.json"))
-    if record is None and (path / DTP_JSON).is_file():
-        record = read_record(read_json_object(path / DTP_JSON, "DTP settings"), str(path / DTP_JSON))
-    return record
-
-
-def warn_if_student(where: Any, block: dict[str, Any] | None, devices: int, delay: float) -> None:
-    """One line when a DTP student is about to run dense: its logits would not be the ones it was
-    trained to produce (a distilled student differs from its DTP self by O(1) logits)."""
-    trained_dtp = block is not None and block.get("devices", 1) != 1 and block.get("delay", 0) != 0
-    if trained_dtp and (devices == 1 or delay == 0):
-        log.warning(f"warning: {where} is a DTP student (devices={block.get('devices')}, delay={block.get('delay')}); "
-                    f"loading it with devices={devices}, delay={delay} runs it as a dense model, not the "
-                    "function it was distilled for")
 
 
 class PretrainedMixin:
@@ -118,13 +93,14 @@ class PretrainedMixin:
                         device: str | torch.device = "cpu") -> Self:
         """Load a local HF checkpoint directory. L, δ and stage3: the arguments, else what a distilled
         student recorded (the `dtp` block of its config.json, or its dtp.json), else the layout's,
-        else 4, 1, 'sqrt' (core.settings.resolve_dtp). dtype "auto" keeps the checkpoint's (a bf16
-        checkpoint loads as bf16), as transformers does."""
+        else core.settings.DEFAULT (core.settings.resolve_dtp). dtype "auto" keeps the checkpoint's (a
+        bf16 checkpoint loads as bf16), as transformers does."""
         ckpt = open_checkpoint(path)
-        record = student_record(Path(path), ckpt.hf_config)
+        record = ckpt.record
         model = cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), devices, delay, stage3, layout, dtype, record)
-        warn_if_student(path, record, model.devices, model.delay)
+        warn_if_other_settings(path, record, model.settings)
         model.source_path = Path(path)
+        model.checkpoint = ckpt  # opened once: its tokenizer, files and record without reading config.json again
         return model.to(device)
 
     def dtp_block(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""One decoder layer's two modules, computed per device: the one definition of a partial.
+"""A decoder's modules, computed per device: the one definition of a partial.
 
 Device l's partial of an attention is its pre-norm input through its own heads (q/k/v rows with
 their biases, q/k-norm, RoPE, attention over its KV groups, its o_proj columns); of an FFN, its own
@@ -10,9 +10,14 @@ neurons (gate/up rows, SwiGLU, its down_proj columns). The inputs carry the devi
 - calibration runs the dense model, L = 1 on the whole weights, and asks for the intermediates the
   affinity scores are made of through `trace`.
 
-Parameter names are transformers' (q_proj, o_proj, gate_proj, ...), so a state dict is a plain HF one.
+Parameter names are transformers' (model.layers.i.self_attn.q_proj, ...), so a state dict is a plain
+HF one. The modules of docs/design.md §1 are the flat sequence `sequence(layers)` of 2n views over
+those layers: module 2i is layer i's pre-norm and attention (KV-cache slot i), module 2i+1 its
+pre-norm and FFN; a view holds no parameter of its own.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,16 +54,16 @@ class Attention(nn.Module):
         # a strided view, no copy: q/k-norm and RoPE write new tensors anyway
         return y.view(L * B, T, E // self.s.head_dim, self.s.head_dim).transpose(1, 2)
 
-    def partials(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None, layer: int = 0,  # noqa: ANN001
+    def partials(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Any = None,
                  mask: torch.Tensor | None = None, trace: Trace | None = None) -> torch.Tensor:
         """h [L, B, T, D] (each device's normed stream) -> partials [L, B, T, D]. cos/sin [1, 1, T, hd]
         (or [L*B, 1, T, hd] for a padded batch, with `mask` a boolean [L*B, 1, T, past + T]); the
-        new keys and values go into `cache` (layer `layer`)."""
+        new keys and values go into the KV-cache slot `kv`."""
         L, B, T, _ = h.shape
         q, k, v = (self._heads(n, h, trace) for n in "qkv")
         if self.s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        o = attend(rotary(q, cos, sin), rotary(k, cos, sin), v, self.s.heads_per_group, cache, layer, mask)
+        o = attend(rotary(q, cos, sin), rotary(k, cos, sin), v, self.s.heads_per_group, kv, mask)
         if trace is not None:
             trace["o"] = o  # [L*B, H/L, T, hd], the o_proj input per head
         o = o.transpose(1, 2).reshape(L, B, T, -1)  # [L*B, Hl, T, hd] -> [L, B, T, Hl*hd]
@@ -82,6 +87,8 @@ class FFN(nn.Module):
 
 
 class Layer(nn.Module):
+    """A decoder layer's parameters under transformers' names; its two modules are `Module` views."""
+
     def __init__(self, s: ModelShape):
         super().__init__()
         self.input_layernorm = Norm(s.hidden, s.rms_eps)
@@ -89,9 +96,33 @@ class Layer(nn.Module):
         self.post_attention_layernorm = Norm(s.hidden, s.rms_eps)
         self.mlp = FFN(s)
 
-    def partials(self, attention: bool, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,  # noqa: ANN001
-                 layer: int = 0, mask: torch.Tensor | None = None, trace: Trace | None = None) -> torch.Tensor:
-        """The partials [L, B, T, D] of this layer's attention (or FFN) on the streams x [L, B, T, D]."""
-        if attention:
-            return self.self_attn.partials(self.input_layernorm(x), cos, sin, cache, layer, mask, trace)
-        return self.mlp.partials(self.post_attention_layernorm(x), trace)
+
+class Module:
+    """Module m of the decoder: a view of layer m // 2 of `stack.layers` (its pre-norm and its
+    attention for even m, its FFN for odd m). The layer is looked up at each call, so the view
+    follows whatever holds the layers (an nn.ModuleList, or the streamed model's window that
+    reads one layer at a time)."""
+
+    def __init__(self, stack: Any, m: int):
+        self.stack, self.m, self.index = stack, m, m // 2
+        self.attention = m % 2 == 0
+
+    @property
+    def layer(self) -> Layer:
+        return self.stack.layers[self.index]
+
+    def partials(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, cache: Any = None,
+                 mask: torch.Tensor | None = None, trace: Trace | None = None) -> torch.Tensor:
+        """The partials [L, B, T, D] of this module on the streams x [L, B, T, D]; an attention reads
+        and appends to its own slot of `cache` (slot i for layer i)."""
+        layer = self.layer
+        if self.attention:
+            kv = None if cache is None else cache[self.index]
+            return layer.self_attn.partials(layer.input_layernorm(x), cos, sin, kv, mask, trace)
+        return layer.mlp.partials(layer.post_attention_layernorm(x), trace)
+
+
+def sequence(stack: Any, layers: int) -> tuple[Module, ...]:
+    """The 2n modules (attention 0, FFN 0, attention 1, ...) over `stack.layers`."""
+    return tuple(Module(stack, m) for m in range(2 * layers))
+

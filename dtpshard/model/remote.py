@@ -42,7 +42,7 @@ class DTPForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config)
         record = read_record(getattr(config, "dtp", None), "config.json dtp") or {}
         settings = resolve_dtp(shape_from_hf_config(config), record=record)
-        dtp = DTPModel(config, settings.devices, settings.delay, settings.stage3)
+        dtp = DTPModel(config, settings)
         dtp.layout_sha256 = record.get("layout_sha256")
         self.model, self.lm_head = dtp.model, dtp.lm_head
         self.__dict__["_dtp"] = dtp  # not a submodule: see the class docstring

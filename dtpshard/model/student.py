@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.shape import FAMILIES, STUDENT_TYPE, family_config
+from dtpshard.core.shape import FAMILIES, FAMILY, STUDENT_TYPE, family_config
 
 ARCHITECTURE = "DTPForCausalLM"
 AUTO_MAP = {"AutoConfig": "configuration_dtp.DTPConfig", "AutoModelForCausalLM": "modeling_dtp.DTPForCausalLM"}
@@ -100,8 +100,6 @@ class DTPConfig(PretrainedConfig):
                               "auto_map": dict(AUTO_MAP)})
 
 
-_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "mistral": "MistralForCausalLM"}
 TAGS = ["dtp", "delayed-tensor-parallelism", "dtpshard", "custom_code"]
 
 
@@ -113,10 +111,10 @@ def front_matter(extra: dict[str, Any] | None = None) -> str:
 
 
 def usage_section(block: dict[str, Any]) -> str:
-    """What a student is, the three ways to run it, and why not as its base family: the part of
+    """What a student is, the ways to run it, and why not as its base family: the part of
     the model card every student shares."""
     L, delay, family = block.get("devices"), block.get("delay"), block.get("family")
-    dense = _CLASSES.get(str(family), "its family's class")
+    dense = FAMILY[family].causal_lm if family in FAMILY else "its family's class"
     return f"""## What this model is
 
 A Delayed Tensor Parallelism (DTP) student: its {family} weights are split over L = {L} devices,
@@ -136,8 +134,11 @@ would be off by O(1).
    `DTPModel.from_pretrained(DIR)` and `dtpshard eval DIR` in Python and on the command line).
 3. Across L processes, one device each:
    `torchrun --nproc-per-node {L} -m dtpshard run DIR --prompt TEXT` (or `dtpshard run DIR --nproc {L}`).
+4. vLLM, at tensor-parallel size L (`pip install dtpshard` beside vLLM: its plugin registers the
+   model): `vllm serve DIR --tensor-parallel-size {L}` or `LLM(model=DIR, tensor_parallel_size={L})`;
+   rank l holds device l's shard and the reduce lands δ modules later. Another TP size is refused.
 
-All three read L, δ and the stage-3 scale from the `dtp` block of config.json.
+All of them read L, δ and the stage-3 scale from the `dtp` block of config.json.
 
 ## Why it does not load as a {dense}
 
@@ -146,7 +147,7 @@ that reads {family} checkpoints) would load them without an error if config.json
 model_type `{family}`, and would compute the dense function, which is not this model. Its
 config.json says model_type `dtp` so that transformers refuses it without
 `trust_remote_code=True` and no engine takes it for a dense model. Engines with their own model
-code (vLLM, TGI, SGLang, ...) do not run DTP: use one of the three ways above.
+code other than vLLM (TGI, SGLang, ...) do not run DTP: use one of the ways above.
 """
 
 

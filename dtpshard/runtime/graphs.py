@@ -21,25 +21,36 @@ from dtpshard.core.errors import UserError
 from dtpshard.model.attention import KVCache
 
 
+class StaticSlot:
+    """One attention module's fixed buffers [B, G/L, max_len, hd]; the position is the cache's."""
+
+    def __init__(self, cache: StaticKVCache, k: torch.Tensor):
+        self.cache, self.k, self.v = cache, k, torch.zeros_like(k)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pos = self.cache.pos
+        self.k.index_copy_(2, pos, k)
+        self.v.index_copy_(2, pos, v)
+        visible = (self.cache.positions <= pos)[None, None, None]  # [1, 1, 1, max_len]
+        return self.k, self.v, visible
+
+
 class StaticKVCache:
     """The cache protocol of model/attention.py over fixed buffers: one token per call."""
 
     def __init__(self, layers: int, batch: int, groups: int, max_len: int, head_dim: int, device: torch.device,
                  dtype: torch.dtype):
-        self.k = [torch.zeros(batch, groups, max_len, head_dim, device=device, dtype=dtype) for _ in range(layers)]
-        self.v = [torch.zeros_like(t) for t in self.k]
+        self.slots = [StaticSlot(self, torch.zeros(batch, groups, max_len, head_dim, device=device, dtype=dtype))
+                      for _ in range(layers)]
         self.pos = torch.zeros(1, dtype=torch.long, device=device)  # where the next token goes
         self.positions = torch.arange(max_len, device=device)
         self.max_len = max_len
 
+    def __getitem__(self, i: int) -> StaticSlot:
+        return self.slots[i]
+
     def start(self) -> torch.Tensor:
         return self.pos
-
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self.k[layer].index_copy_(2, self.pos, k)
-        self.v[layer].index_copy_(2, self.pos, v)
-        visible = (self.positions <= self.pos)[None, None, None]  # [1, 1, 1, max_len]
-        return self.k[layer], self.v[layer], visible
 
     def advance(self, length: int) -> None:
         self.pos.add_(length)
@@ -48,16 +59,16 @@ class StaticKVCache:
         """Take over a prefilled growing cache."""
         if cache.length > self.max_len:
             raise UserError(f"CUDA-graph decoding: the prompt has {cache.length} positions, max_len={self.max_len}")
-        for i, (k, v) in enumerate(cache.kv):
-            self.k[i][:, :, :cache.length].copy_(k)
-            self.v[i][:, :, :cache.length].copy_(v)
+        for slot, grown in zip(self.slots, cache.slots):
+            slot.k[:, :, :cache.length].copy_(grown.kv[0])
+            slot.v[:, :, :cache.length].copy_(grown.kv[1])
         self.pos.fill_(cache.length)
 
 
 class GraphDecoder:
     """RankModel's interface (new_cache, calling it) for generate_ids; decode steps replay a graph."""
 
-    def __init__(self, net, batch: int, max_len: int):  # noqa: ANN001 -- a RankModel
+    def __init__(self, net, batch: int, max_len: int):  # a RankModel
         s, self.net, self.max_len = net.shape, net, max_len
         w = net.lm_head_weight
         self.static = StaticKVCache(s.layers, batch, s.kv_groups, max_len, s.head_dim, w.device, w.dtype)
@@ -86,20 +97,21 @@ class GraphDecoder:
                 self._capture()
             self.graph.replay()
         self.length += 1
-        cache.kv = [(k[:, :, :self.length], v[:, :, :self.length]) for k, v in zip(self.static.k, self.static.v)]
+        for grown, slot in zip(cache.slots, self.static.slots):
+            grown.kv = (slot.k[:, :, :self.length], slot.v[:, :, :self.length])
         return self.logits.clone()
 
     def _capture(self) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        keep = [(k.clone(), v.clone()) for k, v in zip(self.static.k, self.static.v)]
+        keep = [(slot.k.clone(), slot.v.clone()) for slot in self.static.slots]
         pos = self.static.pos.clone()
         with torch.cuda.stream(side):  # warm-up outside the graph (allocator, NCCL, lazy inits)
             self.net(self.tok, self.static)
         torch.cuda.current_stream().wait_stream(side)
-        for (k, v), (k0, v0) in zip(zip(self.static.k, self.static.v), keep):  # the warm-up wrote one position: undo
-            k.copy_(k0)
-            v.copy_(v0)
+        for slot, (k0, v0) in zip(self.static.slots, keep):  # the warm-up wrote one position: undo
+            slot.k.copy_(k0)
+            slot.v.copy_(v0)
         self.static.pos.copy_(pos)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):

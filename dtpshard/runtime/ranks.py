@@ -29,23 +29,23 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.launch import RankFailure, at_shutdown, cause
 from dtpshard.core.layout import Layout, as_layout
 from dtpshard.core.permutation import permutation_spec, unit_index
-from dtpshard.core.settings import check_stage3
-from dtpshard.core.shape import check_delay, check_devices
+from dtpshard.core.settings import DTPSettings, resolve_dtp
+from dtpshard.core.shape import check_devices
 from dtpshard.model.checkpoint import Checkpoint, open_checkpoint
 from dtpshard.model.decoder import Decoder
-from dtpshard.model.delay import Step, schedule
+from dtpshard.model.delay import Step, schedule_for
 
 
 # -- refusing a bad world size before any collective ---------------------------------------
-def check_world(model: Path, world: int, layout: Path | Layout | None = None,
-                delay: float = 1) -> tuple[Checkpoint, Layout | None]:
-    """Open the checkpoint (headers only) and refuse a shape or layout that `world` ranks cannot run."""
-    ckpt = open_checkpoint(model)
+def check_world(model: Path | Checkpoint, world: int,
+                layout: Path | Layout | None = None) -> tuple[Checkpoint, Layout | None]:
+    """Open the checkpoint (headers only; an open one is taken as it is) and refuse a shape or
+    layout that `world` ranks cannot run (δ is core.settings.resolve_dtp's to check)."""
+    ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
     try:
         check_devices(ckpt.shape, world)
     except UserError as e:
-        raise UserError(f"world size {world} does not fit {model}: {e}") from None
-    check_delay(ckpt.shape, delay)
+        raise UserError(f"world size {world} does not fit {ckpt.path}: {e}") from None
     lay = as_layout(layout)
     if lay is not None:
         lay.check_model(ckpt.shape, where=f"layout {layout}")
@@ -181,25 +181,32 @@ class RankModel(Decoder):
     a Link. Calling it is collective: every rank must make the same calls in the same order (same
     input shapes), as with any tensor-parallel model."""
 
-    def __init__(self, ckpt: Checkpoint, rank: int, world: int, layout: Layout | None = None, delay: float = 1,
-                 stage3: str = "sqrt", dtype: torch.dtype = torch.float32, timeout: float = 60, latency: float = 0,
+    def __init__(self, ckpt: Checkpoint, rank: int, settings: DTPSettings, layout: Layout | None = None,
+                 dtype: torch.dtype = torch.float32, timeout: float = 60, latency: float = 0,
                  device: str | torch.device = "cpu"):
+        """`settings` (core.settings.resolve_dtp's): its devices are the world size."""
+        world = settings.devices
         with torch.device("meta"):
             super().__init__(ckpt.hf_config, ckpt.shape.shard(world))
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.full_shape = rank, world, ckpt.shape
         shard = load_shard(ckpt, rank, world, layout, dtype)
         self.load_state_dict({k: v.to(device) for k, v in shard.items()}, strict=True, assign=True)
         self.requires_grad_(False)
         self.rebuild_buffers()
         self.sharded = set(permutation_spec(ckpt.shape)) & set(shard)
         self.link = Link(rank, timeout, latency)
-        self.set_delay(delay, stage3)
+        self.use(settings)
 
-    def set_delay(self, delay: float, stage3: str = "sqrt") -> None:
-        """Change δ (and the stage-3 rule); the weights stay. Collective order follows the schedule."""
-        check_delay(self.shape, delay)
-        self.delay, self.stage3 = delay, check_stage3(stage3)
-        self.steps = schedule(self.shape.modules, self.world, delay, stage3)
+    def use(self, settings: DTPSettings) -> None:
+        self.settings = settings.check(self.full_shape)
+        self.delay, self.stage3 = settings.delay, settings.stage3
+        self.steps = schedule_for(self.shape.modules, settings)
+
+    def set_delay(self, delay: float | None = None, stage3: str | None = None) -> None:
+        """Change δ (and the stage-3 rule; one not given stays); the weights and L stay. Collective
+        order follows the schedule."""
+        self.use(resolve_dtp(self.full_shape, devices=self.world, delay=delay, stage3=stage3,
+                             record=self.settings.to_json()))
 
     def sharded_bytes(self) -> int:
         sd = self.state_dict()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from dtpshard.core.devices import DTYPES, pick_device
 from dtpshard.core.errors import UserError
@@ -28,12 +27,11 @@ from dtpshard.core.launch import (
     set_threads,
     world_from_env,
 )
-from dtpshard.core.settings import DTPSettings, resolve_dtp
+from dtpshard.core.settings import DTPSettings, resolve_dtp, warn_if_other_settings
 from dtpshard.core.shape import check_context
 from dtpshard.core.vocab import Count, Delay, Device, DType, NonNegativeInt, NonNegativeNumber, Seconds, Stage3
-from dtpshard.model.checkpoint import load_tokenizer
+from dtpshard.model.checkpoint import Checkpoint
 from dtpshard.model.decode import generate_ids
-from dtpshard.model.hf import log, student_record
 from dtpshard.runtime.graphs import GraphDecoder
 from dtpshard.runtime.ranks import RankModel, check_world
 
@@ -57,10 +55,11 @@ class RunJob:
     cuda_graphs: bool
 
 
-def prompt_ids(model: Path, prompt: str, tokenizer: Path | None, hf_config: Any, max_new_tokens: int) -> tuple:
+def prompt_ids(ckpt: Checkpoint, prompt: str, tokenizer: Path | None, max_new_tokens: int) -> tuple:
     """(tokenizer, ids [1, T]) of the prompt; refuses one that encodes to nothing or would run past the
     model's context."""
-    tok = load_tokenizer(tokenizer or model)
+    hf_config = ckpt.hf_config
+    tok = ckpt.tokenizer(tokenizer)
     ids = tok(prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
         raise UserError("the prompt encodes to no tokens")
@@ -82,16 +81,13 @@ def plan_run(model: Path, prompt: str, world: int, *, delay: float | None, stage
         raise UserError("latency_ms emulates a link with host-side waits: only with device=cpu")
     if latency_ms / 1000 >= timeout:
         raise UserError(f"--latency-ms {latency_ms:g}: every transfer would outlast --timeout {timeout:g} s")
-    ckpt, lay = check_world(model, world, layout, 0 if delay is None else delay)
-    record = student_record(Path(model), ckpt.hf_config)
+    ckpt, lay = check_world(model, world, layout)
+    record = ckpt.record
     settings = resolve_dtp(ckpt.shape, devices=world, delay=delay, stage3=stage3, record=record, layout=lay,
                            where=f"layout {layout}")
-    if record is not None and (world, settings.delay) != (record.get("devices"), record.get("delay")) \
-            and os.environ.get("RANK", "0") == "0":
-        log.warning(f"warning: {model} is a DTP student distilled for devices={record.get('devices')}, "
-                    f"delay={record.get('delay')}; running it with {world} ranks, delay={settings.delay} computes "
-                    "another function")
-    prompt_ids(model, prompt, tokenizer, ckpt.hf_config, max_new_tokens)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank plans: one says it
+        warn_if_other_settings(model, record, settings)
+    prompt_ids(ckpt, prompt, tokenizer, max_new_tokens)
     return RunJob(Path(model), prompt, settings, layout, max_new_tokens, timeout, latency_ms / 1000, dtype, device,
                   threads, tokenizer, json, cuda_graphs)
 
@@ -100,13 +96,13 @@ def serve_rank(job: RunJob) -> int:
     """One rank of the run (torchrun's environment, or launch_local's): join, load, generate; rank 0
     prints the text (or one JSON object)."""
     _, world = world_from_env()
-    ckpt, lay = check_world(job.model, world, job.layout, job.settings.delay)  # before any collective
-    tok, ids = prompt_ids(job.model, job.prompt, job.tokenizer, ckpt.hf_config, job.max_new_tokens)
+    ckpt, lay = check_world(job.model, world, job.layout)  # before any collective
+    tok, ids = prompt_ids(ckpt, job.prompt, job.tokenizer, job.max_new_tokens)
     set_threads(job.threads)
     dev = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if job.device == "cuda" else "cpu"
     s = job.settings
     with process_group(job.timeout, "nccl" if job.device == "cuda" else "gloo") as (rank, world):
-        net = RankModel(ckpt, rank, world, lay, s.delay, s.stage3, DTYPES[job.dtype], job.timeout, job.latency, dev)
+        net = RankModel(ckpt, rank, s, lay, DTYPES[job.dtype], job.timeout, job.latency, dev)
         decoder = net
         if job.cuda_graphs:
             decoder = GraphDecoder(net, ids.shape[0], ids.shape[1] + job.max_new_tokens)

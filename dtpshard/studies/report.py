@@ -17,12 +17,15 @@ from __future__ import annotations
 import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 from dtpshard.core.guard import check_outputs
 from dtpshard.core.io import atomic_write_text
 from dtpshard.studies import provenance as p
 from dtpshard.studies.compare import optional_sections
+from dtpshard.studies.dominance import dominance_lines
 from dtpshard.studies.figures import draw_all
+from dtpshard.studies.stalls import stall_lines
 from dtpshard.studies.stats import (
     bootstrap_pearson,
     bootstrap_pearson_difference,
@@ -151,8 +154,13 @@ def proxy_table(study: Study) -> list[str]:
     rows = [r for r in proxy_rows(study) if r["fit"].n or r["zero"].n]
     if not rows:
         return []
-    r_ = lambda f: "–" if f.r is None else f"{f.r:+.3f}"  # noqa: E731
-    p_ = lambda f: "–" if f.p is None else f"{f.p:.2g}"  # noqa: E731
+
+    def r_(f: Any) -> str:
+        return "–" if f.r is None else f"{f.r:+.3f}"
+
+    def p_(f: Any) -> str:
+        return "–" if f.p is None else f"{f.p:.2g}"
+
     first = study.proxies[0]
     lines = [f"| proxy | r (J, KL@{study.steps}) | p | bootstrap 95% CI | r − r({first}), paired 95% CI | "
              "Spearman ρ | p | trained layouts | r (J, zero-shot KL) | p | layouts |", "|" + "---|" * 11]
@@ -268,6 +276,7 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
                  + (" Log step axis: step 0 (the untrained students) is left off it." if c and c.report.log_steps
                     else ""), ""]
     body += optional_sections(study, figures)
+    body += dominance_lines(study)
     first = study.proxies[0]
     same = [f"{i.name} = {i.same_as}" for i in study.layouts.values() if i.same_as]
     n_layouts = len(distinct(study))
@@ -284,6 +293,7 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
     body += proxy_table(study) if n_layouts >= 3 else []
     if "proxies" in figures:
         body += [f"![trained KL against J under each proxy]({figures['proxies']})", ""]
+    body += stall_lines(study)
     body += ["## Every layout", "", layout_table(study), ""]
     if "up_edge" in figures:
         body += ["## Where the up edge is co-located, layer by layer", "",

@@ -68,7 +68,7 @@ def smollm2_checkpoint(cache: Path | None = None) -> Path:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
         model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
-    except Exception as e:  # noqa: BLE001 - transformers' GGUF reader raises many types
+    except Exception as e:  # transformers' GGUF reader raises many types
         msg = str(e).strip().splitlines()
         raise UserError(f"cannot read {source}: {type(e).__name__}: {msg[0] if msg else ''}") from None
     from dtpshard.model.checkpoint import save_checkpoint

@@ -1,6 +1,8 @@
 """The model card (RUN/final/README.md) of a distilled student, written from its run's records:
 RUN/config.json, metrics.jsonl, the layout file, the teacher's README front matter (its license)
-and the sha256 of the teacher's weight files.
+and the sha256 of the teacher's weight files. A card is made to be uploaded, so it names no place
+on the machine it was made on: the teacher by its Hub id or directory name, the run's files
+relative to the card, any other file by its name.
 
 Hashing a 70B teacher's weights takes minutes, so it is done once, by rank 0 in a background
 thread that runs while the student trains (`TeacherHashes`), and not at all for an experiment's
@@ -8,6 +10,8 @@ run: the experiment recorded the same hashes in DIR/provenance.json when it star
 """
 from __future__ import annotations
 
+import os
+import re
 import threading
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -16,7 +20,7 @@ from typing import Any
 import yaml
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import file_sha256, read_json_object
+from dtpshard.core.io import file_hashes, read_json_object
 from dtpshard.core.layout import Layout
 from dtpshard.model.checkpoint import TensorFiles
 from dtpshard.model.student import front_matter, usage_section
@@ -65,7 +69,7 @@ class TeacherHashes:
 
     def _hash(self) -> None:
         try:
-            self.hashes = {f.name: file_sha256(f) for f in TensorFiles(self.teacher).files}
+            self.hashes = file_hashes(TensorFiles(self.teacher).files)
         except (OSError, UserError) as e:  # the card says so; the student is written anyway
             self.error = str(e).splitlines()[0] if str(e) else type(e).__name__
 
@@ -92,11 +96,28 @@ def teacher_license(teacher: Path) -> dict[str, Any]:
     return {k: meta[k] for k in _LICENSE_KEYS if isinstance(meta, dict) and meta.get(k) is not None}
 
 
-def _layout_row(config: dict[str, Any]) -> str:
+_ABSOLUTE = re.compile(r"(?<![\w.~-])/[^\s,;\[\]()`]+")  # a POSIX absolute path inside a line of text
+
+
+def local_name(path: str | Path, card_dir: Path, root: Path) -> str:
+    """How a card in `card_dir` names `path`: relative to it when both lie under `root` (the run,
+    or its experiment), else by the file's name alone."""
+    path = Path(path).absolute()
+    if path.is_relative_to(root.absolute()):
+        return os.path.relpath(path, card_dir.absolute())
+    return path.name
+
+
+def _unplaced(text: str, card_dir: Path, root: Path) -> str:
+    """`text` (a data source's description) with each absolute path in it named as `local_name` says."""
+    return _ABSOLUTE.sub(lambda m: local_name(m.group(0), card_dir, root), text)
+
+
+def _layout_row(config: dict[str, Any], card_dir: Path, root: Path) -> str:
     path, kind = config.get("layout"), config.get("layout_kind")
     if path is None:
         return "contiguous (no layout file)"
-    text = f"`{path}`, kind {kind}, sha256 {config.get('layout_sha256')}"
+    text = f"`{local_name(path, card_dir, root)}`, kind {kind}, sha256 {config.get('layout_sha256')}"
     try:
         score = Layout.load(path).score
     except UserError:
@@ -151,6 +172,8 @@ def student_card(run: Path, block: dict[str, Any], hashes: TeacherHashes | None)
     run = Path(run)
     config = read_json_object(run / rundir.CONFIG, "run config")
     teacher = Path(config["teacher"])
+    exp = experiment_of(run)
+    card_dir, root = run / rundir.FINAL, exp if exp is not None else run
     digests = None if hashes is None else hashes.result()
     if digests:
         weights = "<br>".join(f"`{name}` {digest}" for name, digest in sorted(digests.items()))
@@ -159,27 +182,28 @@ def student_card(run: Path, block: dict[str, Any], hashes: TeacherHashes | None)
     steps, per_step = config.get("steps"), config.get("tokens_per_step")
     tokens = steps * per_step if isinstance(steps, int) and isinstance(per_step, int) else None
     rows = [
-        ("teacher", f"`{teacher}` ({block.get('family')} family)"),
+        ("teacher", f"`{base_model(teacher)}` ({block.get('family')} family)"),
         ("teacher weights, sha256", weights),
         ("DTP settings", f"L = {block.get('devices')}, δ = {block.get('delay')}, stage 3 `{block.get('stage3')}`"),
-        ("layout", _layout_row(config)),
+        ("layout", _layout_row(config, card_dir, root)),
         ("training", (f"{steps} steps × {per_step} tokens = {tokens} tokens (global batch "
                       f"{config.get('global_batch')} × {config.get('seq_len')}), seed {config.get('seed')}, "
                       f"lr {config.get('lr')}, "
                       f"{config.get('precision')}, {config.get('world_size')} process(es)")),
-        ("training data", f"{config.get('train_data')}"),
-        ("held-out evaluation", (f"{config.get('eval_data')}, {config.get('eval_blocks')} blocks of "
-                                 f"{config.get('seq_len')} + 1 tokens")),
+        ("training data", _unplaced(f"{config.get('train_data')}", card_dir, root)),
+        ("held-out evaluation", (f"{_unplaced(str(config.get('eval_data')), card_dir, root)}, "
+                                 f"{config.get('eval_blocks')} blocks of {config.get('seq_len')} + 1 tokens")),
         ("result", _compared(*_evals(run))),
         ("made by", f"dtpshard {_version()} (`dtpshard distill`)"),
     ]
-    exp = experiment_of(run)
     if exp is not None:
-        rows.append(("experiment report", f"`{exp / _REPORT}` (this run is `{run.name}` of that experiment)"))
+        report = local_name(exp / _REPORT, card_dir, root)
+        rows.append(("experiment report", f"`{report}` (this run is `{run.name}` of that experiment)"))
     table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
     meta = {"base_model": base_model(teacher), **teacher_license(teacher)}
     return (front_matter(meta) +
-            f"\n# DTP student of {teacher.name} (L = {block.get('devices')}, δ = {block.get('delay')})\n\n"
-            f"Distilled from `{teacher.name}` by `dtpshard distill` to compute its Delayed Tensor Parallelism "
-            f"form (below). The run's own records are `{run / rundir.CONFIG}` and `{run / rundir.METRICS}`.\n\n"
+            f"\n# DTP student of {base_model(teacher)} (L = {block.get('devices')}, δ = {block.get('delay')})\n\n"
+            f"Distilled from `{base_model(teacher)}` by `dtpshard distill` to compute its Delayed Tensor Parallelism "
+            f"form (below). The run's own records are `{local_name(run / rundir.CONFIG, card_dir, root)}` and "
+            f"`{local_name(run / rundir.METRICS, card_dir, root)}`.\n\n"
             "## The run\n\n" + table + "\n" + usage_section(block))

@@ -28,7 +28,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from cyclopts import Parameter
 
 from dtpshard.affinity.calibrate import CalibrationData, PassSettings
 from dtpshard.core.errors import UserError
@@ -259,12 +261,13 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
             run: PassSettings | None = None) -> Paths:
     """Every stage not done yet into cfg.out (DIR); returns its paths. Under torchrun every rank
     calls it: rank 0 runs stages 1, 2 and 4 while the others wait for the layout. data, run:
-    the calibration's (default CalibrationData(), PassSettings())."""
+    the calibration's (default: calibration_settings's, from cfg)."""
     from dtpshard.affinity.calibrate import plan_calibration
     from dtpshard.training import convert_plan
     from dtpshard.training.rundir import locked, start_over
 
-    data, run = data or CalibrationData(), run or PassSettings()
+    default_data, default_run = calibration_settings(cfg, CalibrationOwn())
+    data, run = data or default_data, run or default_run
     cfg = resolved(teacher, cfg)
     p = Paths(cfg.out)
     check_outputs({"--out": p.out, "--tensorboard": cfg.tensorboard, "--spill-dir": run.spill_dir},
@@ -319,25 +322,55 @@ def summary(p: Paths, cfg: DistillConfig) -> dict[str, Any]:
             "seconds": {s: times.get(s) for s in STAGES}, "serve": serving(p.student, cfg.devices)}
 
 
-def convert_cmd(teacher: Path, cfg: DistillConfig, data: CalibrationData, run: PassSettings, *,
+def _own_fields(name: str, *classes: type, shared: type) -> type:
+    """A frozen dataclass of the fields of `classes` that `shared` lacks, with their types, defaults
+    and help as those classes define them: each setting the stages share is `shared`'s one flag."""
+    import typing
+
+    import docstring_parser
+
+    have = {f.name for f in dataclasses.fields(shared)}
+    own = [(c, f) for c in classes for f in dataclasses.fields(c) if f.name not in have]
+    helps = {a.arg_name: a.description for c in classes for a in docstring_parser.parse(c.__doc__ or "").params}
+    cls = dataclasses.make_dataclass(
+        name, [(f.name, typing.get_type_hints(c, include_extras=True)[f.name], dataclasses.field(default=f.default)) for c, f in own],
+        frozen=True, kw_only=True, namespace={"__module__": __name__})
+    cls.__doc__ = f"The calibration pass's own settings.\n\nArgs:\n" + "".join(f"    {f.name}: {' '.join(helps.get(f.name, '').split())}\n" for _, f in own)
+    return cls
+
+
+# the calibration pass's own settings (--blocks, --chunk, --dtype, ...); the data flags, --seq-len,
+# --seed, --micro-batch and --device are the distillation's, and set the pass's too
+CalibrationOwn = _own_fields("CalibrationOwn", CalibrationData, PassSettings, shared=DistillConfig)
+
+
+def calibration_settings(cfg: DistillConfig, own: Any) -> tuple[CalibrationData, PassSettings]:
+    """The calibration stage's CalibrationData and PassSettings: its own fields, the rest cfg's."""
+    def build(cls: type) -> Any:
+        return cls(**{f.name: getattr(own if hasattr(own, f.name) else cfg, f.name) for f in dataclasses.fields(cls)})
+
+    return build(CalibrationData), build(PassSettings)
+
+
+def convert_cmd(cfg: Annotated[DistillConfig, Parameter(name="*")],
+                calibration: Annotated[CalibrationOwn, Parameter(name="*")] = CalibrationOwn(), *,  # type: ignore[valid-type]
                 json: bool = False) -> int:
     """Turn the dense checkpoint TEACHER into a DTP student ready to serve, in DIR (--out): the
     calibration pass (--blocks blocks of --seq-len tokens of the training data), the optimised
     layout for L = --devices and δ = --delay (with J of the contiguous and a random layout beside
     it), the distillation under it (every distill flag: --steps, --lr, --nproc K, --fsdp, or
-    `torchrun --nproc-per-node K -m dtpshard convert ...`), then DIR/student/ with its card. Ends by
-    printing the commands that serve the student. Rerun the same command to resume where it
-    stopped; --plan prints each stage's memory and expected time from config.json alone.
+    `torchrun --nproc-per-node K -m dtpshard convert ...`; --layout is refused, convert makes its
+    own), then DIR/student/ with its card. Ends by printing the commands that serve the student.
+    Rerun the same command to resume where it stopped; --plan prints each stage's memory and
+    expected time from config.json alone.
 
     Args:
-        teacher: the dense Hugging Face checkpoint directory
-        cfg: the distillation's recipe and settings; every DistillConfig field but --layout is a flag
-        data: the calibration data (--blocks; the data flags are the training ones)
-        run: how the calibration pass runs (--dtype, --offload, --memory-budget, --spill-dir, --chunk)
         json: print one JSON object {out, student, J, kl, seconds, serve, ...} instead of text
     """
     from dtpshard.training import convert_plan
 
+    teacher = cfg.teacher
+    data, run = calibration_settings(cfg, calibration)
     if cfg.plan:
         full = resolved(teacher, cfg)
         plans = convert_plan.plan_convert(full, data, run, timed=True)

@@ -4,10 +4,12 @@ in one process, under torchrun, or in --nproc local processes started by the one
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Annotated
+
+from cyclopts import Parameter
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, local_paths
@@ -75,7 +77,7 @@ def distill(cfg: DistillConfig) -> Path:
 
 
 # -- `dtpshard distill` --------------------------------------------------------------------------
-def distill_cmd(teacher: Path, cfg: DistillConfig, *, json: bool = False) -> int:
+def distill_cmd(cfg: Annotated[DistillConfig, Parameter(name="*")], *, json: bool = False) -> int:
     """Distil the DTP student of TEACHER (L devices, delay δ, permuted by --layout) into the run
     directory --out: config.json, metrics.jsonl, checkpoints, final/ (the student) and DONE.
     Rerunning the same command on an interrupted run resumes it. Data-parallel: --nproc K, or
@@ -84,12 +86,9 @@ def distill_cmd(teacher: Path, cfg: DistillConfig, *, json: bool = False) -> int
     holding all of them.
 
     Args:
-        teacher: the dense Hugging Face checkpoint directory
-        cfg: the recipe; every DistillConfig field is a flag
         json: print one JSON object {student, metrics, steps, eval_kl, eval_ppl} instead of text
     """
     as_json = json
-    cfg = dataclasses.replace(cfg, teacher=Path(teacher))
     if cfg.plan:
         return _print_plan(cfg, as_json)
     run = distill(cfg)

@@ -17,7 +17,7 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.io import dumps
 from dtpshard.core.vocab import Count, Delay, Device, Stage3
 from dtpshard.data.blocks import load_texts, make_blocks
-from dtpshard.model.checkpoint import check_token_ids, load_tokenizer, read_shape
+from dtpshard.model.checkpoint import Checkpoint, check_token_ids, load_tokenizer, read_shape
 from dtpshard.model.dtp import DTPModel
 from dtpshard.training import losses
 from dtpshard.training.precision import Precision, autocast_for
@@ -81,13 +81,17 @@ def source_blocks(tok: Any, text: list[str] | None, dataset: str | None, role: s
     return make_blocks(tok, texts, seq_len + 1, n, **kw), texts.source
 
 
-def eval_blocks_for(model: Path, text: list[str] | None = None, dataset: str | None = None, blocks: int = 16,
-                    seq_len: int = 1024, tokenizer: Any = None, text_field: str = "text") -> tuple[torch.Tensor, str]:
+def eval_blocks_for(model: Path | Checkpoint, text: list[str] | None = None, dataset: str | None = None,
+                    blocks: int = 16, seq_len: int = 1024, tokenizer: Any = None,
+                    text_field: str = "text") -> tuple[torch.Tensor, str]:
     """The first `blocks` held-out blocks [blocks, seq_len + 1] (role "eval": disjoint from every
-    calibration and training block); default the offline corpus."""
+    calibration and training block); default the offline corpus. `model`: its directory, or the
+    checkpoint already open."""
     tok = tokenizer if tokenizer is not None else load_tokenizer(model)
     ev, source = source_blocks(tok, text, dataset, "eval", seq_len, blocks, text_field, shuffle=False)
-    check_token_ids(ev, read_shape(model).vocab, model if tokenizer is None else "the given tokenizer")
+    shape = model.shape if isinstance(model, Checkpoint) else read_shape(model)
+    where = (model.path if isinstance(model, Checkpoint) else model) if tokenizer is None else "the given tokenizer"
+    check_token_ids(ev, shape.vocab, where)
     return ev, source
 
 
@@ -115,8 +119,6 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
         blocks: number of evaluation blocks of seq_len + 1 tokens
         seq_len: positions per block (the models read seq_len tokens)
         micro_batch: blocks per forward pass
-        stage3: own-partial scale of the last δ modules: sqrt (√L, the paper's) or one
-        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         precision: fp32, or bf16-mixed (bf16 autocast); auto: bf16-mixed on CUDA, fp32 on the CPU
         compile: torch.compile the models' forward passes (pays a compile; worth it for many blocks)
         json: print one JSON object {kl, ppl, tokens, ...} instead of text
@@ -135,8 +137,8 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
         if dense.shape != student.shape:
             raise UserError(f"teacher {teacher} has another shape than {model}: "
                             f"{'; '.join(dense.shape.differences(student.shape))}")
-    ev, source = eval_blocks_for(Path(model), text=text, dataset=dataset, blocks=blocks, seq_len=seq_len,
-                                 tokenizer=load_tokenizer(tokenizer or model), text_field=text_field)
+    ev, source = eval_blocks_for(student.checkpoint, text=text, dataset=dataset, blocks=blocks, seq_len=seq_len,
+                                 tokenizer=student.checkpoint.tokenizer(tokenizer), text_field=text_field)
     if compile:
         for net in (student, dense):
             if net is not None:  # evaluation reads h, the LM head's input, so compile that

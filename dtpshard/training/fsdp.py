@@ -181,7 +181,7 @@ def load(run: Path, net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any
         model_sd, optim_sd = get_state_dict(net, opt)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a corrupt or foreign checkpoint fails in many
+    except (Exception, CheckpointException) as e:  # a corrupt or foreign checkpoint fails in many
         # ways, and torch.distributed.checkpoint's own error is a BaseException, not an Exception
         raise UserError(f"{path}: unreadable sharded checkpoint ({type(e).__name__}: "
                         f"{str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}); "

@@ -20,6 +20,7 @@ import math
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,8 @@ from dtpshard.core.io import atomic_dir, atomic_write_text, dumps
 from dtpshard.core.layout import as_layout
 from dtpshard.core.memory import return_freed_memory
 from dtpshard.core.shape import family_config, shape_from_hf_config
-from dtpshard.model.checkpoint import load_hf_config, load_tokenizer, open_checkpoint
-from dtpshard.model.shards import parse_size
+from dtpshard.model.checkpoint import load_hf_config, open_checkpoint
+from dtpshard.model.shards import Weights, parse_size
 from dtpshard.training import memory, rundir
 from dtpshard.training.card import TeacherHashes, student_card
 from dtpshard.training.ddp import Dist
@@ -50,7 +51,7 @@ from dtpshard.training.recipe import (
     set_rng_state,
     train_blocks_for,
 )
-from dtpshard.training.strategy import Replicated, strategy_for
+from dtpshard.training.strategy import Strategy, strategy_for
 from dtpshard.training.teacher_cache import TeacherCache
 
 
@@ -65,7 +66,7 @@ def _optimizer(cfg: DistillConfig, student: torch.nn.Module):
     return named, opt, sched
 
 
-def accumulate(net, strategy: Replicated, teacher, batches: list[torch.Tensor], cfg: DistillConfig, device: str,
+def accumulate(net, strategy: Strategy, teacher, batches: list[torch.Tensor], cfg: DistillConfig, device: str,
                cache: Any = None) -> torch.Tensor:
     """Forward/backward of this rank's micro-batches [micro, seq_len + 1] of one optimizer step
     (net: a recipe.Student, teacher: a recipe.Teacher; gradients accumulate, DDP reduces after
@@ -90,7 +91,7 @@ def accumulate(net, strategy: Replicated, teacher, batches: list[torch.Tensor], 
 
 
 @torch.no_grad()
-def _evaluate(student, teacher, ev: torch.Tensor, cfg: DistillConfig, d: Dist, strategy: Replicated) -> dict[str, Any]:
+def _evaluate(student, teacher, ev: torch.Tensor, cfg: DistillConfig, d: Dist, strategy: Strategy) -> dict[str, Any]:
     """Each rank scores every world-th block; the sums are added across ranks. In lockstep (sharded)
     every forward is a collective, so each rank makes as many as the busiest rank, scoring a
     repeated block it does not count when it runs out."""
@@ -116,137 +117,224 @@ def _evaluate(student, teacher, ev: torch.Tensor, cfg: DistillConfig, d: Dist, s
     return summarise(d.sum(sums), True)
 
 
-def plan_for(cfg: DistillConfig, world: int, device: str, local: int | None = None) -> memory.MemoryPlan:
-    """The memory plan of this run per process, from config.json alone (cfg resolved); `local`
-    processes share this machine's RAM (default: torchrun's LOCAL_WORLD_SIZE)."""
-    hf_config = load_hf_config(cfg.teacher)
+def plan_for(cfg: DistillConfig, world: int, device: str, local: int | None = None,
+             hf_config: Any = None) -> memory.MemoryPlan:
+    """The memory plan of this run per process, from config.json alone (cfg resolved; `hf_config`:
+    the teacher's, when it is read already); `local` processes share this machine's RAM (default:
+    torchrun's LOCAL_WORLD_SIZE)."""
+    hf_config = load_hf_config(cfg.teacher) if hf_config is None else hf_config
     precision = resolve_precision(cfg.precision, device)
     setup = memory.Setup(world, cfg.fsdp and world > 1, precision, cfg.grad_checkpointing, cfg.micro_batch,
                          cfg.seq_len, torch.device(device).type)
     given = None if cfg.plan_memory is None else parse_size(cfg.plan_memory, "--plan-memory")
-    return memory.plan_memory(shape_from_hf_config(hf_config), hf_config, setup, devices=cfg.devices,
-                              delay=cfg.delay, stage3=cfg.stage3,
+    return memory.plan_memory(shape_from_hf_config(hf_config), hf_config, setup, settings=cfg.dtp,
                               available=memory.available_bytes(device, local or memory.local_ranks(), given),
                               runtime=memory.process_bytes(device))
 
 
+@dataclass
+class _Run:
+    """What the phases of one rank's run share: its inputs (setup), its models and optimizer
+    (build), where the loop is (resume, checkpoint)."""
+
+    cfg: DistillConfig  # resolved: what config.json records
+    d: Dist
+    strategy: Strategy
+    dir: Path
+    config: dict[str, Any]  # config.json
+    plan: memory.MemoryPlan
+    peaks: memory.PhasePeaks
+    ckpt: Any  # the teacher's checkpoint
+    layout: Any  # core.layout.Layout, or None: contiguous
+    train_data: torch.Tensor  # [blocks, seq_len + 1]
+    ev: torch.Tensor  # [eval blocks, seq_len + 1]
+    cache: TeacherCache | None
+    hashes: TeacherHashes | None = None  # rank 0: the card's sha256 of the teacher, hashed meanwhile
+    teacher: Any = None  # recipe.Teacher
+    net0: Any = None  # recipe.Student; net: it as the strategy wraps it (DDP, compiled)
+    net: Any = None
+    named: list = field(default_factory=list)
+    opt: Any = None
+    sched: Any = None
+    metrics: rundir.Metrics | rundir.NoMetrics = field(default_factory=rundir.NoMetrics)
+    start: int = 0  # steps done before this process (a resumed run)
+    wall0: float = 0.0  # training seconds before this process
+    t0: float = 0.0
+    saved: int = 0  # the step of the last checkpoint on disk
+    last_ckpt: float = 0.0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.micro_batch * self.cfg.grad_accum * self.d.world * self.cfg.seq_len
+
+    def wall(self) -> float:
+        """Training seconds, summed over resumes."""
+        return self.wall0 + time.perf_counter() - self.t0
+
+
 def train(cfg: DistillConfig, d: Dist) -> Path:
+    """One rank's run, in phases: setup (inputs, run directory, models, resume), then each step's
+    update, evaluation and checkpoint, then the student saved (final/) and the run marked done."""
+    r = _setup(cfg, d)
+    if r is None:  # already finished
+        return Path(cfg.out)
+    with r.peaks.phase("training"):
+        if r.start == 0:
+            r.metrics.append(_eval_row(r, 0))
+        bar = _progress(r.cfg, d, r.start)
+        r.last_ckpt, r.saved = time.perf_counter(), r.start
+        for step in range(r.start, r.cfg.steps):
+            row = _step(r, step)
+            r.metrics.append(row)
+            done = step + 1
+            if done % r.cfg.eval_every == 0 or done == r.cfg.steps:
+                erow = _eval_row(r, done)
+                r.metrics.append(erow)
+                _stop_if_diverged(done, "evaluation KL", erow["eval_kl"], r.saved)  # before its checkpoint
+                bar.set_postfix_str(f"kl {row['kl']:.4f} eval_kl {erow['eval_kl']:.4f} ppl {erow['eval_ppl']:.2f}")
+            else:
+                bar.set_postfix_str(f"kl {row['kl']:.4f} ce {row['ce']:.3f} lr {row['lr']:.2e}")
+            bar.update(1)
+            _checkpoint(r, done)
+        bar.close()
+        r.metrics.close()
+    with r.peaks.phase("saving"):
+        _save_student(r)
+    _record_memory(r.dir, r.plan, r.peaks, d)
+    if d.main:
+        _mark_done(r.dir, r.cfg)
+    d.barrier()
+    return r.dir
+
+
+# -- setup --------------------------------------------------------------------------------------
+def _setup(cfg: DistillConfig, d: Dist) -> _Run | None:
+    """The run's inputs read and checked, its directory made or resumed, its models built and
+    restored: the run ready for its first step, or None when it finished already."""
     precision = resolve_precision(cfg.precision, d.device)
-    cfg = dataclasses.replace(resolve(cfg), precision=precision)  # config.json records what ran
-    run = Path(cfg.out)
-    plan = plan_for(cfg, d.world, d.device)
+    hf_config, layout = load_hf_config(cfg.teacher), as_layout(cfg.layout)  # each read once, passed along
+    cfg = dataclasses.replace(resolve(cfg, shape_from_hf_config(hf_config), layout), precision=precision)
+    plan = plan_for(cfg, d.world, d.device, hf_config=hf_config)  # config.json records what ran
     memory.refuse_unless_fits(plan)  # every rank alike, before anything is loaded
     if torch.device(d.device).type == "cpu":
         return_freed_memory()  # so that the resident set is what the tensors hold (core/memory.py)
     peaks = memory.PhasePeaks(d.device)
     strategy = strategy_for(cfg, d, precision)
     with peaks.phase("setup"):
-        ckpt, layout = open_checkpoint(cfg.teacher), as_layout(cfg.layout)
-        tok = load_tokenizer(cfg.tokenizer or cfg.teacher)
-        train_data, train_src = train_blocks_for(cfg, d.world, tok)
-        ev, eval_src = eval_blocks_for(cfg.teacher, cfg.eval_text, cfg.eval_dataset, cfg.eval_blocks, cfg.seq_len,
-                                       tok, cfg.text_field)
-        cache = None
-        if cfg.teacher_cache is not None:
-            cache = TeacherCache(cfg.teacher_cache)
-            cache.check(cfg.teacher, train_data, cfg.tokenizer)  # before anything is written
-        config = run_config(cfg, ckpt.shape, layout, d.world, d.device, train_data, train_src, ev, eval_src, cache)
-        # every rank refuses alike; runs from before --fsdp (--precision) existed were not sharded (the default)
-        resuming = rundir.check_run(run, config, compared_keys(), cfg.force,
-                                    added={"fsdp": False, "precision": precision})
-        d.barrier()
-        if d.main:
-            if not resuming:
-                rundir.start_over(run)
-                rundir.write_config(run, config)
-            rundir.clean_temporaries(run)
-            clean(run)
-        d.barrier()
-        if rundir.is_done(run):
-            if d.main:
-                rundir.remove_checkpoint(run)  # in case a kill came between DONE and its removal
-                print(f"{run}: already finished ({rundir.DONE} present)", file=sys.stderr)
-            return run
-        # the card's sha256 of the teacher's weights, hashed while the student trains (card.py)
-        hashes = TeacherHashes(cfg.teacher, run) if d.main else None
-        teacher, net0 = strategy.build(cfg, ckpt, layout)
-        student = net0.model
-        student.source_path = Path(cfg.teacher)
-        named, opt, sched = _optimizer(cfg, student)
-        state = strategy.restore(run, net0, named, opt)
-    start, wall0 = 0, 0.0
+        r = _inputs(cfg, d, strategy, plan, peaks, hf_config, layout)
+        if not _open_run_dir(r):
+            return None
+        _build(r)
+        state = strategy.restore(r.dir, r.net0, r.named, r.opt)
+    _resume(r, state)
+    return r
+
+
+def _inputs(cfg: DistillConfig, d: Dist, strategy: Strategy, plan: memory.MemoryPlan,
+            peaks: memory.PhasePeaks, hf_config: Any, layout: Any) -> _Run:
+    """The teacher's checkpoint, the training and evaluation blocks, the teacher cache and the
+    config.json they make, each refused (on every rank alike) before anything is written."""
+    ckpt = open_checkpoint(cfg.teacher, hf_config)  # the weights' headers, once the plan fits
+    tok = ckpt.tokenizer(cfg.tokenizer)
+    train_data, train_src = train_blocks_for(cfg, d.world, tok, ckpt)
+    ev, eval_src = eval_blocks_for(ckpt, cfg.eval_text, cfg.eval_dataset, cfg.eval_blocks, cfg.seq_len,
+                                   tok, cfg.text_field)
+    cache = None
+    if cfg.teacher_cache is not None:
+        cache = TeacherCache(cfg.teacher_cache)
+        cache.check(cfg.teacher, train_data, cfg.tokenizer)  # before anything is written
+    config = run_config(cfg, ckpt.shape, layout, d.world, d.device, train_data, train_src, ev, eval_src, cache)
+    return _Run(cfg, d, strategy, Path(cfg.out), config, plan, peaks, ckpt, layout, train_data, ev, cache)
+
+
+def _open_run_dir(r: _Run) -> bool:
+    """RUN made (or its run of these settings resumed, or started over with --force) by rank 0;
+    False when it finished already."""
+    d, run = r.d, r.dir
+    # every rank refuses alike; runs from before --fsdp (--precision) existed were not sharded (the default)
+    resuming = rundir.check_run(run, r.config, compared_keys(), r.cfg.force,
+                                added={"fsdp": False, "precision": r.cfg.precision})
+    d.barrier()
+    if d.main:
+        if not resuming:
+            rundir.start_over(run)
+            rundir.write_config(run, r.config)
+        rundir.clean_temporaries(run)
+        clean(run)
+    d.barrier()
+    if not rundir.is_done(run):
+        return True
+    if d.main:
+        rundir.remove_checkpoint(run)  # in case a kill came between DONE and its removal
+        print(f"{run}: already finished ({rundir.DONE} present)", file=sys.stderr)
+    return False
+
+
+def _build(r: _Run) -> None:
+    """The teacher and the student where the strategy keeps them, and the student's optimizer."""
+    if r.d.main:  # the card's sha256 of the teacher's weights, hashed while the student trains (card.py)
+        r.hashes = TeacherHashes(r.cfg.teacher, r.dir)
+    r.teacher, r.net0 = r.strategy.build(r.cfg, r.ckpt, r.layout)
+    r.net0.model.source_path = Path(r.cfg.teacher)
+    r.named, r.opt, r.sched = _optimizer(r.cfg, r.net0.model)
+
+
+def _resume(r: _Run, state: dict[str, Any] | None) -> None:
+    """Where the loop starts: after the checkpoint's step (its scheduler, RNG and metrics rows
+    back), else at step 0; the student wrapped for training."""
     if state is not None:
-        sched.load_state_dict(state["scheduler"])
+        r.sched.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
-        start, wall0 = state["step"], state["wall"]
-        if d.main:
-            print(f"resuming {run} after step {start} of {cfg.steps}", file=sys.stderr)
-    metrics = rundir.Metrics(run, cfg.tensorboard if d.main else None, start)
-    if d.main:
-        metrics.truncate(state["metrics_bytes"] if state is not None else 0)
-    d.barrier()
+        r.start, r.wall0 = state["step"], state["wall"]
+        if r.d.main:
+            print(f"resuming {r.dir} after step {r.start} of {r.cfg.steps}", file=sys.stderr)
+    r.metrics = rundir.metrics_for(r.dir, r.d.main, r.cfg.tensorboard, r.start)
+    r.metrics.truncate(state["metrics_bytes"] if state is not None else 0)
+    r.d.barrier()
+    r.net0.model.gradient_checkpointing = r.cfg.grad_checkpointing
+    r.net = r.strategy.wrap(r.net0, r.cfg, r.cfg.steps - r.start)
+    r.t0 = time.perf_counter()
 
-    student.gradient_checkpointing = cfg.grad_checkpointing
-    net = strategy.wrap(net0, cfg, cfg.steps - start)
-    t0 = time.perf_counter()
-    wall = lambda: wall0 + time.perf_counter() - t0  # noqa: E731 - training seconds, summed over resumes
-    G, T = cfg.micro_batch * cfg.grad_accum * d.world, cfg.seq_len
 
-    def eval_row(step: int) -> dict[str, Any]:
-        r = _evaluate(net0, teacher, ev, cfg, d, strategy)
-        return {"kind": "eval", "step": step, "tokens": step * G * T, "eval_kl": r["kl"], "eval_ppl": r["ppl"],
-                "eval_top1": r["top1"], "wall": wall()}
+# -- a step, its evaluation and its checkpoint --------------------------------------------------
+def _step(r: _Run, step: int) -> dict[str, Any]:
+    """Optimizer step `step` (0-based) on this rank's micro-batches of the global batch; its train row."""
+    cfg, d = r.cfg, r.d
+    lr = r.sched.get_last_lr()[0]
+    r.opt.zero_grad(set_to_none=True)
+    G = cfg.micro_batch * cfg.grad_accum * d.world
+    rows = [step * G + (a * d.world + d.rank) * cfg.micro_batch for a in range(cfg.grad_accum)]
+    sums = accumulate(r.net, r.strategy, r.teacher, [r.train_data[i:i + cfg.micro_batch] for i in rows], cfg,
+                      d.device, r.cache)
+    params = [p for _, p in r.named]
+    grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf))
+    sums = d.sum(sums) / (G * cfg.seq_len)
+    done = step + 1
+    loss = float(sums[0])  # one host sync (on CUDA) for both uses
+    _stop_if_diverged(done, "loss", loss, r.saved)
+    _stop_if_diverged(done, "gradient norm", grad_norm, r.saved)
+    r.opt.step()
+    r.sched.step()
+    return {"kind": "train", "step": done, "tokens": done * r.tokens_per_step, "loss": loss, "kl": float(sums[1]),
+            "ce": float(sums[2]), "lr": lr, "grad_norm": grad_norm, "wall": r.wall()}
 
-    with peaks.phase("training"):
-        if start == 0:
-            row = eval_row(0)
-            if d.main:
-                metrics.append(row)
-        bar = _progress(cfg, d, start)
-        last_ckpt, saved = time.perf_counter(), start  # saved: the step of the last checkpoint on disk
-        for step in range(start, cfg.steps):
-            lr = sched.get_last_lr()[0]
-            opt.zero_grad(set_to_none=True)
-            rows = [step * G + (a * d.world + d.rank) * cfg.micro_batch for a in range(cfg.grad_accum)]
-            sums = accumulate(net, strategy, teacher, [train_data[r:r + cfg.micro_batch] for r in rows], cfg,
-                              d.device, cache)
-            params = [p for _, p in named]
-            grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf))
-            sums = d.sum(sums) / (G * T)
-            done = step + 1
-            loss = float(sums[0])  # one host sync (on CUDA) for both uses
-            _stop_if_diverged(done, "loss", loss, saved)
-            _stop_if_diverged(done, "gradient norm", grad_norm, saved)
-            opt.step()
-            sched.step()
-            row = {"kind": "train", "step": done, "tokens": done * G * T, "loss": loss,
-                   "kl": float(sums[1]), "ce": float(sums[2]), "lr": lr, "grad_norm": grad_norm, "wall": wall()}
-            if d.main:
-                metrics.append(row)
-            if done % cfg.eval_every == 0 or done == cfg.steps:
-                erow = eval_row(done)
-                if d.main:
-                    metrics.append(erow)
-                _stop_if_diverged(done, "evaluation KL", erow["eval_kl"], saved)  # before its checkpoint
-                bar.set_postfix_str(f"kl {row['kl']:.4f} eval_kl {erow['eval_kl']:.4f} ppl {erow['eval_ppl']:.2f}")
-            else:
-                bar.set_postfix_str(f"kl {row['kl']:.4f} ce {row['ce']:.3f} lr {lr:.2e}")
-            bar.update(1)
-            due = done % cfg.checkpoint_every == 0 or time.perf_counter() - last_ckpt > 60 * cfg.checkpoint_minutes
-            if strategy.checkpoint_due(due) or done == cfg.steps:
-                extra = {"step": done, "wall": wall(), "metrics_bytes": metrics.size(), "rng": rng_state(),
-                         "scheduler": sched.state_dict(), "config": config}
-                strategy.save(run, done, net0, named, opt, extra)
-                last_ckpt, saved = time.perf_counter(), done
-        bar.close()
-        metrics.close()
-    with peaks.phase("saving"):
-        _save_student(run, student, strategy, cfg, config, save_dtype(cfg, ckpt), hashes)
-    _record_memory(run, plan, peaks, d)
-    if d.main:
-        _mark_done(run, cfg)
-    d.barrier()
-    return run
+
+def _eval_row(r: _Run, step: int) -> dict[str, Any]:
+    e = _evaluate(r.net0, r.teacher, r.ev, r.cfg, r.d, r.strategy)
+    return {"kind": "eval", "step": step, "tokens": step * r.tokens_per_step, "eval_kl": e["kl"],
+            "eval_ppl": e["ppl"], "eval_top1": e["top1"], "wall": r.wall()}
+
+
+def _checkpoint(r: _Run, done: int) -> None:
+    """A checkpoint after step `done` when one is due (every checkpoint_every steps, every
+    checkpoint_minutes, and at the end): it covers every metrics row written before it."""
+    cfg = r.cfg
+    due = done % cfg.checkpoint_every == 0 or time.perf_counter() - r.last_ckpt > 60 * cfg.checkpoint_minutes
+    if r.strategy.checkpoint_due(due) or done == cfg.steps:
+        extra = {"step": done, "wall": r.wall(), "metrics_bytes": r.metrics.size(), "rng": rng_state(),
+                 "scheduler": r.sched.state_dict(), "config": r.config}
+        r.strategy.save(r.dir, done, r.net0, r.named, r.opt, extra)
+        r.last_ckpt, r.saved = time.perf_counter(), done
 
 
 def _stop_if_diverged(step: int, what: str, value: float, saved: int) -> None:
@@ -267,22 +355,25 @@ def _progress(cfg: DistillConfig, d: Dist, start: int):
                 disable=not (cfg.progress and d.main))
 
 
-def _save_student(run: Path, student: torch.nn.Module, strategy: Replicated, cfg: DistillConfig,
-                  config: dict[str, Any], dtype: torch.dtype, hashes: TeacherHashes | None = None) -> None:
+def _save_student(r: _Run) -> None:
     """final/, atomically, written by rank 0 (the student in the model_type "dtp" format, its model
     card from the run's records); under --fsdp every rank gathers each tensor in turn."""
-    weights = strategy.weights(student, dtype)
+    cfg, student, dtype = r.cfg, r.net0.model, save_dtype(r.cfg, r.ckpt)
     source = Path(cfg.tokenizer or cfg.teacher)
-    if not strategy.d.main:
-        student.save_pretrained(Path("."), source, weights, dtype, cfg.max_shard_size, write=False)
-        return
-    with atomic_dir(run / rundir.FINAL, force=True) as tmp:
-        card = student_card(run, {"family": family_config(student.hf_config).model_type, **student.dtp_block()},
-                            hashes)
-        student.save_pretrained(tmp, source, weights, dtype, cfg.max_shard_size, card=card)
-        provenance = {k: config[k] for k in ("teacher", "layout", "layout_kind", "layout_sha256", "steps", "seed",
-                                              "train_data", "eval_data")}
-        (tmp / "distill.json").write_text(dumps(provenance, indent=1) + "\n")
+
+    def write(weights: Weights) -> None:
+        with atomic_dir(r.dir / rundir.FINAL, force=True) as tmp:
+            card = student_card(r.dir, {"family": family_config(student.hf_config).model_type,
+                                        **student.dtp_block()}, r.hashes)
+            student.save_pretrained(tmp, source, weights, dtype, cfg.max_shard_size, card=card)
+            provenance = {k: r.config[k] for k in ("teacher", "layout", "layout_kind", "layout_sha256", "steps",
+                                                    "seed", "train_data", "eval_data")}
+            (tmp / "distill.json").write_text(dumps(provenance, indent=1) + "\n")
+
+    def follow(weights: Weights) -> None:  # another rank of a sharded save: each tensor in rank 0's order
+        student.save_pretrained(r.dir / rundir.FINAL, source, weights, dtype, cfg.max_shard_size, write=False)
+
+    r.strategy.save_student(student, dtype, write, follow)
 
 
 def _record_memory(run: Path, plan: memory.MemoryPlan, peaks: memory.PhasePeaks, d: Dist) -> None:

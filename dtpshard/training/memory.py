@@ -26,6 +26,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.settings import DTPSettings
 from dtpshard.core.shape import ModelShape
 from dtpshard.model.dtp import DTPModel
 from dtpshard.training.losses import chunk_tokens
@@ -93,17 +94,17 @@ def _gib(n: int) -> str:
 _TRACED: dict[tuple, int] = {}
 
 
-def saved_bytes(hf_config: Any, devices: int, delay: float, stage3: str, micro_batch: int, seq_len: int,
+def saved_bytes(hf_config: Any, settings: DTPSettings, micro_batch: int, seq_len: int,
                 dtype: torch.dtype, grad_checkpointing: bool) -> int:
     """Bytes autograd saves for backward over the student's forward of one micro-batch, traced on
     fake tensors (nothing allocated); each setting traced once per process."""
-    key = (id(hf_config), devices, delay, stage3, micro_batch, seq_len, dtype, grad_checkpointing)
+    key = (id(hf_config), settings, micro_batch, seq_len, dtype, grad_checkpointing)
     if key not in _TRACED:
-        _TRACED[key] = _trace(hf_config, devices, delay, stage3, micro_batch, seq_len, dtype, grad_checkpointing)
+        _TRACED[key] = _trace(hf_config, settings, micro_batch, seq_len, dtype, grad_checkpointing)
     return _TRACED[key]
 
 
-def _trace(hf_config: Any, devices: int, delay: float, stage3: str, micro_batch: int, seq_len: int,
+def _trace(hf_config: Any, settings: DTPSettings, micro_batch: int, seq_len: int,
            dtype: torch.dtype, grad_checkpointing: bool) -> int:
     seen: dict[int, int] = {}
 
@@ -117,7 +118,7 @@ def _trace(hf_config: Any, devices: int, delay: float, stage3: str, micro_batch:
     with FakeTensorMode():
         torch.set_default_dtype(dtype)  # built in the compute dtype (a .to() would swap fake parameters)
         try:
-            model = DTPModel(hf_config, devices, delay, stage3)
+            model = DTPModel(hf_config, settings)
         finally:
             torch.set_default_dtype(default)
         for name, p in model.named_parameters():
@@ -129,7 +130,7 @@ def _trace(hf_config: Any, devices: int, delay: float, stage3: str, micro_batch:
     return sum(seen.values())
 
 
-def plan_memory(shape: ModelShape, hf_config: Any, s: Setup, *, devices: int, delay: float, stage3: str,
+def plan_memory(shape: ModelShape, hf_config: Any, s: Setup, *, settings: DTPSettings,
                 available: int, runtime: int, with_advice: bool = True) -> MemoryPlan:
     """Bytes per process of a distillation with setup `s` (see the module docstring); a plan that
     does not fit says what would make it fit (with_advice)."""
@@ -141,7 +142,7 @@ def plan_memory(shape: ModelShape, hf_config: Any, s: Setup, *, devices: int, de
     parts = {"process": runtime,
              "teacher": (P if s.sharded else T) * teacher_bytes // K,  # replicated: shares the frozen tensors
              "student": 4 * P // K, "gradients": 4 * T // K, "optimizer": 8 * T // K}
-    traced = {c: saved_bytes(hf_config, devices, delay, stage3, s.micro_batch, s.seq_len, compute, c)
+    traced = {c: saved_bytes(hf_config, settings, s.micro_batch, s.seq_len, compute, c)
               for c in (False, True)}
     layer = traced[False] // shape.layers  # one layer's saved set
     # with checkpointing, backward recomputes one module at a time: its saved set comes back
@@ -158,7 +159,7 @@ def plan_memory(shape: ModelShape, hf_config: Any, s: Setup, *, devices: int, de
         parts["communication"] = 4 * T  # DDP's gradient buckets
     plan = MemoryPlan(s, parts, available, other)
     if not plan.fits and with_advice:
-        plan.advice = advice(shape, hf_config, s, devices=devices, delay=delay, stage3=stage3, available=available,
+        plan.advice = advice(shape, hf_config, s, settings=settings, available=available,
                              runtime=runtime)
     return plan
 

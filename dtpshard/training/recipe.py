@@ -15,7 +15,6 @@ directory in rundir.py, the process group in ddp.py, sharding (--fsdp) in fsdp.p
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import random
@@ -25,10 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from dtpshard.core.io import dumps
+from dtpshard.core.io import dumps, short_sha256
 from dtpshard.core.layout import Layout
 from dtpshard.core.settings import resolve_dtp
-from dtpshard.model.checkpoint import check_token_ids, read_shape
+from dtpshard.model.checkpoint import Checkpoint, check_token_ids, read_shape
 from dtpshard.model.hf import DTYPE_NAMES, resolve_dtype
 from dtpshard.training.evaluate import source_blocks
 from dtpshard.training.losses import eval_sums, kl_ce_sums, topk_kl_ce_sums
@@ -57,8 +56,7 @@ def lr_factor(i: int, steps: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()[:16]
+_sha = short_sha256
 
 
 # -- setup ---------------------------------------------------------------------------------------
@@ -103,25 +101,33 @@ def save_dtype(cfg: DistillConfig, ckpt: Any) -> torch.dtype:
     return resolve_dtype("auto", ckpt.hf_config, ckpt.files.stored_dtype())
 
 
-def train_blocks_for(cfg: DistillConfig, world: int, tokenizer: Any) -> tuple[torch.Tensor, str]:
-    """All training blocks of the run, in training order: [steps × global batch, seq_len + 1]."""
+def train_blocks_for(cfg: DistillConfig, world: int, tokenizer: Any,
+                     ckpt: Checkpoint | None = None) -> tuple[torch.Tensor, str]:
+    """All training blocks of the run, in training order: [steps × global batch, seq_len + 1]
+    (`ckpt`: the teacher, when it is open already)."""
     n = cfg.steps * cfg.micro_batch * cfg.grad_accum * world
     blocks, source = source_blocks(tokenizer, cfg.text, cfg.dataset, "train", cfg.seq_len, n, cfg.text_field,
                                    seed=cfg.seed, shuffle=True, repeat=True)
-    check_token_ids(blocks, read_shape(cfg.teacher).vocab, cfg.tokenizer or cfg.teacher)
+    vocab = (read_shape(cfg.teacher) if ckpt is None else ckpt.shape).vocab
+    check_token_ids(blocks, vocab, cfg.tokenizer or cfg.teacher)
     return blocks, source
 
 
-def resolve(cfg: DistillConfig) -> DistillConfig:
+def resolve(cfg: DistillConfig, shape: Any = None, layout: Layout | None = None) -> DistillConfig:
     """Defaults that depend on inputs (L, δ and stage3 by core.settings.resolve_dtp: the flags,
-    else the layout's, else the defaults), absolute paths."""
-    shape = read_shape(cfg.teacher)  # config.json alone
-    layout = Layout.load(cfg.layout) if cfg.layout is not None else None
+    else the layout's, else the defaults), absolute paths. `shape` and `layout`: the teacher's
+    shape and the layout when they are read already (else config.json alone, and the layout file)."""
+    shape = read_shape(cfg.teacher) if shape is None else shape
+    if layout is None and cfg.layout is not None:
+        layout = Layout.load(cfg.layout)
     if layout is not None:
         layout.check_model(shape, where=f"layout {cfg.layout}")
     dtp = resolve_dtp(shape, devices=cfg.devices, delay=cfg.delay, stage3=cfg.stage3, layout=layout,
                       where=f"layout {cfg.layout}")
-    absolute = lambda p: None if p is None else str(Path(p).absolute())  # noqa: E731
+
+    def absolute(p: str | Path) -> str:
+        return str(Path(p).absolute())
+
     return dataclasses.replace(
         cfg, teacher=Path(cfg.teacher).absolute(), out=Path(cfg.out).absolute(),
         layout=None if cfg.layout is None else Path(cfg.layout).absolute(), devices=dtp.devices, delay=dtp.delay,

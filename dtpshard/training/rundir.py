@@ -269,6 +269,26 @@ class Metrics:
             self.writer.close()
 
 
+class NoMetrics:
+    """The metrics of a rank that is not rank 0: rank 0 writes the run's record, the others nothing."""
+
+    def size(self) -> int:
+        return 0
+
+    def truncate(self, size: int) -> None:
+        pass
+
+    def append(self, row: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def metrics_for(run: Path, main: bool, tensorboard: Path | None = None, start: int = 0) -> Metrics | NoMetrics:
+    return Metrics(run, tensorboard, start) if main else NoMetrics()
+
+
 def read_metrics(run: Path) -> list[dict[str, Any]]:
     """All complete rows of RUN/metrics.jsonl (a half-written last line is dropped; anything else
     that is not a JSON object per line is refused, naming the file and line)."""
@@ -306,7 +326,7 @@ def load_checkpoint(run: Path) -> dict[str, Any] | None:
         return None
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - a corrupt file comes in many exception types
+    except Exception as e:  # a corrupt file comes in many exception types
         raise UserError(f"{path}: unreadable checkpoint ({type(e).__name__}); use --force to start over") from None
 
 

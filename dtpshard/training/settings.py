@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.settings import DEFAULT, DTPSettings
 from dtpshard.core.typed import Invalid, check
 from dtpshard.core.vocab import (
     Beta,
@@ -102,8 +103,13 @@ class Recipe:
     progress: bool = field(default=True, metadata=OPERATIONAL)
 
 
+@dataclass
+class _Teacher:
+    teacher: Path  # DistillConfig's first field: `dtpshard distill TEACHER`, its positional argument
+
+
 @dataclass(kw_only=True)
-class DistillConfig(Recipe):
+class DistillConfig(Recipe, _Teacher):
     """One distillation run: the recipe (Recipe) and what an experiment sets for each arm itself.
 
     Each field is a flag of `dtpshard distill`.
@@ -114,7 +120,6 @@ class DistillConfig(Recipe):
         layout: layout JSON (dtpshard.layout/1) to permute the student by; none: contiguous
         devices: L; default the layout's, else 4
         delay: δ in modules; default the layout's, else 1
-        stage3: own-partial scale of the last δ modules: sqrt (√L, the paper's) or one
         eval_blocks: held-out evaluation blocks of seq_len + 1 tokens
         eval_micro_batch: blocks per evaluation forward pass (default: --micro-batch)
         eval_text: local evaluation files (their held-out share is used)
@@ -123,7 +128,6 @@ class DistillConfig(Recipe):
         tokenizer: tokenizer directory, where TEACHER has no tokenizer files
         seed: data-order seed
         teacher_cache: a `dtpshard teacher-cache` directory: train on its top-k KL + tail instead of running the teacher
-        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         tensorboard: also write the metrics as TensorBoard events to this directory (metrics.jsonl stays the record)
         force: start the run directory over (its checkpoint, metrics and student are deleted)
         max_shard_size: the student's safetensors files are at most this large (5GB, 500MB, 2GiB, or bytes), as
@@ -136,12 +140,11 @@ class DistillConfig(Recipe):
             machine's GPU memory, or its share of the RAM)
     """
 
-    teacher: Path
     out: Path = field(metadata=OPERATIONAL)
     layout: Path | None = field(default=None, metadata=OPERATIONAL)  # its content is compared: Derived.layout_sha256
-    devices: Count | None = None  # None: the layout's, else 4
-    delay: Delay | None = None  # None: the layout's, else 1
-    stage3: Stage3 = "sqrt"
+    devices: Count | None = None  # None: the layout's, else core.settings.DEFAULT's
+    delay: Delay | None = None  # None: the layout's, else core.settings.DEFAULT's
+    stage3: Stage3 = DEFAULT.stage3
     eval_blocks: Count = 16
     eval_micro_batch: Count | None = field(default=None, metadata=OPERATIONAL)
     eval_text: list[str] | None = field(default=None, metadata=OPERATIONAL)
@@ -159,6 +162,13 @@ class DistillConfig(Recipe):
     plan: bool = field(default=False, metadata=OPERATIONAL)
     plan_world: Count | None = field(default=None, metadata=OPERATIONAL)
     plan_memory: str | None = field(default=None, metadata=OPERATIONAL)
+
+    @property
+    def dtp(self) -> DTPSettings:
+        """The run's DTP settings, once recipe.resolve has filled devices and delay (resolve_dtp)."""
+        if self.devices is None or self.delay is None:
+            raise ValueError("DistillConfig.dtp: resolve the config first (training.recipe.resolve)")
+        return DTPSettings(self.devices, self.delay, self.stage3)
 
 
 @dataclass(kw_only=True)
@@ -195,7 +205,7 @@ def check_config(cfg: Recipe) -> None:
     hints = typing.get_type_hints(type(cfg), include_extras=True)
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name == "compile" and isinstance(value, bool):  # the Python API's older flag
+        if f.name == "compile" and isinstance(value, bool):  # from Python, True and False mean on and off
             continue
         try:
             check(hints[f.name], value)

@@ -1,7 +1,7 @@
 """Where a run's models live: `Replicated` (one process, or DDP: every rank holds everything) or
-`Sharded` (--fsdp: FSDP2, each rank holds 1/K of every tensor). The loop (loop.py) asks its
-strategy to build the models, wrap them, restore and save checkpoints and give the student's
-weights to be written; it never asks which one it has.
+`Sharded` (--fsdp: FSDP2, each rank holds 1/K of every tensor), both a `Strategy`. The loop
+(loop.py) asks its strategy to build the models, wrap them, restore and save checkpoints and
+write the student; it never asks which one it has.
 
 Sharded building never holds a whole model: the teacher and the student are made on the meta
 device, `fully_shard`ed, materialised empty, and each rank fills its own local shards straight
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout
 from dtpshard.core.permutation import layout_indices
+from dtpshard.core.settings import DENSE
 from dtpshard.model.checkpoint import Checkpoint
 from dtpshard.model.compiled import compile_module, want_compile
 from dtpshard.model.dtp import DTPModel
@@ -67,6 +69,38 @@ def fill_local(model: DTPModel, ckpt: Checkpoint, layout: Layout | None, rank: i
         local.copy_(part)
 
 
+class Strategy(Protocol):
+    """What the loop asks of where its models live."""
+
+    d: Dist
+    lockstep: bool  # evaluation: every forward is a collective, so ranks make as many
+
+    def autocast(self) -> contextlib.AbstractContextManager: ...
+
+    def build(self, cfg: Any, ckpt: Checkpoint, layout: Layout | None) -> tuple[Teacher, Student]: ...
+
+    def wrap(self, net: Student, cfg: Any, steps_left: int) -> nn.Module: ...
+
+    def no_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """Around a micro-batch's backward: gradients reduced after the last one only."""
+
+    def restore(self, run: Path, net: Student, named: list, opt: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """The checkpoint's state put in place; the rest of it returned (None: no checkpoint)."""
+
+    def checkpoint_due(self, due: bool) -> bool: ...
+
+    def save(self, run: Path, step: int, net: Student, named: list, opt: torch.optim.Optimizer,
+             extra: dict[str, Any]) -> None: ...
+
+    def after_eval(self, net: Student) -> None: ...
+
+    def save_student(self, student: DTPModel, dtype: torch.dtype, write: Callable[[Weights], None],
+                     follow: Callable[[Weights], None]) -> None:
+        """The student's weights in `dtype`: rank 0 `write`s them (final/); the other ranks
+        `follow` rank 0's save (asking for each tensor in its order, writing nothing) where the
+        strategy needs them to."""
+
+
 class Replicated:
     """One process, or DDP over the ranks: every rank builds the whole teacher and student (their
     frozen embedding and LM head shared), and rank 0 saves."""
@@ -82,11 +116,11 @@ class Replicated:
 
     def build(self, cfg: Any, ckpt: Checkpoint, layout: Layout | None) -> tuple[Teacher, Student]:
         sd = ckpt.state_dict(torch.float32)
-        teacher = DTPModel.from_state_dict(ckpt.hf_config, sd, devices=1, delay=0)
+        teacher = DTPModel.from_state_dict(ckpt.hf_config, sd, settings=DENSE)
         teacher.requires_grad_(False).eval()
         own = {k: v if k in FROZEN else v.clone() for k, v in sd.items()}
         del sd
-        student = DTPModel.from_state_dict(ckpt.hf_config, own, cfg.devices, cfg.delay, cfg.stage3, layout)
+        student = DTPModel.from_state_dict(ckpt.hf_config, own, layout=layout, settings=cfg.dtp)
         for name, p in student.named_parameters():
             p.requires_grad_(name not in FROZEN)
         return Teacher(teacher.to(self.d.device)), Student(student.to(self.d.device))
@@ -126,18 +160,20 @@ class Replicated:
     def after_eval(self, net: Student) -> None:
         pass
 
-    def weights(self, student: DTPModel, dtype: torch.dtype) -> Weights:
-        return Weights.of(student.state_dict(), dtype)
+    def save_student(self, student: DTPModel, dtype: torch.dtype, write: Callable[[Weights], None],
+                     follow: Callable[[Weights], None]) -> None:
+        if self.d.main:  # every rank holds the whole student: the others have no part in it
+            write(Weights.of(student.state_dict(), dtype))
 
 
-class Sharded(Replicated):
+class Sharded:
     """FSDP2 over the ranks (fsdp.py's groups): weights, gradients and AdamW state 1/K per rank;
     bf16-mixed: bf16 compute, fp32 master weights and gradient reduction, the teacher held in bf16."""
 
     lockstep = True  # every forward all-gathers: ranks evaluate in lockstep
 
     def __init__(self, d: Dist, precision: str):
-        super().__init__(d, precision)
+        self.d, self.precision = d, precision
         self.mesh = fsdp.mesh_for(d.device, d.world)
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -147,8 +183,8 @@ class Sharded(Replicated):
         dev, rank, world = torch.device(self.d.device), self.d.rank, self.d.world
         policy = fsdp.policy(self.precision)
         with torch.device("meta"):
-            teacher = DTPModel(ckpt.hf_config, devices=1, delay=0).to(param_dtype(self.precision, frozen=True))
-            student = DTPModel(ckpt.hf_config, cfg.devices, cfg.delay, cfg.stage3)
+            teacher = DTPModel(ckpt.hf_config, DENSE).to(param_dtype(self.precision, frozen=True))
+            student = DTPModel(ckpt.hf_config, cfg.dtp)
         teacher.requires_grad_(False).eval()
         for name, p in student.named_parameters():
             p.requires_grad_(name not in FROZEN)
@@ -166,6 +202,9 @@ class Sharded(Replicated):
     def wrap(self, net: Student, cfg: Any, steps_left: int) -> nn.Module:
         return net  # compile is refused with --fsdp (recipe.check_config); auto stays eager
 
+    def no_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # each micro-batch's gradients are reduce-scattered as it ends
+
     def restore(self, run: Path, net: Student, named: list, opt: torch.optim.Optimizer) -> dict[str, Any] | None:
         return fsdp.load(run, net, opt)  # the shards in place; the rest returned
 
@@ -182,14 +221,15 @@ class Sharded(Replicated):
         # them, and give named_parameters() the sharded ones back
         net.reshard()
 
-    def weights(self, student: DTPModel, dtype: torch.dtype) -> Weights:
+    def save_student(self, student: DTPModel, dtype: torch.dtype, write: Callable[[Weights], None],
+                     follow: Callable[[Weights], None]) -> None:
         """Each tensor gathered in turn on every rank (a collective, in the same order everywhere):
         a rank holds its shards and one whole tensor at a time."""
         params = dict(student.named_parameters())
         specs = Weights.of({n: p for n, p in params.items()}, dtype).specs
-        return Weights(specs, lambda s: params[s.name].full_tensor())
+        (write if self.d.main else follow)(Weights(specs, lambda s: params[s.name].full_tensor()))
 
 
-def strategy_for(cfg: Any, d: Dist, precision: str) -> Replicated:
+def strategy_for(cfg: Any, d: Dist, precision: str) -> Strategy:
     """Sharded under --fsdp with several processes; one process holds everything whatever the flag."""
     return Sharded(d, precision) if cfg.fsdp and d.world > 1 else Replicated(d, precision)

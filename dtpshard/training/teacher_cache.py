@@ -34,9 +34,9 @@ from tqdm import tqdm
 from dtpshard.core.devices import pick_device
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, check_replaceable, local_paths
-from dtpshard.core.io import atomic_path, atomic_write_text, dumps, read_json_object
+from dtpshard.core.io import atomic_path, atomic_write_text, dumps, files_id, read_json_object, short_sha256
 from dtpshard.core.vocab import Count, Device, Seed
-from dtpshard.model.checkpoint import load_tokenizer
+from dtpshard.model.checkpoint import TOKENIZER_FILES, load_tokenizer
 from dtpshard.model.dtp import DTPModel
 from dtpshard.training.losses import chunk_tokens, teacher_topk
 from dtpshard.training.precision import autocast_for
@@ -49,18 +49,6 @@ PLAN_KEYS = {"format", "k", "dtype", "seq_len", "blocks", "teacher_sha256", "tok
 MANIFEST_KEYS = PLAN_KEYS | {"shards"}
 SHARD_BLOCKS = 256
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
-                   "special_tokens_map.json")
-
-
-def _sha_files(paths: list[Path]) -> str:
-    h = hashlib.sha256()
-    for p in sorted(paths):
-        h.update(p.name.encode() + b"\0")
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 24), b""):
-                h.update(chunk)
-    return h.hexdigest()[:16]
 
 
 def teacher_hashes(teacher: Path, tokenizer: Path | None = None) -> dict[str, str]:
@@ -69,7 +57,7 @@ def teacher_hashes(teacher: Path, tokenizer: Path | None = None) -> dict[str, st
     teacher, tok_dir = Path(teacher), Path(tokenizer or teacher)
     weights = [p for p in teacher.iterdir() if p.suffix in (".safetensors", ".bin") or p.name == "config.json"]
     tok = [tok_dir / n for n in TOKENIZER_FILES if (tok_dir / n).is_file()]
-    return {"teacher_sha256": _sha_files(weights), "tokenizer_sha256": _sha_files(tok)}
+    return {"teacher_sha256": files_id(weights), "tokenizer_sha256": files_id(tok)}
 
 
 def block_key(block: torch.Tensor) -> bytes:
@@ -109,7 +97,7 @@ def build_cache(teacher_dir: Path, blocks: torch.Tensor, out: Path, k: int = 64,
     out, blocks = Path(out), unique_blocks(blocks.to(torch.int64))
     plan = {"format": FORMAT, "k": k, "dtype": dtype, "seq_len": int(blocks.shape[1]) - 1,
             "blocks": int(blocks.shape[0]), **teacher_hashes(teacher_dir, tokenizer),
-            "blocks_sha256": hashlib.sha256(blocks.numpy().tobytes()).hexdigest()[:16]}
+            "blocks_sha256": short_sha256(blocks.numpy().tobytes())}
     if (out / MANIFEST).is_file():
         old = _read(out, MANIFEST)
         if {key: old.get(key) for key in plan} == plan:
@@ -212,7 +200,10 @@ class TeacherCache:
     def lookup(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(top_ids [b, T, k] int64, top_logp [b, T, k], tail_logp [b, T]) of blocks [b, T + 1]."""
         rows = [self.index[block_key(b)] for b in blocks]
-        get = lambda name: torch.cat([self._files[f].get_slice(name)[r:r + 1] for f, r in rows])  # noqa: E731
+
+        def get(name: str) -> torch.Tensor:
+            return torch.cat([self._files[f].get_slice(name)[r:r + 1] for f, r in rows])
+
         return get("top_ids").long(), get("top_logp"), get("tail_logp")
 
 
@@ -240,7 +231,6 @@ def teacher_cache_cmd(teacher: Path, *, out: Path, k: Count = 64, dtype: Literal
         dataset: the runs' training dataset (as distill --dataset)
         text_field: the runs' text column or JSON field
         tokenizer: the runs' tokenizer directory, where TEACHER has no tokenizer files
-        device: auto (cuda if available, else cpu), cpu, cuda or cuda:N
         progress: show a progress bar
         force: rebuild a cache directory that holds something else
     """

@@ -1,0 +1,230 @@
+"""`DTPForCausalLM` for vLLM: a DTP student at tensor-parallel size L, built from vLLM's layers.
+
+TP rank l is device l (docs/design.md §1): the student's weights are already permuted, so vLLM's
+contiguous TP shards (QKVParallelLinear's heads, MergedColumnParallelLinear's neurons,
+RowParallelLinear's input columns) are exactly the layout's device l. The row-parallel outputs
+are left unreduced (`reduce_results=False`): each is the rank's partial p_l^m. The rank keeps its
+own residual stream x_l and runs the delay schedule of model/delay.py:
+
+    x_l ← x_l + s_m·p_l^m + Σ_(k, w) w·(Σ_j p_j^k − p_l^k)
+
+where Σ_j p_j^k is the all-reduce of module k's partials, posted when module k is done and
+taken δ modules later (split between two modules for a fractional δ). The output is the mean
+over ranks of FinalNorm(x_l), an all-reduce of the normed streams divided by L, then vLLM's
+vocabulary-parallel LM head. Attention is vLLM's (paged KV cache, continuous batching, chunked
+prefill, prefix caching), so the engine treats the student as it treats a Llama.
+
+The reduce does not block where it need not. On CUDA it is a functional collective
+(torch.distributed._functional_collectives.all_reduce on vLLM's TP group): eager mode returns
+an AsyncCollectiveTensor that waits at its first use, which is where the schedule lands it, and
+under torch.compile the collective and its wait are separate graph nodes with the modules in
+between, so the NCCL kernel overlaps their compute. On the CPU backend vLLM's own all-reduce is
+used, which blocks; the function computed is the same. No per-request state is kept on a module:
+the pending sums live in forward's locals.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig
+from vllm.distributed import (
+    get_pp_group,
+    get_tensor_model_parallel_world_size,
+    get_tp_group,
+    tensor_model_parallel_all_reduce,
+)
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.sequence import IntermediateTensors
+
+from dtpshard.core.errors import UserError
+from dtpshard.core.shape import ModelShape
+from dtpshard.serve.student import ServedStudent, check_parallel, served_student
+
+# HF tensor name part -> (vLLM's fused parameter, its shard id)
+_STACKED = {".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"), ".v_proj.": (".qkv_proj.", "v"),
+            ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}
+
+
+def post_reduce(p: torch.Tensor) -> torch.Tensor:
+    """Σ over TP ranks of a partial [tokens, D], started now; its value is read where it lands."""
+    if p.is_cuda:
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_reduce(p, "sum", get_tp_group().device_group)
+    # vLLM's CPU communicator sums in place: the rank's own partial is still needed when it lands
+    return tensor_model_parallel_all_reduce(p.clone())
+
+
+class DTPAttention(nn.Module):
+    """Device l's heads: its q/k/v rows (with biases: qwen2; q/k-norm: qwen3), RoPE, paged attention
+    over its KV groups, its o_proj columns. forward returns the partial, unreduced."""
+
+    def __init__(self, student: ServedStudent, vllm_config: VllmConfig, prefix: str):
+        super().__init__()
+        s, cfg = student.shape, student.family_config
+        tp = get_tensor_model_parallel_world_size()
+        self.head_dim, self.qk_norm = s.head_dim, s.qk_norm
+        heads, groups = s.heads // tp, s.kv_groups // tp
+        self.q_size, self.kv_size = heads * s.head_dim, groups * s.head_dim
+        quant = vllm_config.quant_config
+        self.qkv_proj = QKVParallelLinear(s.hidden, s.head_dim, s.heads, s.kv_groups, bias=s.qkv_bias,
+                                          quant_config=quant, prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(s.heads * s.head_dim, s.hidden, bias=False, reduce_results=False,
+                                        quant_config=quant, prefix=f"{prefix}.o_proj")
+        if s.qk_norm:
+            self.q_norm = RMSNorm(s.head_dim, eps=s.rms_eps)
+            self.k_norm = RMSNorm(s.head_dim, eps=s.rms_eps)
+        self.rotary_emb = get_rope(s.head_dim, max_position=getattr(cfg, "max_position_embeddings", 8192),
+                                   rope_parameters=getattr(cfg, "rope_parameters", None), is_neox_style=True)
+        self.attn = Attention(heads, s.head_dim, s.head_dim ** -0.5, num_kv_heads=groups,
+                              cache_config=vllm_config.cache_config, quant_config=quant, prefix=f"{prefix}.attn")
+
+    def _norm_heads(self, norm: RMSNorm, t: torch.Tensor) -> torch.Tensor:
+        by_head = t.view(*t.shape[:-1], t.shape[-1] // self.head_dim, self.head_dim)  # [tokens, heads, hd]
+        return norm(by_head).view(t.shape)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(h)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q, k = self._norm_heads(self.q_norm, q), self._norm_heads(self.k_norm, k)
+        q, k = self.rotary_emb(positions, q, k)
+        out, _ = self.o_proj(self.attn(q, k, v))
+        return out
+
+
+class DTPFFN(nn.Module):
+    """Device l's neurons: gate/up rows, SwiGLU, its down_proj columns; the partial, unreduced."""
+
+    def __init__(self, s: ModelShape, vllm_config: VllmConfig, prefix: str):
+        super().__init__()
+        quant = vllm_config.quant_config
+        self.gate_up_proj = MergedColumnParallelLinear(s.hidden, [s.neurons] * 2, bias=False, quant_config=quant,
+                                                       prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(s.neurons, s.hidden, bias=False, reduce_results=False,
+                                           quant_config=quant, prefix=f"{prefix}.down_proj")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        gate_up, _ = self.gate_up_proj(h)
+        out, _ = self.down_proj(self.act_fn(gate_up))
+        return out
+
+
+class DTPDecoderLayer(nn.Module):
+    """Modules 2i (attention) and 2i + 1 (FFN), each on the pre-norm of this rank's own stream."""
+
+    def __init__(self, student: ServedStudent, vllm_config: VllmConfig, prefix: str):
+        super().__init__()
+        s = student.shape
+        self.input_layernorm = RMSNorm(s.hidden, eps=s.rms_eps)
+        self.self_attn = DTPAttention(student, vllm_config, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(s.hidden, eps=s.rms_eps)
+        self.mlp = DTPFFN(s, vllm_config, f"{prefix}.mlp")
+
+    def partial(self, attention: bool, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if attention:
+            return self.self_attn(positions, self.input_layernorm(x))
+        return self.mlp(self.post_attention_layernorm(x))
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0})
+class DTPDecoder(nn.Module):
+    """Embedding, the layers over the delay schedule, the mean of the final norms: the LM head's input."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        student = served_student(vllm_config.model_config.hf_config)
+        parallel = vllm_config.parallel_config
+        check_parallel(student, get_tensor_model_parallel_world_size(), parallel.pipeline_parallel_size)
+        s = student.shape
+        self.student = student  # frozen settings and schedule: no per-request state
+        self.embed_tokens = VocabParallelEmbedding(s.vocab, s.hidden, quant_config=vllm_config.quant_config)
+        self.layers = nn.ModuleList(DTPDecoderLayer(student, vllm_config, f"{prefix}.layers.{i}")
+                                    for i in range(s.layers))
+        self.norm = RMSNorm(s.hidden, eps=s.rms_eps)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """[tokens] ids -> h = mean_l FinalNorm(x_l) [tokens, D], the same on every rank."""
+        x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)  # x_l = embedding
+        last_use = self.student.last_use
+        own: dict[int, torch.Tensor] = {}  # module k -> p_l^k, until its sum has landed
+        sums: dict[int, torch.Tensor] = {}  # module k -> Σ_j p_j^k (pending on CUDA)
+        for m, step in enumerate(self.student.steps):
+            p = self.layers[m // 2].partial(m % 2 == 0, positions, x)  # [tokens, D]
+            x = torch.add(x, p, alpha=step.own_scale)  # the own partial, at once
+            if m in last_use:  # stage 3's partials never land: not sent
+                own[m], sums[m] = p, post_reduce(p)
+            for k, w in step.arrivals:  # the others' partials of module k: Σ_j p_j^k − p_l^k
+                x = x.add_(sums[k], alpha=w).sub_(own[k], alpha=w)
+                if last_use[k] == m:
+                    del own[k], sums[k]
+        L = self.student.settings.devices
+        return tensor_model_parallel_all_reduce(self.norm(x)) / L
+
+
+class DTPForCausalLM(nn.Module):
+    """vLLM's model for a DTP student (architecture "DTPForCausalLM", model_type "dtp")."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        if get_pp_group().world_size != 1:
+            raise UserError("a DTP student is served with --pipeline-parallel-size 1")
+        self.model = DTPDecoder(vllm_config=vllm_config, prefix=f"{prefix}.model" if prefix else "model")
+        s = self.model.student.shape
+        self.tied = s.tied
+        self.lm_head = ParallelLMHead(s.vocab, s.hidden, quant_config=vllm_config.quant_config,
+                                      prefix=f"{prefix}.lm_head" if prefix else "lm_head")
+        if s.tied:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(s.vocab)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The student's safetensors under the family's names; q/k/v and gate/up go into vLLM's fused
+        parameters, each rank taking its contiguous shard (= its device's units)."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (self.tied and name.startswith("lm_head.")):
+                continue
+            shard = None
+            for part, (fused, shard_id) in _STACKED.items():
+                if part in name:
+                    name, shard = name.replace(part, fused), shard_id
+                    break
+            if name not in params:
+                raise UserError(f"the student's weights hold {name!r}, which its {self.model.student.shape.family} "
+                                "architecture has no parameter for")
+            param = params[name]
+            if shard is None:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard)
+            loaded.add(name)
+        return loaded

