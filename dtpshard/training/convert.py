@@ -159,7 +159,7 @@ def layout_stage(p: Paths, cfg: DistillConfig, progress: bool) -> None:
         affinity = Affinity.load(p.affinity, delay=cfg.delay)
         made = {}
         for kind in tqdm(("optimised", "contiguous", "random"), desc="layout", disable=not progress):
-            made[kind] = make_layout(affinity.model, cfg.devices, cfg.delay, kind, affinity=affinity, seed=cfg.seed)
+            made[kind] = make_layout(affinity.model, cfg.dtp, kind, affinity=affinity, seed=cfg.seed)
         layout = made["optimised"]
         layout.score.update(affinity=AFFINITY, contiguous_J=made["contiguous"].score["J"],
                             random_J=made["random"].score["J"], random_seed=cfg.seed)
@@ -266,7 +266,7 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
     from dtpshard.training import convert_plan
     from dtpshard.training.rundir import locked, start_over
 
-    default_data, default_run = calibration_settings(cfg, CalibrationOwn())
+    default_data, default_run = calibration_settings(cfg, CALIBRATION_OWN)
     data, run = data or default_data, run or default_run
     cfg = resolved(teacher, cfg)
     p = Paths(cfg.out)
@@ -332,16 +332,18 @@ def _own_fields(name: str, *classes: type, shared: type) -> type:
     have = {f.name for f in dataclasses.fields(shared)}
     own = [(c, f) for c in classes for f in dataclasses.fields(c) if f.name not in have]
     helps = {a.arg_name: a.description for c in classes for a in docstring_parser.parse(c.__doc__ or "").params}
-    cls = dataclasses.make_dataclass(
-        name, [(f.name, typing.get_type_hints(c, include_extras=True)[f.name], dataclasses.field(default=f.default)) for c, f in own],
-        frozen=True, kw_only=True, namespace={"__module__": __name__})
-    cls.__doc__ = f"The calibration pass's own settings.\n\nArgs:\n" + "".join(f"    {f.name}: {' '.join(helps.get(f.name, '').split())}\n" for _, f in own)
+    hints = [(f.name, typing.get_type_hints(c, include_extras=True)[f.name], dataclasses.field(default=f.default))
+             for c, f in own]
+    cls = dataclasses.make_dataclass(name, hints, frozen=True, kw_only=True, namespace={"__module__": __name__})
+    cls.__doc__ = "The calibration pass's own settings.\n\nArgs:\n" + "".join(
+        f"    {f.name}: {' '.join(helps.get(f.name, '').split())}\n" for _, f in own)
     return cls
 
 
 # the calibration pass's own settings (--blocks, --chunk, --dtype, ...); the data flags, --seq-len,
 # --seed, --micro-batch and --device are the distillation's, and set the pass's too
 CalibrationOwn = _own_fields("CalibrationOwn", CalibrationData, PassSettings, shared=DistillConfig)
+CALIBRATION_OWN = CalibrationOwn()
 
 
 def calibration_settings(cfg: DistillConfig, own: Any) -> tuple[CalibrationData, PassSettings]:
@@ -353,7 +355,7 @@ def calibration_settings(cfg: DistillConfig, own: Any) -> tuple[CalibrationData,
 
 
 def convert_cmd(cfg: Annotated[DistillConfig, Parameter(name="*")],
-                calibration: Annotated[CalibrationOwn, Parameter(name="*")] = CalibrationOwn(), *,  # type: ignore[valid-type]
+                calibration: Annotated[CalibrationOwn, Parameter(name="*")] = CALIBRATION_OWN, *,  # type: ignore[valid-type]
                 json: bool = False) -> int:
     """Turn the dense checkpoint TEACHER into a DTP student ready to serve, in DIR (--out): the
     calibration pass (--blocks blocks of --seq-len tokens of the training data), the optimised
