@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "affinity": ("dtpshard.affinity.calibrate:affinity_cmd", "one calibration pass: unit-to-unit affinity scores"),
     "eval": ("dtpshard.training.evaluate:eval_cmd", "perplexity and KL to a teacher on held-out blocks"),
     "distill": ("dtpshard.training.distill:distill_cmd", "distil the DTP student from the dense teacher (resumable)"),
+    "convert": ("dtpshard.training.convert:convert_cmd", "a dense checkpoint to a served DTP student (resumable)"),
     "teacher-cache": ("dtpshard.training.teacher_cache:teacher_cache_cmd", "the teacher's top-k, for distill"),
     "experiment": ("dtpshard.studies.experiment:experiment_cmd", "run a whole study from a config file (resumable)"),
     "report": ("dtpshard.studies.report:report_cmd", "Markdown report with figures for an experiment directory"),

@@ -17,7 +17,8 @@ BAD = {Count: "0", NonNegativeInt: "-1", Seed: "-1", PositiveNumber: "nan", NonN
 # positional arguments and required flags, so that only the flag under test is wrong
 REQUIRED = {"generate": ["m", "--prompt", "x"], "layout": ["a", "--out", "o"], "permute": ["m", "l", "--out", "o"],
             "score": ["a", "l"], "affinity": ["m", "--out", "o"], "eval": ["m"], "distill": ["t", "--out", "o"],
-            "experiment": ["s", "--out", "o"], "report": ["d"], "demo": [], "study": [], "run": ["m", "--prompt", "x"],
+            "convert": ["t", "--out", "o"], "experiment": ["s", "--out", "o"], "report": ["d"], "demo": [], "study": [],
+            "run": ["m", "--prompt", "x"],
             "teacher-cache": ["t", "--out", "o"]}
 
 

@@ -62,7 +62,7 @@ class PassSettings:
     Args:
         micro_batch: sequences per module call (memory)
         chunk: cap on tokens per score chunk; 0 = automatic (memory)
-        dtype: compute dtype of the pass (sums are always accumulated in float64)
+        dtype: compute dtype of the calibration pass (sums are always accumulated in float64)
         offload: --offload reads one decoder layer at a time from the checkpoint, --no-offload holds the whole model;
             default: offload only when the model does not fit --memory-budget
         memory_budget: GiB the pass may hold (model and calibration hidden states); 0 = 0.8 x the memory available

@@ -144,10 +144,11 @@ def _ours(name: str, owned: tuple[str, ...]) -> bool:
                                               and name[1:].split(".tmp-")[0] in owned)
 
 
-def refuse_unrelated(run: Path, force: bool, owned: tuple[str, ...] = OWNED, what: str = "a dtpshard run") -> None:
-    """A directory without config.json must be new or empty (but for its own names, `owned`):
-    a run's files are never written beside someone else's, unless --force says so."""
-    if force or not run.is_dir() or (run / CONFIG).exists():
+def refuse_unrelated(run: Path, force: bool, owned: tuple[str, ...] = OWNED, what: str = "a dtpshard run",
+                     record: str = CONFIG) -> None:
+    """A directory without its record (config.json) must be new or empty (but for its own names,
+    `owned`): a run's files are never written beside someone else's, unless --force says so."""
+    if force or not run.is_dir() or (run / record).exists():
         return
     other = sorted(p.name for p in run.iterdir() if not _ours(p.name, owned))
     if other:
@@ -186,23 +187,23 @@ def check_run(run: Path, config: dict[str, Any], compared: list[str], force: boo
     return not diff
 
 
-def start_over(run: Path) -> None:
-    """Remove this run's own files (never anything else in the directory)."""
-    for name in OWNED:
+def start_over(run: Path, owned: tuple[str, ...] = OWNED) -> None:
+    """Remove this run's own files, `owned` (never anything else in the directory)."""
+    for name in owned:
         p = run / name
         if p.is_dir():
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
-    clean_temporaries(run)
+    clean_temporaries(run, owned)
 
 
-def clean_temporaries(run: Path) -> None:
+def clean_temporaries(run: Path, owned: tuple[str, ...] = OWNED) -> None:
     """Leftovers of a kill during an atomic write (.NAME.tmp-PID files and directories)."""
     if not run.is_dir():
         return
     for p in run.iterdir():
-        if p.name.startswith(".") and ".tmp-" in p.name and p.name[1:].split(".tmp-")[0] in OWNED:
+        if p.name.startswith(".") and ".tmp-" in p.name and p.name[1:].split(".tmp-")[0] in owned:
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 

@@ -7,10 +7,19 @@ process dies like a SIGKILL (os._exit, no cleanup) at a named point:
   DTPSHARD_TEST_CRASH=checkpoint:K[@RANK]  after checkpoint K is written to its temporary, before the rename
                                            (--fsdp: rank 0 dies; the shards of every rank are written)
   DTPSHARD_TEST_KILL=RANK:M                that runtime rank dies at module M of its forward, exit 3
+
+and, for `convert`, by a real SIGKILL, once in each stage:
+
+  DTPSHARD_TEST_CRASH=affinity             after the affinity file is written to its temporary, before the rename
+  DTPSHARD_TEST_CRASH=layout               likewise for a layout file
+  DTPSHARD_TEST_CRASH=checkpointed:K       right after checkpoint K is published
+  DTPSHARD_TEST_CRASH=final                right after the run's final/ (the student) is published, before DONE
+  DTPSHARD_TEST_CRASH=student              halfway through publishing convert's DIR/student (one file placed)
 """
 import importlib.abc
 import importlib.util
 import os
+import signal
 import sys
 
 
@@ -18,6 +27,11 @@ def _crash_wanted(point, step):
     want = os.environ.get("DTPSHARD_TEST_CRASH", "")
     rank = os.environ.get("RANK", "0")
     return want in (f"{point}:{step}", f"{point}:{step}@{rank}")
+
+
+def _sigkill(point):
+    if os.environ.get("DTPSHARD_TEST_CRASH", "") == point:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _patch_loop(mod):
@@ -29,6 +43,13 @@ def _patch_loop(mod):
         return lr_factor(i, *args)
 
     mod.lr_factor = dying
+    save_student = mod._save_student
+
+    def _save_student(run, *args, **kwargs):
+        save_student(run, *args, **kwargs)
+        _sigkill("final")
+
+    mod._save_student = _save_student
 
 
 def _patch_rundir(mod):
@@ -38,7 +59,9 @@ def _patch_rundir(mod):
 
     def save_checkpoint(run, state):
         if not _crash_wanted("checkpoint", state["step"]):
-            return save(run, state)
+            save(run, state)
+            _sigkill(f"checkpointed:{state['step']}")
+            return None
         with mod.atomic_path(run / mod.CHECKPOINT) as tmp:
             torch.save(state, tmp)
             os._exit(17)  # a complete temporary file that was never renamed
@@ -70,8 +93,33 @@ def _patch_ranks(mod):
     cls.module_partials = dying
 
 
+def _patch_io(mod):
+    publish_new = mod.publish_new
+    names = {"affinity": "affinity.safetensors", "layout": "layout.json"}
+
+    def dying(tmp, path):
+        if names.get(os.environ.get("DTPSHARD_TEST_CRASH", "")) == os.path.basename(path):
+            os.kill(os.getpid(), signal.SIGKILL)  # the temporary is whole, never renamed
+        return publish_new(tmp, path)
+
+    mod.publish_new = dying
+
+
+def _patch_convert(mod):
+    place, calls = mod._place, []
+
+    def dying(src, dst):
+        place(src, dst)
+        calls.append(dst)
+        if len(calls) == 2:
+            _sigkill("student")
+
+    mod._place = dying
+
+
 PATCHES = {"dtpshard.training.loop": _patch_loop, "dtpshard.training.rundir": _patch_rundir,
-           "dtpshard.training.fsdp": _patch_fsdp, "dtpshard.runtime.ranks": _patch_ranks}
+           "dtpshard.training.fsdp": _patch_fsdp, "dtpshard.runtime.ranks": _patch_ranks,
+           "dtpshard.core.io": _patch_io, "dtpshard.training.convert": _patch_convert}
 
 
 class _Finder(importlib.abc.MetaPathFinder):

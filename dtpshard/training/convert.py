@@ -1,0 +1,398 @@
+"""`dtpshard convert`: one command from a dense checkpoint to a DTP student ready to serve, as the
+library's stages in a row, each published atomically in DIR:
+
+    DIR/convert.json          the settings of every stage (a rerun must match those of the stages begun)
+    DIR/affinity.safetensors  1. the calibration pass (affinity/calibrate.py; one layer at a time when the
+                                 model does not fit)
+    DIR/layout.json           2. the optimised layout; its score also holds J of the contiguous layout and
+                                 of a random one (seeded by --seed)
+    DIR/run/                  3. the distillation run under that layout (training/distill.py: one process,
+                                 --nproc K, --fsdp or torchrun; it resumes from its last checkpoint)
+    DIR/student/              4. the student and its model card: hard links to DIR/run/final's files, and
+                                 the card with the layout's J and the commands that serve it
+    DIR/timings.json          seconds per stage
+
+A rerun does the stages whose output is missing, stage 3 from its last checkpoint. A setting of a
+stage that has begun (its output, or the run's config.json, exists) must be the same, or the
+rerun is refused naming it; --force starts over, removing only convert's own files.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+from cyclopts import Parameter
+
+from dtpshard.affinity.calibrate import CalibrationData, PassSettings
+from dtpshard.core.errors import UserError
+from dtpshard.core.guard import check_outputs, local_paths
+from dtpshard.core.io import atomic_dir, atomic_write_text, dumps, read_json, read_json_object
+from dtpshard.training.settings import DistillConfig, check_config, compared_fields
+
+FORMAT = "dtpshard.convert/1"
+RECORD, AFFINITY, LAYOUT, RUN, STUDENT, TIMINGS = ("convert.json", "affinity.safetensors", "layout.json", "run",
+                                                   "student", "timings.json")
+OWNED = (RECORD, AFFINITY, LAYOUT, RUN, STUDENT, TIMINGS)
+STAGES = ("calibration", "layout", "distillation", "student")
+PROXY = "first-order"  # the paper's affinity: the layout optimises J under it
+WHAT = "a dtpshard convert directory"
+
+
+def _say(msg: str) -> None:  # progress on stderr; stdout is the result
+    print(f"[convert] {msg}", file=sys.stderr, flush=True)
+
+
+class Paths:
+    """DIR's files."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.record, self.affinity, self.layout, self.run, self.student, self.timings = (self.out / n for n in OWNED)
+
+    def begun(self) -> int:
+        """How many stages have begun (their output, or for the distillation its config.json, exists)."""
+        marks = [self.affinity, self.layout, self.run / "config.json", self.student]
+        return max((i + 1 for i, p in enumerate(marks) if os.path.lexists(p)), default=0)
+
+
+# -- the settings record ----------------------------------------------------------------------
+def _absolute(p: Any) -> str | None:
+    return None if p is None else str(Path(p).absolute())
+
+
+def _absolutes(paths: list[str] | None) -> list[str] | None:
+    return None if paths is None else [str(_absolute(t)) for t in paths]
+
+
+def record(cfg: DistillConfig, data: CalibrationData, run: PassSettings) -> dict[str, Any]:
+    """Every compared setting, in the section of the first stage whose result it changes (cfg
+    resolved: L and δ given). A setting shared by stages (--seq-len, --seed, the data) is in the first."""
+    calibration = {"teacher": _absolute(cfg.teacher), "delay": cfg.delay, "proxy": PROXY, "dtype": run.dtype,
+                   **dataclasses.asdict(data), "text": _absolutes(data.text), "tokenizer": _absolute(data.tokenizer)}
+    layout = {"devices": cfg.devices}
+    earlier = set(calibration) | set(layout)
+    distillation = {k: getattr(cfg, k) for k in compared_fields(DistillConfig) if k not in earlier}
+    distillation.update(save_dtype=cfg.save_dtype, max_shard_size=cfg.max_shard_size,
+                        eval_text=_absolutes(cfg.eval_text))
+    return json.loads(dumps({"format": FORMAT, "calibration": calibration, "layout": layout,
+                             "distillation": distillation}))
+
+
+def check_record(p: Paths, new: dict[str, Any]) -> None:
+    """Refuse, in one line naming the settings, a rerun whose settings differ in a stage that has begun."""
+    from dtpshard.training.rundir import config_differences
+
+    begun = p.begun()
+    if not begun:
+        return
+    if not p.record.is_file():
+        raise UserError(f"--out {p.out}: has convert's files but no {RECORD} (use --force to start it over)")
+    try:
+        old = read_json_object(p.record, "convert record")
+    except UserError as e:
+        raise UserError(f"{e}; use --force to start over") from None
+    if old.get("format") != FORMAT:
+        raise UserError(f"{p.record}: format {old.get('format')!r}, not {FORMAT!r}; use --force to start over")
+    sections = ("calibration", "layout", "distillation")[:begun]  # the student stage has no settings of its own
+
+    def flat(r: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for s in sections if isinstance(r.get(s), dict) for k, v in r[s].items()}
+
+    diff = config_differences(flat(old), flat(new), list(flat(new)))
+    if diff:
+        raise UserError(f"--out {p.out} was made with different settings: {'; '.join(diff)} "
+                        "(use --force to start it over, or another --out)")
+
+
+def _check_dir(out: Path, force: bool) -> None:
+    """DIR is new, empty or convert's own; another command's directory is never taken for one."""
+    from dtpshard.training.rundir import refuse_foreign, refuse_unrelated
+
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a directory")
+    refuse_foreign(out, FORMAT.split("/")[0] + "/", WHAT)  # a model's, a run's or an experiment's config.json
+    if (out / "config.json").exists():
+        raise UserError(f"--out {out}: holds a config.json, so it is not {WHAT}; choose another --out")
+    refuse_unrelated(out, force, OWNED, WHAT, record=RECORD)
+
+
+# -- the stages -------------------------------------------------------------------------------
+@contextmanager
+def _stage(p: Paths, k: int, what: str) -> Iterator[None]:
+    name = STAGES[k - 1]
+    _say(f"stage {k}/4 {name}: {what}")
+    t0 = time.perf_counter()
+    yield
+    seconds = time.perf_counter() - t0
+    times = read_json_object(p.timings, "timings") if p.timings.is_file() else {}
+    before = times.get(name)
+    times[name] = seconds + (before if isinstance(before, (int, float)) and not isinstance(before, bool) else 0.0)
+    atomic_write_text(p.timings, dumps(times, indent=1) + "\n")
+    _say(f"stage {k}/4 {name}: done in {seconds:.1f} s")
+
+
+def calibrate_stage(p: Paths, pass_: Any, progress: bool) -> None:
+    from dtpshard.affinity.calibrate import run_calibration
+
+    with _stage(p, 1, pass_.describe()):
+        run_calibration(pass_, PROXY, progress)
+
+
+def layout_stage(p: Paths, cfg: DistillConfig, progress: bool) -> None:
+    """The optimised layout from the published affinity file (float32 as saved, so a resumed run
+    optimises the same numbers), with J of the contiguous layout and of a random one."""
+    from tqdm import tqdm
+
+    from dtpshard.affinity.file import Affinity
+    from dtpshard.layouts.make import make_layout
+
+    with _stage(p, 2, f"optimised layout for L = {cfg.devices}, δ = {cfg.delay}"):
+        affinity = Affinity.load(p.affinity, delay=cfg.delay)
+        made = {}
+        for kind in tqdm(("optimised", "contiguous", "random"), desc="layout", disable=not progress):
+            made[kind] = make_layout(affinity.model, cfg.dtp, kind, affinity=affinity, seed=cfg.seed)
+        layout = made["optimised"]
+        layout.score.update(affinity=AFFINITY, contiguous_J=made["contiguous"].score["J"],
+                            random_J=made["random"].score["J"], random_seed=cfg.seed)
+        layout.save(p.layout)
+        s = layout.score
+        _say(f"J = {s['J']:.4f} optimised, {s['contiguous_J']:.4f} contiguous, {s['random_J']:.4f} random "
+             f"(expectation {s['random_expectation']:.4f})")
+
+
+def distill_stage(p: Paths, cfg: DistillConfig) -> None:
+    from dtpshard.training.distill import distill
+
+    with _stage(p, 3, f"{cfg.steps} steps under the layout, into {p.run}"):
+        distill(run_config(p, cfg))
+
+
+def run_config(p: Paths, cfg: DistillConfig) -> DistillConfig:
+    """The distillation's settings: the command's, with the layout of stage 2 and its own directory."""
+    return dataclasses.replace(cfg, out=p.run, layout=p.layout, force=False, plan=False)
+
+
+def _place(src: Path, dst: Path) -> None:
+    """A hard link (no second copy of the weights), a copy across file systems."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def student_stage(p: Paths, cfg: DistillConfig) -> None:
+    from dtpshard.core.layout import Layout
+    from dtpshard.training.rundir import FINAL
+
+    final = p.run / FINAL
+    with _stage(p, 4, f"{p.student}"), atomic_dir(p.student) as tmp:
+        for f in sorted(final.iterdir()):
+            if f.name == "README.md":
+                continue
+            if f.is_dir():
+                shutil.copytree(f, tmp / f.name, copy_function=_place)
+            else:
+                _place(f, tmp / f.name)
+        score = Layout.load(p.layout).score
+        card = (final / "README.md").read_text(encoding="utf-8") if (final / "README.md").is_file() else ""
+        (tmp / "README.md").write_text(card + _card_section(score, cfg.devices), encoding="utf-8")
+
+
+def serving(student: Path, devices: int) -> dict[str, str]:
+    """The commands that serve the student, by where it runs."""
+    return {"vllm": f"python -m vllm.entrypoints.openai.api_server --model {student} "
+                    f"--tensor-parallel-size {devices}",
+            "transformers": f'AutoModelForCausalLM.from_pretrained("{student}", trust_remote_code=True)',
+            "dtpshard": f"torchrun --nproc-per-node {devices} -m dtpshard run {student} --prompt TEXT"}
+
+
+def _card_section(score: dict[str, Any], devices: int) -> str:
+    cmds = serving(Path("."), devices)
+    return (f"\n## Made by `dtpshard convert`\n\nThe layout optimised the co-located score J = {score['J']:.4f} "
+            f"(contiguous {score['contiguous_J']:.4f}, random {score['random_J']:.4f}, random expectation "
+            f"{score['random_expectation']:.4f}). Served from this directory:\n\n"
+            f"- vLLM at tensor-parallel size L = {devices} (dtpshard installed beside vllm): `{cmds['vllm']}`\n"
+            f"- transformers, one device: `{cmds['transformers']}`\n- dtpshard's runtime: `{cmds['dtpshard']}`\n")
+
+
+# -- the command ------------------------------------------------------------------------------
+@contextmanager
+def _signals_end_in_one_line() -> Iterator[None]:
+    """SIGTERM ends the run as Ctrl-C does (KeyboardInterrupt: the CLI's one line, exit 130), so
+    each stage's temporaries are removed on the way out."""
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop) if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN else None
+    try:
+        yield
+    except SystemExit as e:  # SIGTERM inside an atomic write (core.io.exit_on_sigterm), its temporary removed
+        if e.code != 128 + signal.SIGTERM:
+            raise
+        raise KeyboardInterrupt from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def resolved(teacher: Path, cfg: DistillConfig) -> DistillConfig:
+    """cfg with the teacher, L, δ and stage 3 resolved from config.json (no weight read)."""
+    from dtpshard.core.settings import resolve_dtp
+    from dtpshard.model.checkpoint import read_shape
+
+    if cfg.layout is not None:
+        raise UserError("--layout: convert makes its own layout (stage 2); drop --layout, or run distill")
+    cfg = dataclasses.replace(cfg, teacher=Path(teacher).absolute(), out=Path(cfg.out).absolute())
+    check_config(cfg)
+    dtp = resolve_dtp(read_shape(cfg.teacher), devices=cfg.devices, delay=cfg.delay, stage3=cfg.stage3)
+    return dataclasses.replace(cfg, devices=dtp.devices, delay=dtp.delay, stage3=dtp.stage3)
+
+
+def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = None,
+            run: PassSettings | None = None) -> Paths:
+    """Every stage not done yet into cfg.out (DIR); returns its paths. Under torchrun every rank
+    calls it: rank 0 runs stages 1, 2 and 4 while the others wait for the layout. data, run:
+    the calibration's (default: calibration_settings's, from cfg)."""
+    from dtpshard.affinity.calibrate import plan_calibration
+    from dtpshard.training import convert_plan
+    from dtpshard.training.rundir import locked, start_over
+
+    default_data, default_run = calibration_settings(cfg, CALIBRATION_OWN)
+    data, run = data or default_data, run or default_run
+    cfg = resolved(teacher, cfg)
+    p = Paths(cfg.out)
+    check_outputs({"--out": p.out, "--tensorboard": cfg.tensorboard, "--spill-dir": run.spill_dir},
+                  {"the teacher directory": cfg.teacher, "the tokenizer directory": cfg.tokenizer,
+                   "the teacher cache": cfg.teacher_cache, "the training text": cfg.text,
+                   "the evaluation text": cfg.eval_text, "the dataset": local_paths([cfg.dataset, cfg.eval_dataset])})
+    _check_dir(p.out, cfg.force)
+    convert_plan.refuse_unless_fits(convert_plan.plan_convert(cfg, data, run, timed=False))
+    if int(os.environ.get("RANK", "0")) != 0:  # torchrun: the layout comes from rank 0
+        while not p.layout.is_file():
+            time.sleep(1.0)
+        from dtpshard.training.distill import distill
+
+        distill(run_config(p, cfg))
+        return p
+    new = record(cfg, data, run)
+    with locked(p.out), _signals_end_in_one_line():
+        if cfg.force:
+            start_over(p.out, OWNED)
+        check_record(p, new)
+        pass_ = None if p.affinity.is_file() else plan_calibration(cfg.teacher, p.affinity, data, delay=cfg.delay,
+                                                                    run=run)  # every input checked, then written
+        atomic_write_text(p.record, dumps(new, indent=1) + "\n")
+        distilled = p.student.is_dir() or (p.run / "DONE").is_file()
+        stages = [(pass_ is None, lambda: calibrate_stage(p, pass_, cfg.progress)),
+                  (p.layout.is_file(), lambda: layout_stage(p, cfg, cfg.progress)),
+                  (distilled, lambda: distill_stage(p, cfg)),
+                  (p.student.is_dir(), lambda: student_stage(p, cfg))]
+        for k, (done, run_stage) in enumerate(stages, 1):
+            if done:
+                _say(f"stage {k}/4 {STAGES[k - 1]}: done before")
+            else:
+                run_stage()
+    return p
+
+
+def summary(p: Paths, cfg: DistillConfig) -> dict[str, Any]:
+    """What --json prints: the paths, J of the three layouts, the held-out KL at step 0 and at the
+    end, the seconds per stage, and the commands that serve the student."""
+    from dtpshard.core.layout import Layout
+    from dtpshard.training.rundir import read_metrics
+
+    score = Layout.load(p.layout).score
+    evals = [r for r in read_metrics(p.run) if r.get("kind") == "eval"]
+    times = read_json(p.timings, "timings") if p.timings.is_file() else {}
+    return {"out": str(p.out), "affinity": str(p.affinity), "layout": str(p.layout), "run": str(p.run),
+            "student": str(p.student), "devices": cfg.devices, "delay": cfg.delay,
+            "J": {"optimised": score.get("J"), "contiguous": score.get("contiguous_J"),
+                  "random": score.get("random_J"), "random_expectation": score.get("random_expectation")},
+            "kl": {"step_0": evals[0]["eval_kl"] if evals else None, "final": evals[-1]["eval_kl"] if evals else None,
+                   "final_step": evals[-1]["step"] if evals else None},
+            "seconds": {s: times.get(s) for s in STAGES}, "serve": serving(p.student, cfg.devices)}
+
+
+def _own_fields(name: str, *classes: type, shared: type) -> type:
+    """A frozen dataclass of the fields of `classes` that `shared` lacks, with their types, defaults
+    and help as those classes define them: each setting the stages share is `shared`'s one flag."""
+    import typing
+
+    import docstring_parser
+
+    have = {f.name for f in dataclasses.fields(shared)}
+    own = [(c, f) for c in classes for f in dataclasses.fields(c) if f.name not in have]
+    helps = {a.arg_name: a.description for c in classes for a in docstring_parser.parse(c.__doc__ or "").params}
+    hints = [(f.name, typing.get_type_hints(c, include_extras=True)[f.name], dataclasses.field(default=f.default))
+             for c, f in own]
+    cls = dataclasses.make_dataclass(name, hints, frozen=True, kw_only=True, namespace={"__module__": __name__})
+    cls.__doc__ = "The calibration pass's own settings.\n\nArgs:\n" + "".join(
+        f"    {f.name}: {' '.join(helps.get(f.name, '').split())}\n" for _, f in own)
+    return cls
+
+
+# the calibration pass's own settings (--blocks, --chunk, --dtype, ...); the data flags, --seq-len,
+# --seed, --micro-batch and --device are the distillation's, and set the pass's too
+CalibrationOwn = _own_fields("CalibrationOwn", CalibrationData, PassSettings, shared=DistillConfig)
+CALIBRATION_OWN = CalibrationOwn()
+
+
+def calibration_settings(cfg: DistillConfig, own: Any) -> tuple[CalibrationData, PassSettings]:
+    """The calibration stage's CalibrationData and PassSettings: its own fields, the rest cfg's."""
+    def build(cls: type) -> Any:
+        return cls(**{f.name: getattr(own if hasattr(own, f.name) else cfg, f.name) for f in dataclasses.fields(cls)})
+
+    return build(CalibrationData), build(PassSettings)
+
+
+def convert_cmd(cfg: Annotated[DistillConfig, Parameter(name="*")],
+                calibration: Annotated[CalibrationOwn, Parameter(name="*")] = CALIBRATION_OWN, *,  # type: ignore[valid-type]
+                json: bool = False) -> int:
+    """Turn the dense checkpoint TEACHER into a DTP student ready to serve, in DIR (--out): the
+    calibration pass (--blocks blocks of --seq-len tokens of the training data), the optimised
+    layout for L = --devices and δ = --delay (with J of the contiguous and a random layout beside
+    it), the distillation under it (every distill flag: --steps, --lr, --nproc K, --fsdp, or
+    `torchrun --nproc-per-node K -m dtpshard convert ...`; --layout is refused, convert makes its
+    own), then DIR/student/ with its card. Ends by printing the commands that serve the student.
+    Rerun the same command to resume where it stopped; --plan prints each stage's memory and
+    expected time from config.json alone.
+
+    Args:
+        json: print one JSON object {out, student, J, kl, seconds, serve, ...} instead of text
+    """
+    from dtpshard.training import convert_plan
+
+    teacher = cfg.teacher
+    data, run = calibration_settings(cfg, calibration)
+    if cfg.plan:
+        full = resolved(teacher, cfg)
+        plans = convert_plan.plan_convert(full, data, run, timed=True)
+        print(dumps([s.to_json() for s in plans]) if json else "\n".join(s.describe() for s in plans))
+        convert_plan.refuse_unless_fits(plans)
+        return 0
+    p = convert(teacher, cfg, data, run)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    result = summary(p, resolved(teacher, cfg))
+    if json:
+        print(dumps(result))
+        return 0
+    j, kl, serve = result["J"], result["kl"], result["serve"]
+    print(f"student: {p.student}\n"
+          f"J = {j['optimised']:.4f} optimised, {j['contiguous']:.4f} contiguous, {j['random']:.4f} random; "
+          f"held-out KL {kl['step_0']:.4f} at step 0, {kl['final']:.4f} at step {kl['final_step']}\n\n"
+          f"serve it:\n"
+          f"  vLLM, tensor parallel over L = {result['devices']} GPUs (needs dtpshard installed beside vllm):\n"
+          f"    {serve['vllm']}\n"
+          f"  transformers, one device:\n    {serve['transformers']}\n"
+          f"  dtpshard's runtime, one process per device:\n    {serve['dtpshard']}")
+    return 0
