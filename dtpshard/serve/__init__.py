@@ -6,3 +6,7 @@ vLLM read a student's config.json (model_type "dtp") and build `DTPForCausalLM`
 `env.py` builds the vLLM environment the tests and the benchmark use. Importing this package
 imports no vLLM.
 """
+from dtpshard.core.lazy import lazy_exports
+
+__getattr__, __all__ = lazy_exports(__name__, {"served_student": "student", "check_parallel": "student",
+                                              "register": "plugin"})
