@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from dtpshard.cli import main
 from dtpshard.training import convert as convert_mod
 from test_distill import random_docs
+from tiny import command_line
 
 HOOKS = Path(__file__).parent / "hooks" / "sitecustomize.py"
 STAGE_FILES = ("convert.json", "affinity.safetensors", "layout.json", "run", "student", "timings.json")
@@ -34,12 +35,7 @@ def args_for(s, out, **over):
     opts = {"devices": 2, "steps": 4, "seq-len": 16, "micro-batch": 2, "grad-accum": 1, "lr": 1e-3, "warmup": 1,
             "eval-every": 2, "eval-blocks": 2, "blocks": 2, "checkpoint-every": 1, "text": s["text"],
             "eval-text": s["text"]}
-    opts.update(over)
-    args = ["convert", str(s["model"]), "--out", str(out), "--no-progress"]
-    for k, v in opts.items():
-        if v is not None:
-            args += [f"--{k}", str(v)]
-    return args
+    return command_line("convert", s["model"], out, opts, **over)
 
 
 @pytest.fixture(scope="module")

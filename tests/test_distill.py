@@ -23,6 +23,7 @@ from dtpshard.model.dtp import DTPModel
 from dtpshard.training import rundir
 from dtpshard.training.distill import DistillConfig, distill_cmd, lr_factor, resolve, train_blocks_for
 from dtpshard.training.evaluate import eval_blocks_for, evaluate
+from tiny import command_line
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_KEYS = {"kind", "step", "tokens", "loss", "kl", "ce", "lr", "grad_norm", "wall"}
@@ -51,12 +52,7 @@ def args_for(s, out, **over):
     opts = {"layout": s["layout"], "steps": 12, "seq-len": 32, "micro-batch": 2, "grad-accum": 2, "lr": 1e-3,
             "warmup": 2, "eval-every": 4, "eval-blocks": 4, "checkpoint-every": 3, "text": s["text"],
             "eval-text": s["text"]}
-    opts.update(over)
-    args = ["distill", str(s["model"]), "--out", str(out), "--no-progress"]
-    for k, v in opts.items():
-        if v is not None:
-            args += [f"--{k}", str(v)]
-    return args
+    return command_line("distill", s["model"], out, opts, **over)
 
 
 @pytest.fixture(scope="module")

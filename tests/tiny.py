@@ -81,3 +81,12 @@ def save_tiny(path: Path, family: str = "llama", seed: int = 0, **overrides) -> 
     model.save_pretrained(str(path))
     tiny_tokenizer(model.config.vocab_size).save_pretrained(str(path))
     return path
+
+
+def command_line(command: str, model: Path, out: Path, opts: dict, **over) -> list[str]:
+    """`command MODEL --out OUT --no-progress` and a flag per option (`over` replaces; None drops one)."""
+    args = [command, str(model), "--out", str(out), "--no-progress"]
+    for k, v in {**opts, **over}.items():
+        if v is not None:
+            args += [f"--{k}", str(v)]
+    return args
