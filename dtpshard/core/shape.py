@@ -188,6 +188,72 @@ def shape_from_hf_config(cfg: Any) -> ModelShape:
         qkv_bias=FAMILY[family].qkv_bias, qk_norm=FAMILY[family].qk_norm)
 
 
+_DIMENSIONS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+_OPTIONAL_DIMENSIONS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+MAX_PARAMS = 1 << 42  # 4.4e12 weights: beyond any dense model (405B has 4e11); the product of damaged dimensions
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def rope_thetas(raw: dict[str, Any]) -> dict[str, Any]:
+    """Every rope θ a config gives, by its key: the top-level rope_theta (transformers before 5) and
+    the rope_parameters block (transformers 5), per layer type where it is nested."""
+    out = {k: raw[k] for k in ("rope_theta",) if k in raw}
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict):
+        nested = {f"rope_parameters.{k}": v for k, v in params.items() if isinstance(v, dict)}
+        for key, block in ({"rope_parameters": params} if "rope_theta" in params else nested).items():
+            if "rope_theta" in block:
+                out[f"{key}.rope_theta"] = block["rope_theta"]
+    return out
+
+
+def check_numbers(raw: dict[str, Any], where: str = "config.json") -> None:
+    """A config.json's numbers checked as a model's, before transformers or anything else reads them:
+    every dimension a positive integer, eps and rope θ finite and positive, heads x head_dim
+    consistent, and the weights the dimensions imply bounded (MAX_PARAMS, MAX_UNITS), so nothing is
+    allocated, traced or planned from a number no model has."""
+    for name in _DIMENSIONS + _OPTIONAL_DIMENSIONS:
+        v = raw.get(name)
+        if v is None and name in _OPTIONAL_DIMENSIONS:
+            continue
+        if not _is_int(v) or v < 1:
+            raise UserError(f"{where}: {name}={_short(v)} must be a positive integer")
+    for name, v in {"rms_norm_eps": raw.get("rms_norm_eps", 1e-6), **rope_thetas(raw)}.items():
+        if not _is_number(v) or not math.isfinite(v) or v <= 0:
+            raise UserError(f"{where}: {name}={_short(v)} must be a finite number > 0")
+    heads, hidden = raw["num_attention_heads"], raw["hidden_size"]
+    kv = raw.get("num_key_value_heads") or heads
+    if heads % kv:
+        raise UserError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+    head_dim = raw.get("head_dim")
+    if head_dim is None and hidden % heads:
+        raise UserError(f"{where}: hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
+                        "(and no head_dim is given)")
+    head_dim = head_dim or hidden // heads
+    if head_dim % 2:
+        raise UserError(f"{where}: head_dim={head_dim} is odd (rotary embeddings rotate pairs of dimensions)")
+    check_sizes({k: raw[k] for k in _DIMENSIONS + _OPTIONAL_DIMENSIONS if k != "max_position_embeddings"
+                 and raw.get(k) is not None}, where)
+    neurons, vocab, layers = raw["intermediate_size"], raw["vocab_size"], raw["num_hidden_layers"]
+    params = layers * (hidden * (heads + 2 * kv) * head_dim + heads * head_dim * hidden + 3 * neurons * hidden) \
+        + 2 * vocab * hidden
+    if params > MAX_PARAMS:
+        raise UserError(f"{where}: its dimensions imply {params:.3g} weights, beyond any model "
+                        f"(at most {MAX_PARAMS:.3g}); the file is damaged")
+
+
+def _short(v: Any, limit: int = 80) -> str:
+    text = repr(v)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
 MAX_LAYERS = 1 << 16  # far beyond any model (405B has 126); a count beyond it is a damaged file
 MAX_UNITS = 1 << 24  # per dimension: heads, KV groups, neurons, hidden, head_dim, vocab (16.7M)
 

@@ -7,6 +7,7 @@ Gemma post-norm, is refused by name).
 from __future__ import annotations
 
 import functools
+import math
 import json
 import re
 import shutil
@@ -21,7 +22,14 @@ from safetensors import SafetensorError, safe_open
 from dtpshard.core.errors import UserError, naming
 from dtpshard.core.io import SMALL_JSON, dumps, file_hashes, read_json, read_json_object
 from dtpshard.core.settings import read_record
-from dtpshard.core.shape import FAMILIES, STUDENT_TYPE, ModelShape, family_config, shape_from_hf_config
+from dtpshard.core.shape import (
+    FAMILIES,
+    STUDENT_TYPE,
+    ModelShape,
+    check_numbers,
+    family_config,
+    shape_from_hf_config,
+)
 from dtpshard.model.shards import DEFAULT_MAX_SHARD_SIZE, INDEX, Weights, parse_size, write_weights
 
 # a tokenizer's files (what a teacher cache's tokenizer id hashes); a student gets them and the
@@ -54,6 +62,8 @@ def load_hf_config(path: str | Path) -> Any:
     if not (path / "config.json").is_file():
         raise UserError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
     raw = read_json_object(path / "config.json", "model config")  # within bounds before transformers parses it
+    if raw.get("model_type") in (*FAMILIES, STUDENT_TYPE):  # any other model is refused by name below
+        check_numbers(raw, str(path / "config.json"))
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -66,7 +76,7 @@ def load_hf_config(path: str | Path) -> Any:
             return CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
         # any other model is refused by name (core.shape), after transformers has read it its own way
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
+    except (ValueError, TypeError, KeyError, OSError, json.JSONDecodeError) as e:  # TypeError: its field checks
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{path}/config.json: {first}") from None
 
@@ -91,6 +101,7 @@ def read_shape(path: str | Path) -> ModelShape:
 
 
 SINGLE = "model.safetensors"
+_STORED_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2}  # safetensors' dtype names
 
 
 class TensorFiles:
@@ -268,6 +279,20 @@ class Checkpoint:
     def weight_hashes(self) -> dict[str, str]:
         """sha256 of every weight file, by name (the model card's and a study's provenance)."""
         return file_hashes(self.weight_files)
+
+    def check_fits(self, dtype: torch.dtype | str | None) -> None:
+        """Refuse, before reading a weight, a checkpoint whose tensors (in `dtype`, "auto"/None: as
+        stored) need more RAM than is available now: it would be killed for memory half-way."""
+        import psutil
+
+        dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+        size = torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else None
+        need = sum(math.prod(self.files.shape(k)) * (size or _STORED_BYTES.get(self.files.dtypes[k], 4))
+                   for k in self.files.keys())
+        have = psutil.virtual_memory().available
+        if need > have:
+            raise UserError(f"{self.path}: its weights need {need / 2**30:.2f} GiB of memory, more than the "
+                            f"{have / 2**30:.2f} GiB available here")
 
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         sd = {}

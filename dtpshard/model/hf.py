@@ -96,6 +96,7 @@ class PretrainedMixin:
         else core.settings.DEFAULT (core.settings.resolve_dtp). dtype "auto" keeps the checkpoint's (a
         bf16 checkpoint loads as bf16), as transformers does."""
         ckpt = open_checkpoint(path)
+        ckpt.check_fits(dtype)
         record = ckpt.record
         model = cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), devices, delay, stage3, layout, dtype, record)
         warn_if_other_settings(path, record, model.settings)

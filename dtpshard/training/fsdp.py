@@ -173,14 +173,18 @@ def load(run: Path, net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from dtpshard.training.trust import load_state, safe_planner, safe_reader
+
     path = latest(run)
     if path is None:
         return None
     try:
-        extra = torch.load(path / EXTRA, map_location="cpu", weights_only=False)
+        extra = load_state(path / EXTRA, "checkpoint")
         model_sd, optim_sd = get_state_dict(net, opt)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=safe_reader(path), planner=safe_planner())
+    except UserError:
+        raise
     except (Exception, CheckpointException) as e:  # a corrupt or foreign checkpoint fails in many
         # ways, and torch.distributed.checkpoint's own error is a BaseException, not an Exception
         raise UserError(f"{path}: unreadable sharded checkpoint ({type(e).__name__}: "

@@ -159,13 +159,18 @@ def run_config(cfg: DistillConfig, shape: Any, layout: Any, world: int, device: 
 
 
 def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+    """Every generator's state in types torch.load(weights_only=True) reads back (training/trust.py):
+    numpy's Mersenne Twister key as an int64 tensor, not an ndarray."""
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": [kind, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(s: dict[str, Any]) -> None:
     torch.set_rng_state(s["torch"])
-    np.random.set_state(s["numpy"])
+    kind, key, pos, has_gauss, cached = s["numpy"]
+    np.random.set_state((kind, key.numpy().astype(np.uint32), pos, has_gauss, cached))
     random.setstate(s["python"])
     if s.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])

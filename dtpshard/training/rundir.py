@@ -324,10 +324,9 @@ def load_checkpoint(run: Path) -> dict[str, Any] | None:
     path = run / CHECKPOINT
     if not path.is_file():
         return None
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # a corrupt file comes in many exception types
-        raise UserError(f"{path}: unreadable checkpoint ({type(e).__name__}); use --force to start over") from None
+    from dtpshard.training.trust import load_state
+
+    return load_state(path, "checkpoint")
 
 
 def remove_checkpoint(run: Path) -> None:
