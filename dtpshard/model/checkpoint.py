@@ -7,8 +7,8 @@ Gemma post-norm, is refused by name).
 from __future__ import annotations
 
 import functools
-import math
 import json
+import math
 import re
 import shutil
 from dataclasses import dataclass
