@@ -55,6 +55,17 @@ class Affinity:
     source: str = ""
 
     def save(self, path: str | Path) -> None:
+        """Written only when it is a result: at least one edge, every score a finite number, and not
+        all of them 0 (the calibration of a model whose numbers overflow gives NaN, and a layout
+        optimised on nothing would be reported as optimised)."""
+        if not self.edges:
+            raise UserError(f"{path}: no edge was scored (nothing written)")
+        for (a, b), s in self.edges.items():
+            if not np.isfinite(s).all():
+                raise UserError(f"{path}: edge {a}->{b} has NaN or infinite scores (the model's activations are "
+                                "not finite numbers); nothing written")
+        if not any(np.any(s) for s in self.edges.values()):
+            raise UserError(f"{path}: every affinity score is 0 (no signal to optimise a layout on); nothing written")
         tensors = {f"edge.{a}.{b}": np.ascontiguousarray(s, dtype=np.float32) for (a, b), s in self.edges.items()}
         meta = {"format": FORMAT, "model": dumps(self.model.to_json()), "delay": dumps(self.delay),
                 "tokens": str(int(self.tokens)), "options": dumps(self.options), "source": self.source}

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from dtpshard.core.devices import pick_device
-from dtpshard.core.errors import UserError
+from dtpshard.core.errors import UserError, check_result
 from dtpshard.core.io import dumps
 from dtpshard.core.vocab import Count, Delay, Device, Stage3
 from dtpshard.data.blocks import load_texts, make_blocks
@@ -144,6 +144,7 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
             if net is not None:  # evaluation reads h, the LM head's input, so compile that
                 net.hidden = torch.compile(net.hidden)
     result = evaluate(student, dense, ev, micro_batch, precision)
+    check_result({k: result[k] for k in ("ppl", "kl", "top1")}, str(model))
     result.update({"model": str(model), **student.dtp_settings(), "layout": None if layout is None else str(layout),
                    "teacher": None if teacher is None else str(teacher), "blocks": int(ev.shape[0]),
                    "seq_len": int(ev.shape[1] - 1), "data": source})

@@ -265,6 +265,7 @@ def _open_run_dir(r: _Run) -> bool:
     if not rundir.is_done(run):
         return True
     if d.main:
+        rundir.check_finished(run)
         rundir.remove_checkpoint(run)  # in case a kill came between DONE and its removal
         print(f"{run}: already finished ({rundir.DONE} present)", file=sys.stderr)
     return False

@@ -216,8 +216,27 @@ def is_done(run: Path) -> bool:
     return (run / DONE).is_file() and (run / FINAL).is_dir()
 
 
+def check_finished(run: Path) -> None:
+    """A finished run is reported as finished only if its student has weights (and they open)."""
+    from dtpshard.model.checkpoint import TensorFiles
+
+    try:
+        TensorFiles(run / FINAL)
+    except UserError as e:
+        raise UserError(f"{run}: marked finished ({DONE}), but its student is damaged ({str(e)[:200]}); "
+                        "use --force to train it again") from None
+
+
 def mark_done(run: Path, summary: dict[str, Any]) -> None:
     atomic_write_text(run / DONE, dumps(summary) + "\n")
+
+
+def require_tensorboard() -> None:
+    """--tensorboard's optional dependency, checked with the flags (training/settings.check_config)."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise UserError("--tensorboard needs the tensorboard package (pip install tensorboard)")
 
 
 class Metrics:
@@ -231,10 +250,9 @@ class Metrics:
         self.path = run / METRICS
         self.writer = None
         if tensorboard is not None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise UserError("--tensorboard needs the tensorboard package (pip install tensorboard)") from None
+            require_tensorboard()
+            from torch.utils.tensorboard import SummaryWriter
+
             # rows up to step `start` are covered by the checkpoint: the resumed run writes start + 1 on
             if start:
                 _after_older_event_files(Path(tensorboard))

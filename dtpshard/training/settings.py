@@ -211,6 +211,14 @@ def check_config(cfg: Recipe) -> None:
             check(hints[f.name], value)
         except Invalid as e:
             raise UserError(f"--{f.name.replace('_', '-')} {value}: must be {e.wants}") from None
+    if getattr(cfg, "max_shard_size", None) is not None:  # flags with a syntax of their own, and optional
+        from dtpshard.model.shards import parse_size  # dependencies: checked before the first byte is written
+
+        parse_size(cfg.max_shard_size)
+    if getattr(cfg, "tensorboard", None) is not None:
+        from dtpshard.training.rundir import require_tensorboard
+
+        require_tensorboard()
     if cfg.fsdp and cfg.compile in ("on", True):  # auto stays eager under --fsdp
         raise UserError("--compile on with --fsdp: not supported (torch.compile over FSDP2 modules is untested); "
                         "drop one")
