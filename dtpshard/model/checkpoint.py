@@ -111,6 +111,9 @@ class TensorFiles:
 
     def __init__(self, path: Path):
         self.index: Path | None = path / INDEX
+        if self.index.is_file() and (path / SINGLE).is_file():  # transformers reads the single file, we the index
+            raise UserError(f"{path}: holds both {SINGLE} and {INDEX}, which transformers and dtpshard would read "
+                            "differently; remove the one that is not the model")
         if self.index.is_file():
             index = read_json(self.index, "safetensors index", 4 * SMALL_JSON)  # ~100 KB for a 405B model
             try:
