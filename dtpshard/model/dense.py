@@ -113,6 +113,7 @@ class DenseModel(Decoder):
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> DenseModel:
+        ckpt.check_fits(None)
         warn_if_other_settings(ckpt.path, ckpt.record, DENSE)
         return cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), dtype, device, ckpt.shape)
 

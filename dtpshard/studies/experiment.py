@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any, Unpack
 
 from dtpshard.affinity.file import Affinity
-from dtpshard.core.errors import UserError
+from dtpshard.core.errors import UserError, check_result
 from dtpshard.core.guard import check_outputs, local_paths
 from dtpshard.core.io import atomic_write_text, dumps, read_json, read_json_object
 from dtpshard.core.layout import Layout
@@ -269,7 +269,9 @@ def _zero_shot(cfg: Experiment, model: Path, layouts: dict[str, Path], out: Path
         with _timed(out, "zero-shot"):
             student = DTPModel.from_state_dict(ckpt.hf_config, sd, layout=Layout.load(layouts[name]),
                                                settings=cfg.dtp).to(dev)
-            done[name] = evaluate(student, teacher, blocks, micro, train.precision)
+            result = evaluate(student, teacher, blocks, micro, train.precision)
+            check_result({k: result[k] for k in ("kl", "ppl", "top1")}, f"zero-shot {name}")
+            done[name] = result
             del student
             atomic_write_text(path, dumps(done, indent=1) + "\n")
         _say(f"zero-shot {name}: KL {done[name]['kl']:.4f}, ppl {done[name]['ppl']:.2f}")
