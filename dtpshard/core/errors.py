@@ -103,3 +103,18 @@ def naming(path: str | Path) -> Iterator[None]:
             e.filename = e.filename if e.filename is not None else str(path)
             raise  # an OSError keeps its type (callers test errno); explain names the file
         raise UserError(line) from None
+
+
+QUOTE_CHARS = 200  # characters of a value a refusal shows at most
+
+
+def quote(value: object, repr_: bool = True) -> str:
+    """A value as a refusal shows it: its repr (or str), at most about QUOTE_CHARS characters
+    however large it is (reprlib stops early inside a long string or a big list)."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = r.maxlong = QUOTE_CHARS
+    r.maxlist = r.maxtuple = r.maxdict = r.maxset = 16
+    text = r.repr(value) if repr_ else " ".join(str(value).split())  # one line
+    return text if len(text) <= QUOTE_CHARS else f"{text[:QUOTE_CHARS]}..."
