@@ -40,12 +40,34 @@ def _kind(mode: int) -> str:
     return _KINDS.get(stat.S_IFMT(mode), "not a file")
 
 
+class _NotRegular(Exception):
+    def __init__(self, mode: int):
+        self.mode = mode
+
+
+def _regular(path: str, flags: int) -> int:
+    """open()'s opener: the descriptor of a regular file, else _NotRegular with what it is."""
+    fd = os.open(path, flags | os.O_NONBLOCK)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _NotRegular(mode)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _refused(path: Path, where: str, mode: int) -> UserError:
+    real = os.path.realpath(path)
+    via = f" (it resolves to {real})" if real != os.path.abspath(path) else ""
+    return UserError(f"{where}: is {_kind(mode)}{via}, not a regular file")
+
+
 def _open_failed(e: OSError, path: Path, where: str) -> UserError:
     if e.errno == errno.ENOENT:
         return UserError(f"{where}: no such file")
-    if e.errno == errno.ENXIO:  # a socket cannot be opened; say what it is
+    if e.errno == errno.ENXIO:  # a socket cannot be opened: say what it is
         with contextlib.suppress(OSError):
-            return UserError(f"{where}: is {_kind(os.stat(path).st_mode)}, not a regular file")
+            return _refused(path, where, os.stat(path).st_mode)
     return UserError(f"{where}: cannot read it ({(e.strerror or str(e)).lower()})")
 
 
@@ -56,23 +78,15 @@ def open_regular(path: str | Path, cap: int, what: str = "file", where: str | No
     path = Path(path)
     where = str(path) if where is None else where
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        f = open(path, "rb", opener=_regular)  # builtins.open: what a test counting reads sees
+    except _NotRegular as e:
+        raise _refused(path, where, e.mode) from None
     except OSError as e:
         raise _open_failed(e, path, where) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            real = os.path.realpath(path)
-            via = f" (it resolves to {real})" if real != os.path.abspath(path) else ""
-            raise UserError(f"{where}: is {_kind(st.st_mode)}{via}, not a regular file")
-        if st.st_size > cap:
-            raise UserError(f"{where}: {st.st_size} bytes, more than a {what} can need ({cap} at most)")
-        os.set_blocking(fd, True)
-        f = os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
     with f, naming(path):
+        size = os.fstat(f.fileno()).st_size
+        if size > cap:
+            raise UserError(f"{where}: {size} bytes, more than a {what} can need ({cap} at most)")
         yield f
 
 
