@@ -7,7 +7,7 @@ descriptor (not a stat before opening, which a rename in between would fool) ref
 but a regular file (a directory, a FIFO, a device, a socket) by name, and a file larger than
 its cap. A read takes cap + 1 bytes at most, so a file that grows meanwhile is refused too.
 Every JSON or YAML value is then bounded in depth and integers (`loads`, `check_tree`), and
-YAML aliases are refused (`load_yaml`): an alias bomb would otherwise grow without end.
+YAML aliases are bounded (`load_yaml`): an alias bomb would otherwise grow without end.
 """
 from __future__ import annotations
 
@@ -173,35 +173,70 @@ def check_tree(obj: Any, where: str, max_depth: int = MAX_DEPTH) -> Any:
     return obj
 
 
-class _Alias(Exception):
+YAML_NODES = 1 << 20  # values of a YAML document with its aliases expanded (a 1 MiB file holds fewer)
+
+
+class _Bomb(Exception):
     pass
+
+
+def _children(node: Any) -> list[Any]:
+    value = node.value
+    if not isinstance(value, list):  # a scalar
+        return []
+    return [n for pair in value for n in pair] if value and isinstance(value[0], tuple) else value
+
+
+def _expanded(root: Any) -> int:
+    """How many values the node graph `root` stands for with every alias expanded (each shared
+    node counted once per use, computed once); _Bomb past YAML_NODES or for an alias inside its
+    own anchor (a value containing itself)."""
+    size: dict[int, int] = {}
+    busy: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack[-1]
+        if id(node) in size:
+            stack.pop()
+        elif id(node) not in busy:  # first visit: its children first
+            busy.add(id(node))
+            for child in _children(node):
+                if id(child) in busy and id(child) not in size:
+                    raise _Bomb(f"line {child.start_mark.line + 1}: a YAML alias inside its own anchor")
+                stack.append(child)
+        else:
+            size[id(node)] = 1 + sum(size[id(c)] for c in _children(node))
+            if size[id(node)] > YAML_NODES:
+                raise _Bomb(f"its YAML aliases expand to more than {YAML_NODES} values (a billion laughs?)")
+            stack.pop()
+    return size[id(root)]
 
 
 @functools.cache
 def _yaml_loader() -> type:
     import yaml  # only the commands given a YAML file pay for importing it
 
-    class NoAliases(yaml.SafeLoader):
-        """SafeLoader refusing every alias (`*name`): nine nested aliases of nine items each
-        expand to 9**9 values wherever a reader walks the value (a billion laughs)."""
+    class Bounded(yaml.SafeLoader):
+        """SafeLoader whose aliases (`*name`) may repeat a value, but not without bound: nine nested
+        aliases of nine items each stand for 9**9 values wherever a reader walks them."""
 
-        def compose_node(self, parent: Any, index: Any) -> Any:
-            if self.check_event(yaml.AliasEvent):
-                raise _Alias(self.peek_event().start_mark.line + 1)
-            return super().compose_node(parent, index)
+        def compose_document(self) -> Any:
+            node = super().compose_document()
+            _expanded(node)
+            return node
 
-    return NoAliases
+    return Bounded
 
 
 def load_yaml(text: str, where: str) -> Any:
-    """The YAML (or JSON) value of `text`, within `check_tree`'s bounds; an alias, malformed
-    YAML or too deep a nesting is one line naming `where`."""
+    """The YAML (or JSON) value of `text`, within `check_tree`'s bounds and YAML_NODES values with
+    its aliases expanded; malformed YAML, an alias bomb or too deep a nesting is one line naming `where`."""
     import yaml
 
     try:
         return check_tree(yaml.load(text, Loader=_yaml_loader()), where)
-    except _Alias as e:
-        raise UserError(f"{where}: line {e}: YAML aliases (*name) are not accepted; write the value out") from None
+    except _Bomb as e:
+        raise UserError(f"{where}: {e}") from None
     except RecursionError:
         raise UserError(f"{where}: nested more than {MAX_DEPTH} levels deep") from None
     except yaml.YAMLError as e:
