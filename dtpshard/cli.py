@@ -16,7 +16,7 @@ from cyclopts import App, CycloptsError, Group, Parameter
 from cyclopts.config import Dict
 from cyclopts.help import DefaultFormatter
 
-from dtpshard.core.errors import UserError, explain
+from dtpshard.core.errors import UserError, explain, quote
 from dtpshard.core.io import read_options
 from dtpshard.core.typed import Invalid, check, choices, is_bool, is_list, wants, words
 
@@ -61,7 +61,7 @@ def _flag(argument: Any) -> str:
 
 
 def _words(argument: Any) -> str:
-    return " ".join(t.value for t in argument.tokens if t.implicit_value is not None) or "null"
+    return quote(" ".join(t.value for t in argument.tokens if t.implicit_value is not None) or "null", repr_=False)
 
 
 def _convert(hint: Any, tokens: Any) -> Any:
@@ -92,12 +92,14 @@ def _one_line(e: CycloptsError) -> str:
         return f"{given}: needs a value" if given else f"missing {_flag(a)}"
     if isinstance(e, x.UnknownOptionError) and token is not None:
         if token.source not in ("", "cli"):  # a key of a --config file: [training][lr]
-            return f"--config {token.source}: unknown key {token.keyword.strip('[]').replace('][', '.')!r} (see --help)"
-        return f"unknown argument {(token.keyword or token.value).partition('=')[0]} (see --help)"
+            key = quote(token.keyword.strip("[]").replace("][", "."))
+            return f"--config {token.source}: unknown key {key} (see --help)"
+        return f"unknown argument {quote((token.keyword or token.value).partition('=')[0], False)} (see --help)"
     if isinstance(e, x.UnusedCliTokensError) and e.unused_tokens:
-        return f"unknown argument {e.unused_tokens[0]} (see --help)"
+        return f"unknown argument {quote(e.unused_tokens[0], False)} (see --help)"
     if isinstance(e, x.CoercionError) and a is not None:
-        return f"{_flag(a)} {token.value if token is not None else _words(a)}: must be {wants(a.field_info.annotation)}"
+        said = quote(token.value, False) if token is not None else _words(a)
+        return f"{_flag(a)} {said}: must be {wants(a.field_info.annotation)}"
     return " ".join(str(e).split())  # anything else cyclopts refuses, in its words
 
 
@@ -214,9 +216,33 @@ def version() -> str:
         return "unknown"
 
 
+def _not_utf8(argv: list[str]) -> str | None:
+    """The refusal of the first word that is not UTF-8 (Python decodes the command line with
+    surrogateescape, so such bytes arrive as lone surrogates, which no reader of text accepts),
+    naming the flag it is the value of; None when every word is UTF-8."""
+    for i, word in enumerate(argv):
+        try:
+            word.encode("utf-8")
+        except UnicodeEncodeError:
+            flag, eq, value = word.partition("=")
+            if eq and flag.startswith("--") and flag.isascii():
+                what, word = flag, value
+            elif i and argv[i - 1].startswith("-") and "=" not in argv[i - 1] and argv[i - 1].isascii():
+                what = argv[i - 1]
+            else:
+                what = f"argument {i + 1}"
+            raw = word.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            return f"{what}: {quote(raw, False)} is not UTF-8 text (write the command line in UTF-8)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     name = argv[0] if argv else ""
+    bad = _not_utf8(argv)
+    if bad is not None:  # before anything reads a word: a lone surrogate fails wherever text is encoded
+        print(f"dtpshard{' ' + name if name in COMMANDS else ''}: error: {bad}", file=sys.stderr)
+        return 2
     if argv and not name.startswith("-") and name not in COMMANDS:
         print(f"dtpshard: error: unknown command {name!r} (one of: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2

@@ -115,3 +115,18 @@ def check_result(values: dict[str, object], where: str) -> None:
         if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v)):
             raise UserError(f"{where}: {name} is {v!r}, not a finite number (the model's outputs are not finite); "
                             "no result reported")
+
+
+QUOTE_CHARS = 200  # characters of a value a refusal shows at most
+
+
+def quote(value: object, repr_: bool = True) -> str:
+    """A value as a refusal shows it: its repr (or str), at most about QUOTE_CHARS characters
+    however large it is (reprlib stops early inside a long string or a big list)."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = r.maxlong = QUOTE_CHARS
+    r.maxlist = r.maxtuple = r.maxdict = r.maxset = 16
+    text = r.repr(value) if repr_ else " ".join(str(value).split())  # one line
+    return text if len(text) <= QUOTE_CHARS else f"{text[:QUOTE_CHARS]}..."

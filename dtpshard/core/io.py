@@ -14,7 +14,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import tempfile
@@ -23,9 +22,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from dtpshard.core.errors import UserError, naming
+from dtpshard.core.errors import UserError
+from dtpshard.core.reading import (  # noqa: F401 (reading lives there; callers import it from here too)
+    INT_LIMIT,
+    MAX_DEPTH,
+    SMALL_JSON,
+    STUDY_BYTES,
+    check_keys,
+    check_tree,
+    load_yaml,
+    loads,
+    open_regular,
+    read_bytes,
+    read_json,
+    read_json_object,
+    read_options,
+    read_text,
+)
 from dtpshard.core.rename import publish_new, publish_over
 
 _FULL_BYTES = 1 << 20  # a failed write with less than this free on its file system ran out of space
@@ -243,136 +256,6 @@ def cache_dir() -> Path:
     if os.environ.get("DTPSHARD_CACHE"):
         return Path(os.environ["DTPSHARD_CACHE"]).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dtpshard"
-
-
-# -- reading ---------------------------------------------------------------------------------------
-def read_text(path: str | Path, what: str = "file") -> str:
-    """The UTF-8 text of `path`; a missing, unreadable or non-UTF-8 file is one line naming it."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{what} not found: {path}" if not path.exists() else f"{what} {path} is not a file")
-    with naming(path):
-        return path.read_text(encoding="utf-8")
-
-
-# Every JSON file dtpshard reads is parsed within bounds, so a damaged or hostile file is one
-# line, never a RecursionError, a 4300-digit ValueError or an allocation sized by a number in it.
-SMALL_JSON = 16 << 20  # bytes: a config, a record, a manifest, a results table (real ones are < 1 MiB)
-STUDY_BYTES = 1 << 20  # a study file or a --config file: a few KiB in practice
-MAX_DEPTH = 32  # nesting: our formats need at most 6
-INT_LIMIT = 2 ** 63  # no count, size or index of ours reaches it
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-
-
-class _TooBig(ValueError):
-    pass
-
-
-def _bounded_int(text: str) -> int:
-    if len(text.lstrip("-")) > 19 or not -INT_LIMIT < int(text) < INT_LIMIT:
-        raise _TooBig(text)
-    return int(text)
-
-
-def _nesting(bare: str) -> int:
-    """The deepest [ / { nesting of JSON text without its strings (numpy: one pass, not a Python loop)."""
-    b = np.frombuffer(bare.encode("utf-8", "replace"), dtype=np.uint8)
-    if not b.size:
-        return 0
-    step = ((b == 91) | (b == 123)).astype(np.int32) - ((b == 93) | (b == 125))
-    return int(np.cumsum(step).max())
-
-
-def loads(text: str, where: str, max_depth: int = MAX_DEPTH) -> Any:
-    """json.loads within bounds: refused in one line naming `where` when nested deeper than
-    `max_depth` or holding an integer of 2**63 or more; malformed JSON as `naming` says."""
-    bare = _STRING.sub("", text)
-    if _nesting(bare) > max_depth:
-        raise UserError(f"{where}: nested more than {max_depth} levels deep (not a file dtpshard wrote)")
-    # ints of at most 18 digits are all below 2**63: only text with a longer run of digits pays
-    # for a Python call per integer
-    bounded = {"parse_int": _bounded_int} if re.search(r"[0-9]{19}", bare) else {}
-    try:
-        return json.loads(text, **bounded)  # malformed JSON raises JSONDecodeError: `naming` words it
-    except _TooBig as e:
-        digits = str(e)
-        raise UserError(f"{where}: integer {digits[:20]}{'...' if len(digits) > 20 else ''} is beyond any "
-                        f"count or index (at most 2**63 - 1)") from None
-
-
-def check_tree(obj: Any, where: str, max_depth: int = MAX_DEPTH) -> Any:
-    """The same bounds for a value another parser made (TOML, YAML): depth and integers. YAML
-    aliases share one object, so each container is visited once."""
-    seen, todo = set(), [(obj, 1)]
-    while todo:
-        value, depth = todo.pop()
-        if isinstance(value, bool):
-            continue
-        if isinstance(value, int) and not -INT_LIMIT < value < INT_LIMIT:
-            raise UserError(f"{where}: integer {str(value)[:20]}... is beyond any count or index (at most 2**63 - 1)")
-        if isinstance(value, (dict, list)) and id(value) not in seen:
-            if depth > max_depth:
-                raise UserError(f"{where}: nested more than {max_depth} levels deep")
-            seen.add(id(value))
-            items = list(value.keys()) + list(value.values()) if isinstance(value, dict) else value
-            todo += [(v, depth + 1) for v in items]
-    return obj
-
-
-def read_json(path: str | Path, what: str = "file", max_bytes: int = SMALL_JSON) -> Any:
-    """The JSON value in `path`, within bounds: at most `max_bytes` (checked before reading), as
-    `loads`; errors as in `read_text`, malformed JSON named with its line."""
-    path = Path(path)
-    with naming(path):
-        size = path.stat().st_size if path.is_file() else 0
-    if size > max_bytes:
-        raise UserError(f"{path}: {size} bytes, more than a {what} can need ({max_bytes} at most)")
-    text = read_text(path, what)
-    with naming(path):
-        return loads(text, str(path))
-
-
-def read_json_object(path: str | Path, what: str = "file", max_bytes: int = SMALL_JSON,
-                     keys: set[str] | None = None) -> dict[str, Any]:
-    """A JSON object as `read_json`; with `keys`, any other key is refused (a typo is not ignored)."""
-    obj = read_json(path, what, max_bytes)
-    if not isinstance(obj, dict):
-        raise UserError(f"{path}: expected a JSON object ({what}), found {type(obj).__name__}")
-    if keys is not None:
-        check_keys(obj, keys, f"{path}")
-    return obj
-
-
-def read_options(path: str | Path, flag: str = "--config") -> dict[str, Any]:
-    """A command's options file (YAML or JSON, a mapping of option names to values), within
-    bounds: at most STUDY_BYTES, as `check_tree`; any problem is one line naming `flag` and the file."""
-    import yaml
-
-    path, where = Path(path), f"{flag} {path}"
-    try:
-        if path.is_file() and path.stat().st_size > STUDY_BYTES:
-            raise UserError(f"{where}: {path.stat().st_size} bytes, more than a config can need "
-                            f"({STUDY_BYTES} at most)")
-        data = check_tree(yaml.safe_load(path.read_text(encoding="utf-8")), where)
-    except RecursionError:
-        raise UserError(f"{where}: nested too deeply") from None
-    except FileNotFoundError:
-        raise UserError(f"{where}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else (e.strerror or str(e)).lower()
-        raise UserError(f"{where}: cannot read it ({why})") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"{where}: not YAML or JSON ({str(e).splitlines()[0]})") from None
-    if data is not None and not isinstance(data, dict):  # an empty file sets nothing
-        raise UserError(f"{where}: must hold a mapping of option names to values, not {type(data).__name__}")
-    return data or {}
-
-
-def check_keys(obj: dict[str, Any], known: set[str] | tuple[str, ...], where: str) -> None:
-    """Refuse a key that is not one of `known`, naming it and the known ones."""
-    unknown = sorted(str(k) for k in obj if k not in known)
-    if unknown:
-        raise UserError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
 
 
 # -- writing JSON: strict, every non-number a null ------------------------------------------------

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from dtpshard.core.errors import UserError
+from dtpshard.core.errors import UserError, quote
 
 
 @dataclass(frozen=True)
@@ -224,10 +224,10 @@ def check_numbers(raw: dict[str, Any], where: str = "config.json") -> None:
         if v is None and name in _OPTIONAL_DIMENSIONS:
             continue
         if not _is_int(v) or v < 1:
-            raise UserError(f"{where}: {name}={_short(v)} must be a positive integer")
+            raise UserError(f"{where}: {name}={quote(v)} must be a positive integer")
     for name, v in {"rms_norm_eps": raw.get("rms_norm_eps", 1e-6), **rope_thetas(raw)}.items():
         if not _is_number(v) or not math.isfinite(v) or v <= 0:
-            raise UserError(f"{where}: {name}={_short(v)} must be a finite number > 0")
+            raise UserError(f"{where}: {name}={quote(v)} must be a finite number > 0")
     heads, hidden = raw["num_attention_heads"], raw["hidden_size"]
     kv = raw.get("num_key_value_heads") or heads
     if heads % kv:
@@ -247,11 +247,6 @@ def check_numbers(raw: dict[str, Any], where: str = "config.json") -> None:
     if params > MAX_PARAMS:
         raise UserError(f"{where}: its dimensions imply {params:.3g} weights, beyond any model "
                         f"(at most {MAX_PARAMS:.3g}); the file is damaged")
-
-
-def _short(v: Any, limit: int = 80) -> str:
-    text = repr(v)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 MAX_LAYERS = 1 << 16  # far beyond any model (405B has 126); a count beyond it is a damaged file

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypedDict, Union
 
+from dtpshard.core.errors import quote
+
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
@@ -41,7 +43,7 @@ class Invalid(ValueError):
 
     def __init__(self, wants: str, value: Any, key: str = "", line: str | None = None):
         self.wants, self.value, self.key = wants, value, key
-        super().__init__(line or (f"{key} = {value!r}: must be {wants}" if key else f"must be {wants}"))
+        super().__init__(line or (f"{key} = {quote(value)}: must be {wants}" if key else f"must be {wants}"))
 
 
 def _parts(hint: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -217,7 +219,7 @@ def from_table(cls: type, table: Any, key: str = "") -> Any:
     for name, value in table.items():  # in the table's order: the first problem is the one named
         if name not in fields:
             raise Invalid("", value, join(key, str(name)),
-                          line=f"unknown key {join(key, str(name))!r} (known: {', '.join(sorted(fields))})")
+                          line=f"unknown key {quote(join(key, str(name)))} (known: {', '.join(sorted(fields))})")
         values[name] = check(hints[name], value, key=join(key, name))
     for name, f in fields.items():
         if name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -55,10 +56,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from dtpshard.core.errors import UserError, naming
+from dtpshard.core.errors import UserError
+from dtpshard.core.reading import read_text
 from dtpshard.data.corpus import corpus_source, stdlib_documents
 from dtpshard.data.hub import hub_offline, offline_reason
-from dtpshard.data.local import is_local_dataset, read_local_dataset, read_parquet
+from dtpshard.data.local import TEXT_BYTES, is_local_dataset, read_local_dataset, read_parquet
 
 ROLES = ("calibration", "train", "eval", "all")
 OFFLINE = "offline"
@@ -137,12 +139,13 @@ def _expand(paths: Sequence[str | Path]) -> list[Path]:
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
+            # what has a text suffix is read, so a FIFO or a link to a device is refused by name, not skipped
+            found = sorted(f for f in p.rglob("*") if f.suffix.lower() in TEXT_SUFFIXES and not f.is_dir())
             if not found:
                 raise UserError(f"{p}: no text files ({', '.join(TEXT_SUFFIXES)}) in this directory")
             out += found
-        elif p.is_file():
-            out.append(p)
+        elif os.path.lexists(p):
+            out.append(p)  # read_text refuses what is not a regular file
         else:
             raise UserError(f"text file not found: {p}")
     return out
@@ -153,18 +156,16 @@ def read_text_files(paths: Sequence[str | Path], text_field: str = "text") -> li
     docs: list[str] = []
     for path in _expand(paths):
         suffix = path.suffix.lower()
-        if suffix == ".json":
-            with naming(path):  # not UTF-8, unreadable: named
-                found = _read_json(path, text_field)
-        elif suffix in JSON_SUFFIXES:
-            with naming(path):
-                found = _read_jsonl(path, text_field)
-        elif suffix == ".parquet":
+        if suffix == ".parquet":
             found = _read_parquet(path, text_field)
         else:
-            with naming(path):
-                raw = path.read_text(encoding="utf-8")
-            found = [d.strip() for d in re.split(r"\n\s*\n", raw)]
+            raw = read_text(path, TEXT_BYTES, "text file")
+            if suffix == ".json":
+                found = _read_json(raw, path, text_field)
+            elif suffix in JSON_SUFFIXES:
+                found = _read_jsonl(raw, path, text_field)
+            else:
+                found = [d.strip() for d in re.split(r"\n\s*\n", raw)]
         found = [d for d in found if d.strip()]
         if not found:
             raise UserError(f"{path}: no text (empty file)")
@@ -172,31 +173,32 @@ def read_text_files(paths: Sequence[str | Path], text_field: str = "text") -> li
     return docs
 
 
-def _read_jsonl(path: Path, field: str) -> list[str]:
+def _read_jsonl(raw: str, path: Path, field: str) -> list[str]:
     docs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
-                raise UserError(f"{path}:{n}: expected a JSON object with a string field {field!r}")
-            docs.append(obj[field])
+    for n, line in enumerate(raw.split("\n"), 1):  # JSON lines end at \n only (a string may hold U+2028)
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{n}: not JSON ({e.msg})") from None
+        except RecursionError:
+            raise UserError(f"{path}:{n}: nested too deeply for a document") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
+            raise UserError(f"{path}:{n}: expected a JSON object with a string field {field!r}")
+        docs.append(obj[field])
     return docs
 
 
-def _read_json(path: Path, field: str) -> list[str]:
+def _read_json(raw: str, path: Path, field: str) -> list[str]:
     """A JSON array of objects with `field` (or of strings), as `datasets`' to_json(lines=False)
     writes; a file that is not one JSON value is read as JSON lines."""
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        obj = json.loads(raw)
     except json.JSONDecodeError:
-        return _read_jsonl(path, field)
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        return _read_jsonl(raw, path, field)
+    except RecursionError:
+        raise UserError(f"{path}: nested too deeply for a list of documents") from None
     if isinstance(obj, dict) and isinstance(obj.get(field), str):
         return [obj[field]]
     if not isinstance(obj, list):

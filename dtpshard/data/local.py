@@ -10,9 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.reading import open_regular
 
 EVAL_SPLITS = ("test", "validation")
 _SAVED_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
+# one --text or parquet file, held in memory whole (a text) or column by column (parquet): more is
+# not text for a calibration or a distillation run, and a device or a FIFO is never read at all
+TEXT_BYTES = 16 << 30
 
 
 def is_local_dataset(name: str) -> bool:
@@ -24,20 +28,22 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
 
 
-def read_parquet(path: Path, field: str) -> list[str]:
-    """The string values of column `field` of one parquet file."""
+def read_parquet(path: Path, field: str, where: str | None = None) -> list[str]:
+    """The string values of column `field` of one parquet file (a regular file of at most TEXT_BYTES)."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise UserError(f"{path}: reading parquet needs pyarrow (pip install 'dtpshard[hf]' or pyarrow)") from None
-    try:
-        schema = pq.read_schema(str(path))
-    except Exception as e:  # pyarrow raises its own exception types
-        raise UserError(f"{path}: not a readable parquet file ({_first_line(e)})") from None
-    if field not in schema.names:
-        raise UserError(f"{path}: no column {field!r} (columns: {', '.join(schema.names)}); pick one with --text-field")
-    table = pq.read_table(str(path), columns=[field])
-    return [d for d in table.column(field).to_pylist() if isinstance(d, str)]
+    with open_regular(path, TEXT_BYTES, "text file", where) as f:  # pyarrow reads the file we checked
+        try:
+            table = pq.ParquetFile(f)
+            names = table.schema_arrow.names
+        except Exception as e:  # pyarrow raises its own exception types
+            raise UserError(f"{path}: not a readable parquet file ({_first_line(e)})") from None
+        if field not in names:
+            raise UserError(f"{path}: no column {field!r} (columns: {', '.join(names)}); pick one with --text-field")
+        column = table.read(columns=[field]).column(field)
+    return [d for d in column.to_pylist() if isinstance(d, str)]
 
 
 def _column(ds, field: str, where: str) -> list[str]:

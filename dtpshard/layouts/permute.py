@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json as _json
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -19,7 +18,7 @@ from safetensors import safe_open
 
 from dtpshard.core.errors import UserError, explain
 from dtpshard.core.guard import check_outputs, check_replaceable
-from dtpshard.core.io import atomic_dir, check_writable_dir, dumps, exit_on_sigterm
+from dtpshard.core.io import atomic_dir, check_writable_dir, dumps, exit_on_sigterm, open_regular
 from dtpshard.core.layout import Layout, is_layout_file
 from dtpshard.core.permutation import layout_indices
 from dtpshard.core.vocab import Count, PermuteCheck, PositiveNumber
@@ -28,6 +27,7 @@ from dtpshard.model.checkpoint import canonical, open_checkpoint, tensor_names
 LAYOUT_JSON = "layout.json"  # the applied layout, saved next to the permuted weights
 CHECK_TOL = 1e-4  # --check logits: max |Δlogits| relative to max |logit|, fp32 (docs/design.md §3)
 _CHUNK = 16 << 20  # bytes per read when copying or comparing an unpermuted tensor
+OTHER_BYTES = 1 << 40  # a file copied beside the weights (an original/*.pth may be large, none is a TiB)
 
 Gathers = dict[str, tuple[int, torch.Tensor]]
 
@@ -215,9 +215,13 @@ def copy_other_files(src: Path, dst: Path, skip: set[Path]) -> int:
         for name in sorted(files):
             if (here / name).resolve() in skip_resolved:
                 continue
-            target = dst / (here / name).relative_to(src)
+            rel = (here / name).relative_to(src)
+            target = dst / rel
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(here / name, target)  # follows links: a hub snapshot's files are links to blobs
+            # follows links (a hub snapshot's files are links to blobs); a FIFO or a device is refused
+            with open_regular(here / name, OTHER_BYTES, "file beside the weights", f"{src}: {rel}") as fin, \
+                    open(target, "wb") as fout:
+                _copy_bytes(fin, fout, os.fstat(fin.fileno()).st_size)
             copied += 1
     return copied
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from dtpshard.core.errors import UserError, naming
-from dtpshard.core.io import SMALL_JSON, dumps, file_hashes, read_json, read_json_object
+from dtpshard.core.io import SMALL_JSON, dumps, file_hashes, open_regular, read_json, read_json_object
 from dtpshard.core.settings import read_record
 from dtpshard.core.shape import (
     FAMILIES,
@@ -37,6 +38,7 @@ from dtpshard.model.shards import DEFAULT_MAX_SHARD_SIZE, INDEX, Weights, parse_
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 COPIED_FILES = (*TOKENIZER_FILES, "generation_config.json")
+TOKENIZER_BYTES = 1 << 30  # one tokenizer file (the largest real tokenizer.json is some tens of MiB)
 
 DTP_JSON = "dtp.json"  # students before the config block recorded their settings only here (still read)
 DTP_KEY = "dtp"  # the block in a student's config.json: family, devices, delay, stage3, layout_sha256
@@ -336,6 +338,10 @@ def _tokenizer(path: Path, hf_config: Any) -> Any:
     # the config given, transformers does not read config.json again to pick the tokenizer class;
     # a student's is its family's, so transformers does not ask to run its remote code for that
     kw = {} if hf_config is None else {"config": family_config(hf_config)}
+    for name in TOKENIZER_FILES:  # transformers opens them itself: first each is checked to be a sane regular file
+        if os.path.lexists(path / name):
+            with open_regular(path / name, TOKENIZER_BYTES, "tokenizer file"):
+                pass
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kw)
     except (OSError, ValueError) as e:

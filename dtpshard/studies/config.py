@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtpshard.core.errors import UserError
-from dtpshard.core.io import MAX_DEPTH, STUDY_BYTES, check_tree
+from dtpshard.core.errors import UserError, quote
+from dtpshard.core.reading import MAX_DEPTH, STUDY_BYTES, check_tree, load_yaml, read_text
 from dtpshard.core.settings import DEFAULT, DTPSettings
 from dtpshard.core.typed import Invalid, from_table, partial_of
 from dtpshard.core.vocab import (
@@ -301,29 +301,17 @@ def _merge(raw: Any, overrides: dict[str, Any]) -> Any:
 
 def load_config(path: Path, overrides: dict[str, Any] | None = None) -> Experiment:
     """The study file, with command-line `overrides` (nested like the file) put over it, checked."""
-    path = Path(path)
-    try:
-        if path.is_file() and path.stat().st_size > STUDY_BYTES:
-            raise UserError(f"config {path}: {path.stat().st_size} bytes, more than a study file can need "
-                            f"({STUDY_BYTES} at most)")
-        text = path.read_text()
-    except FileNotFoundError:
-        raise UserError(f"config file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read config {path}: {(getattr(e, 'strerror', None) or str(e)).lower()}") from None
-    try:
-        if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            raw = yaml.safe_load(text)
-        else:
+    path, where = Path(path), f"config {path}"
+    text = read_text(path, STUDY_BYTES, "study file", where)
+    if path.suffix.lower() in (".yaml", ".yml"):
+        raw = load_yaml(text, where)
+    else:
+        try:
             raw = tomllib.loads(text)
-    except RecursionError:
-        raise UserError(f"config {path}: nested more than {MAX_DEPTH} levels deep") from None
-    except Exception as e:  # tomllib and yaml raise their own error types
-        msg = str(e).strip().splitlines()
-        raise UserError(f"config {path}: not valid {'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'TOML'}"
-                        f" ({msg[0] if msg else type(e).__name__})") from None
+        except RecursionError:
+            raise UserError(f"{where}: nested more than {MAX_DEPTH} levels deep") from None
+        except ValueError as e:  # TOMLDecodeError is one
+            raise UserError(f"{where}: not valid TOML ({quote(str(e), repr_=False)})") from None
     check_tree(raw, f"config {path}")  # depth and integers; unknown keys are check_config's
     try:
         return check_config(_merge(raw, overrides or {}))

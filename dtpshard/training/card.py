@@ -17,10 +17,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import file_hashes, read_json_object
+from dtpshard.core.io import file_hashes, load_yaml, read_json_object, read_text
 from dtpshard.core.layout import Layout
 from dtpshard.model.checkpoint import TensorFiles
 from dtpshard.model.student import front_matter, usage_section
@@ -29,6 +27,7 @@ from dtpshard.training import rundir
 # an experiment's run is DIR/runs/NAME-sSEED beside DIR/config.json of this format and
 # DIR/provenance.json (studies/provenance.py; training does not import studies)
 _EXPERIMENT_FORMAT, _PROVENANCE, _RUNS, _REPORT = "dtpshard.experiment/", "provenance.json", "runs", "report.md"
+CARD_BYTES = 16 << 20  # a model card (README.md) read for its front matter; real ones are < 100 KiB
 _LICENSE_KEYS = ("license", "license_name", "license_link")
 
 
@@ -82,16 +81,11 @@ class TeacherHashes:
 def teacher_license(teacher: Path) -> dict[str, Any]:
     """license (and license_name / license_link) from the YAML front matter of the teacher's
     README.md, the Hub's model card; {} when it has none."""
-    try:
-        text = (Path(teacher) / "README.md").read_text(encoding="utf-8")
-    except (OSError, ValueError):
-        return {}
-    if not text.startswith("---"):
-        return {}
-    end = text.find("\n---", 3)
-    try:
-        meta = yaml.safe_load(text[3:end]) if end > 0 else None
-    except yaml.YAMLError:
+    try:  # a regular file of a sane size, its front matter without YAML aliases, else none
+        text = read_text(Path(teacher) / "README.md", CARD_BYTES, "model card")
+        end = text.find("\n---", 3) if text.startswith("---") else -1
+        meta = load_yaml(text[3:end], "README.md") if end > 0 else None
+    except UserError:
         return {}
     return {k: meta[k] for k in _LICENSE_KEYS if isinstance(meta, dict) and meta.get(k) is not None}
 
