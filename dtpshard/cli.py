@@ -230,7 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     rank = "RANK" in os.environ
     with contextlib.nullcontext() if rank else exit_on_sigterm():
         try:
-            return _run(argv, name)
+            code = _run(argv, name)
+            launch = sys.modules.get("dtpshard.core.launch")  # a process that never imported it has no group
+            if rank and launch is not None:
+                launch.leave(code)  # a rank that ended its process group ends here, past torch's teardown
+            return code
         except KeyboardInterrupt:
             print(f"dtpshard {name}: interrupted", file=sys.stderr)
             return 130

@@ -220,6 +220,29 @@ def test_sigint_while_the_ranks_start_ends_a_launch_in_one_line(model, tmp_path,
     assert stopped(model, tmp_path / "tmp", signal.SIGINT, group, "forkserver") == (130, "dtpshard run: interrupted")
 
 
+# -- the end of a torchrun rank ------------------------------------------------------------------------
+def test_a_torchrun_rank_ends_past_the_interpreters_teardown(model, tmp_path):
+    """Each rank prints (rank 0), ends its group, and leaves by os._exit after flushing: its
+    atexit handlers, run in the teardown where torch aborted, never run; its result is there."""
+    script = tmp_path / "rank.py"
+    script.write_text("import atexit, os, sys\nfrom pathlib import Path\n"
+                      "atexit.register(lambda: Path(sys.argv[2], 'teardown' + os.environ['RANK']).touch())\n"
+                      "from dtpshard.cli import main\n"
+                      f"sys.exit(main(['run', sys.argv[1], '--prompt', {PROMPT!r}, '--max-new-tokens', '4']))\n")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(script), str(model), str(tmp_path)], check=False, capture_output=True, text=True,
+                       timeout=300, env=_env())
+    lines = p.stdout.strip().splitlines()
+    assert p.returncode == 0 and len(lines) == 1 and lines[0].startswith(PROMPT), p.stderr[-2000:]
+    assert not list(tmp_path.glob("teardown*"))
+
+
+def test_a_process_without_a_group_is_not_ended_early():
+    from dtpshard.core import launch
+
+    launch.leave(0)  # returns: this test process ended no process group (else pytest itself would end here)
+
+
 # -- exit 0 under load ---------------------------------------------------------------------------------
 def _hog():
     return subprocess.Popen(["nice", "-n", "5", sys.executable, "-c", "while 1: pass"])

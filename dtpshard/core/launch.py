@@ -1,10 +1,11 @@
 """Starting the ranks of a multi-process run: torchrun's environment, the process group, a local
 launcher (`--nproc L`), and failures that end a rank with one line instead of a hang.
 
-torchrun (or `launch_local`) sets RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT;
-`process_group` joins them with a timeout on both the rendezvous and every collective, and ends
-the group in order: every posted transfer taken, a barrier, then the group destroyed, so that no
-gloo thread or transfer outlives it into the interpreter's teardown.
+torchrun (or `launch_local`) sets RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+(checked, with --timeout and --nproc, in core/launch_checks.py); `process_group` joins them with a
+timeout on both the rendezvous and every collective, and ends the group in order: every posted
+transfer taken, a barrier, then the group destroyed, so that no gloo thread or transfer outlives
+it; a torchrun rank then leaves without the interpreter's teardown (`leave`).
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ def set_threads(threads: int = 0) -> None:
 # -- a rank's process group ----------------------------------------------------------------------
 _closers: list[weakref.WeakMethod] = []  # close(wait) of each Link of this process (runtime/ranks.py)
 _report: Path | None = None  # set in a rank of launch_local: where it tells the launcher it joined
+_ended = False  # this process has ended a process group (`leave`)
 
 
 def at_shutdown(close: Callable[[bool], bool]) -> None:
@@ -102,7 +104,23 @@ def end_group(clean: bool, timeout: float) -> None:
                               f"died, hung or was stopped (waited up to {timeout:g} s)") from None
     elif not _close_links(False):
         raise _InFlight
+    global _ended
     dist.destroy_process_group()
+    _ended = True
+
+
+def leave(code: int) -> None:
+    """End a process that has ended a process group (a torchrun rank, at the very end of its
+    command): its output flushed, then os._exit(code), without the interpreter's teardown, where
+    torch's C++ static destructors can meet a thread still alive and abort (SIGABRT, "terminate
+    called without an active exception") after the rank has printed its result. A process with
+    no group returns: nothing of torch.distributed is left to tear down."""
+    if not _ended:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 class _InFlight(Exception):
