@@ -238,11 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print(f"dtpshard {name}: interrupted", file=sys.stderr)
             return 130
-        except SystemExit as e:
-            if rank or e.code != 128 + signal.SIGTERM:
-                raise
-            print(f"dtpshard {name}: terminated", file=sys.stderr)
-            return e.code
+        except SystemExit as e:  # exits all the same (143), once it has said so
+            if not rank and e.code == 128 + signal.SIGTERM:
+                print(f"dtpshard {name}: terminated", file=sys.stderr)
+            raise
 
 
 def _run(argv: list[str], name: str) -> int:

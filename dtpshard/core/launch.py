@@ -24,7 +24,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
-from multiprocessing import forkserver, reduction
+from multiprocessing import forkserver, reduction, resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +215,7 @@ def _context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOAD))
     if threading.current_thread() is threading.main_thread():
+        resource_tracker.ensure_running()  # the forkserver's first step, which unblocks both signals
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
         try:
             forkserver.ensure_running()  # a no-op once it runs
