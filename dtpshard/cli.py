@@ -6,7 +6,10 @@ flags given override it); --help in words; every refusal one line, `dtpshard CMD
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
+import signal
 import sys
 from collections import namedtuple
 from pathlib import Path
@@ -17,7 +20,8 @@ from cyclopts.config import Dict
 from cyclopts.help import DefaultFormatter
 
 from dtpshard.core.errors import UserError, explain, quote
-from dtpshard.core.io import read_options
+from dtpshard.core.io import exit_on_sigterm, read_options
+from dtpshard.core.launch_checks import check_launch
 from dtpshard.core.typed import Invalid, check, choices, is_bool, is_list, wants, words
 
 # name -> (module:function, its summary in the root --help, which imports no command)
@@ -37,6 +41,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "study": ("dtpshard.studies.demo:study_cmd", "the SmolLM2 study: does J predict the KL after training?"),
     "run": ("dtpshard.runtime.run:run_cmd", "DTP across processes (use under torchrun)"),
 }
+SPAWNS = {"run", "distill", "convert"}  # the commands whose --nproc K starts K local processes
 # the help of a flag several commands share, written once (a command's own docstring line wins)
 SHARED_HELP = {"--device": "auto (cuda if available, else cpu), cpu, cuda or cuda:N",
                "--stage3": "own-partial scale of the last δ modules: sqrt (√L, the paper's) or one"}
@@ -246,6 +251,26 @@ def main(argv: list[str] | None = None) -> int:
     if argv and not name.startswith("-") and name not in COMMANDS:
         print(f"dtpshard: error: unknown command {name!r} (one of: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
+    # a signal at any moment, importing the command too, is one line: SIGTERM raises SystemExit(143)
+    # (as inside a write); not in a torchrun rank, whose launcher reports it
+    rank = "RANK" in os.environ
+    with contextlib.nullcontext() if rank else exit_on_sigterm():
+        try:
+            code = _run(argv, name)
+            launch = sys.modules.get("dtpshard.core.launch")  # a process that never imported it has no group
+            if rank and launch is not None:
+                launch.leave(code)  # a rank that ended its process group ends here, past torch's teardown
+            return code
+        except KeyboardInterrupt:
+            print(f"dtpshard {name}: interrupted", file=sys.stderr)
+            return 130
+        except SystemExit as e:  # exits all the same (143), once it has said so
+            if not rank and e.code == 128 + signal.SIGTERM:
+                print(f"dtpshard {name}: terminated", file=sys.stderr)
+            raise
+
+
+def _run(argv: list[str], name: str) -> int:
     try:
         parsed = _parse(argv)
     except Refused as e:
@@ -255,13 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         command, bound, _ = parsed
+        check_launch(bound.arguments, spawns=name in SPAWNS)  # the environment, --timeout, --nproc: before any work
         result = command(*bound.args, **bound.kwargs)
     except BrokenPipeError:  # e.g. piped into `head`
         sys.stderr.close()
         return 0
-    except KeyboardInterrupt:
-        print(f"dtpshard {name}: interrupted", file=sys.stderr)
-        return 130
     except Exception as e:
         line = explain(e)
         if line is None:

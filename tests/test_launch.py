@@ -32,6 +32,7 @@ from test_distill import args_for, random_docs
 ROOT = Path(__file__).resolve().parents[1]
 GLOO_THREADS = {"gloo_tcp_loop", "pt_gloo_runloop"}
 PROMPT = "import torch"
+TORCH_LOG = re.compile(r"(\[rank\d+\]:)?[DIWE]\d{4} \d\d:\d\d:\d\d")  # [rank0]:W1201 23:38:32.296000 ...
 
 
 def _threads() -> list[str]:
@@ -118,14 +119,42 @@ def _start(argv, tmp):
                             env=_env(tmp), start_new_session=True)
 
 
+def family(pid, recursive=True):
+    """The processes `pid` has started (recursive: theirs too), as they are now: one that ends while
+    it is listed or asked about (psutil.NoSuchProcess, ZombieProcess) is left out, as ended."""
+    try:
+        return psutil.Process(pid).children(recursive=recursive)
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return []
+
+
+def cmdline(proc):
+    try:
+        return " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return ""
+
+
+def ended(proc):
+    """Whether proc has ended (a zombie has ended: only its parent's wait is left)."""
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return True
+
+
+def forkserver_children(pid):
+    """The processes the forkserver of launcher `pid` has forked: its ranks."""
+    return [c for fs in family(pid, recursive=False) if "forkserver" in cmdline(fs) for c in family(fs.pid, False)]
+
+
 def _ranks_joined(p, tmp, world, ready, timeout=180):
     """The rank processes, once every rank has joined its process group and ready() holds."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         assert p.poll() is None, p.communicate()
         if len(list(tmp.glob("dtpshard-ranks-*/rank*.joined"))) == world and ready():
-            ranks = [c for fs in psutil.Process(p.pid).children() if "forkserver" in " ".join(fs.cmdline())
-                     for c in fs.children()]  # the forkserver's children
+            ranks = forkserver_children(p.pid)
             assert len(ranks) == world
             return ranks
         time.sleep(0.1)
@@ -133,13 +162,13 @@ def _ranks_joined(p, tmp, world, ready, timeout=180):
 
 
 def _gone(procs, timeout):
-    """Seconds until every process in procs has ended (a zombie has ended)."""
+    """Seconds until every process in procs has ended."""
     t = time.monotonic()
     while time.monotonic() - t < timeout:
-        if all(not q.is_running() or q.status() == psutil.STATUS_ZOMBIE for q in procs):
+        if all(ended(q) for q in procs):
             return time.monotonic() - t
         time.sleep(0.02)
-    raise AssertionError(f"still running {timeout} s after the signal: {[q.pid for q in procs if q.is_running()]}")
+    raise AssertionError(f"still running {timeout} s after the signal: {[q.pid for q in procs if not ended(q)]}")
 
 
 def interrupted(argv, tmp, world, sig, group, ready=lambda: True):
@@ -147,7 +176,7 @@ def interrupted(argv, tmp, world, sig, group, ready=lambda: True):
     p = _start(argv, tmp)
     try:
         ranks = _ranks_joined(p, tmp, world, ready)
-        family = psutil.Process(p.pid).children(recursive=True)  # the forkserver, the ranks, ...
+        started = family(p.pid)  # the forkserver, the ranks, ...
         before = (tmp.parent / "stderr.txt").stat().st_size  # torch's warnings while training, say
         os.killpg(p.pid, sig) if group else p.send_signal(sig)
         took = _gone(ranks, 15)
@@ -161,9 +190,10 @@ def interrupted(argv, tmp, world, sig, group, ready=lambda: True):
     print(f"{signal.Signals(sig).name} to the {'group' if group else 'launcher'}: ranks gone in {took:.2f} s",
           file=sys.stderr)
     assert took < 10
-    _gone(family, 15)  # nothing the launch started outlives it
+    _gone(started, 15)  # nothing the launch started outlives it
     assert not list(tmp.glob("dtpshard-ranks-*"))
-    lines = err.strip().splitlines()
+    # torch's own log lines (a rank compiling as the signal came) are the run's output, not the signal's
+    lines = [ln for ln in err.strip().splitlines() if not TORCH_LOG.match(ln)]
     assert len(lines) == 1 and "Traceback" not in err, err
     return p.returncode, lines[0]
 

@@ -1,10 +1,11 @@
 """Starting the ranks of a multi-process run: torchrun's environment, the process group, a local
 launcher (`--nproc L`), and failures that end a rank with one line instead of a hang.
 
-torchrun (or `launch_local`) sets RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT;
-`process_group` joins them with a timeout on both the rendezvous and every collective, and ends
-the group in order: every posted transfer taken, a barrier, then the group destroyed, so that no
-gloo thread or transfer outlives it into the interpreter's teardown.
+torchrun (or `launch_local`) sets RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+(checked, with --timeout and --nproc, in core/launch_checks.py); `process_group` joins them with a
+timeout on both the rendezvous and every collective, and ends the group in order: every posted
+transfer taken, a barrier, then the group destroyed, so that no gloo thread or transfer outlives
+it; a torchrun rank then leaves without the interpreter's teardown (`leave`).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
-from multiprocessing import forkserver, reduction
+from multiprocessing import forkserver, reduction, resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,11 @@ import torch
 import torch.distributed as dist
 
 from dtpshard.core.errors import UserError, explain
+from dtpshard.core.launch_checks import check_nproc, check_threads, check_timeout, cores, env_int, world_from_env
 from dtpshard.core.shape import FAMILY
+
+__all__ = ["RankExit", "RankFailure", "at_shutdown", "cause", "check_threads", "cores", "end_group", "free_port",
+           "joined", "launch_local", "process_group", "root_cause", "set_threads", "world_from_env"]
 
 
 class RankFailure(UserError):
@@ -45,54 +50,20 @@ def cause(e: BaseException) -> str:
     return text.split(". This is typically")[0][:160]
 
 
-def _env_int(name: str) -> int | None:
-    v = os.environ.get(name)
-    try:
-        return None if v is None else int(v)
-    except ValueError:
-        raise UserError(f"environment variable {name}={v!r} is not an integer") from None
-
-
-def world_from_env() -> tuple[int, int]:
-    """(rank, world) as torchrun sets them."""
-    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-    if rank is None or world is None:
-        raise UserError("not started by torchrun (no RANK/WORLD_SIZE): use `torchrun --nproc-per-node L -m "
-                        "dtpshard run ...` or pass --nproc L")
-    if not 0 <= rank < world:
-        raise UserError(f"RANK={rank} is outside WORLD_SIZE={world}")
-    return rank, world
-
-
 # -- threads -------------------------------------------------------------------------------------
-THREADS_PER_CORE = 4  # beyond this, OpenMP spends minutes creating and scheduling threads (100000 hung)
-
-
-def cores() -> int:
-    """The cores this process may run on (its affinity, not the machine's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def check_threads(threads: int) -> None:
-    """Refuse a --threads this machine cannot run: more than THREADS_PER_CORE per core. Cheap, so a
-    launcher can call it before it spawns anything."""
-    if threads > THREADS_PER_CORE * cores():
-        raise UserError(f"--threads {threads}: more than {THREADS_PER_CORE} per core ({cores()} cores here, so at "
-                        f"most {THREADS_PER_CORE * cores()}); 0 picks a count for the cores")
-
-
 def set_threads(threads: int = 0) -> None:
     """Split the cores between this machine's ranks, leaving each rank two for its transfers unless
     told otherwise: gloo's worker and I/O threads progress the asynchronous sums, and behind
     spinning OpenMP threads they starve (docs/benchmarks.md, "Threads per rank")."""
     check_threads(threads)
-    local = _env_int("LOCAL_WORLD_SIZE") or 1
+    local = env_int("LOCAL_WORLD_SIZE") or 1
     torch.set_num_threads(threads or max(1, cores() // local - 2))
 
 
 # -- a rank's process group ----------------------------------------------------------------------
 _closers: list[weakref.WeakMethod] = []  # close(wait) of each Link of this process (runtime/ranks.py)
 _report: Path | None = None  # set in a rank of launch_local: where it tells the launcher it joined
+_ended = False  # this process has ended a process group (`leave`)
 
 
 def at_shutdown(close: Callable[[bool], bool]) -> None:
@@ -133,7 +104,23 @@ def end_group(clean: bool, timeout: float) -> None:
                               f"died, hung or was stopped (waited up to {timeout:g} s)") from None
     elif not _close_links(False):
         raise _InFlight
+    global _ended
     dist.destroy_process_group()
+    _ended = True
+
+
+def leave(code: int) -> None:
+    """End a process that has ended a process group (a torchrun rank, at the very end of its
+    command): its output flushed, then os._exit(code), without the interpreter's teardown, where
+    torch's C++ static destructors can meet a thread still alive and abort (SIGABRT, "terminate
+    called without an active exception") after the rank has printed its result. A process with
+    no group returns: nothing of torch.distributed is left to tear down."""
+    if not _ended:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 class _InFlight(Exception):
@@ -155,6 +142,7 @@ def process_group(timeout: float, backend: str = "gloo", who: str = "dtpshard ru
     """Join the ranks (env://) -> (rank, world), and end the group on the way out (`end_group`).
     A RankFailure inside, or any error while a transfer is in flight, ends this process at once
     with one line: its peers are lost or still waiting, and the group cannot be torn down."""
+    check_timeout(timeout)
     rank, world = world_from_env()
     if dist.is_initialized():  # someone else owns it
         joined()
@@ -162,7 +150,7 @@ def process_group(timeout: float, backend: str = "gloo", who: str = "dtpshard ru
         return
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     if backend == "nccl":  # one GPU per rank on each machine
-        torch.cuda.set_device(_env_int("LOCAL_RANK") or 0)
+        torch.cuda.set_device(env_int("LOCAL_RANK") or 0)
     try:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
@@ -212,21 +200,27 @@ _PRELOAD = ("dtpshard.runtime.run", "dtpshard.training.loop", "dtpshard.model.ge
 STOP_GRACE = 3.0  # seconds a stopped rank has between SIGTERM (its temporaries removed) and SIGKILL
 
 
+_STOPS = {signal.SIGINT, signal.SIGTERM}
+
+
 def _context() -> Any:
     """A forkserver that imports torch and transformers once, so a rank starts in a fraction of a
     second instead of re-importing them (spawn); plain fork is unsafe once OpenMP threads exist.
-    Started with SIGINT ignored, which it and every rank it forks inherit: a Ctrl-C (sent to the
-    whole terminal's process group) is the launcher's to handle, not a traceback in each of them."""
+    Started with SIGINT and SIGTERM blocked, which it and every rank it forks inherit (`_child`
+    unblocks them): a Ctrl-C or a SIGTERM sent to the whole process group is the launcher's to
+    handle; a forkserver killed while it imports would fail the launcher's next start (EOFError).
+    Blocked, not ignored: one that reaches the launcher meanwhile is held, not lost."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOAD))
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        resource_tracker.ensure_running()  # the forkserver's first step, which unblocks both signals
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
         try:
             forkserver.ensure_running()  # a no-op once it runs
         finally:
-            signal.signal(signal.SIGINT, previous)
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     return ctx
 
 
@@ -259,6 +253,8 @@ class RankExit:
 def _child(stdio: Any, env: dict[str, str], target: Callable[..., Any], args: tuple, report: str) -> None:
     global _report
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops the ranks (if the forkserver did not)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's way to stop a rank
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)  # blocked in the forkserver (`_context`)
     os.environ.clear()  # the launcher's environment now, not the forkserver's from when it started
     os.environ.update(env)
     said = _report = Path(report) / f"rank{env['RANK']}"
@@ -322,8 +318,10 @@ def launch_local(nproc: int, target: Callable[..., Any], args: tuple = (), grace
     to reach the ranks. A failure never hangs the launcher: once a rank fails, those that have not
     joined their process group (`joined`) are stopped at once (they would wait out the rendezvous),
     the rest get `grace` seconds to stop on their own; all are stopped `deadline` seconds after the
-    start if given. SIGINT or SIGTERM stops every rank, removes the temporary directory, and then
-    raises KeyboardInterrupt (the CLI: "interrupted", 130) or says "terminated" and exits 143."""
+    start if given. SIGINT or SIGTERM at any moment stops every rank, removes the temporary
+    directory, and then raises KeyboardInterrupt (the CLI: "interrupted", 130) or SystemExit(143)
+    (the CLI: "terminated"). More ranks than this machine runs are refused before any starts."""
+    check_nproc(nproc)
     with _catching((signal.SIGINT, signal.SIGTERM)) as caught, \
             tempfile.TemporaryDirectory(prefix="dtpshard-ranks-") as report:
         ctx = _context()
@@ -339,7 +337,8 @@ def launch_local(nproc: int, target: Callable[..., Any], args: tuple = (), grace
                     p.start()
         except BaseException:  # a target that cannot be pickled, say: no rank outlives its launcher
             _stop(procs, [r for r, p in enumerate(procs) if p.pid is not None])
-            raise
+            if not caught:  # else the signal's doing (a forkserver stopped with it): said below
+                raise
         started = [r for r, p in enumerate(procs) if p.pid is not None]
         start, failed_at, stopped = time.monotonic(), None, set()
         while any(procs[r].is_alive() for r in started):
@@ -372,8 +371,7 @@ def launch_local(nproc: int, target: Callable[..., Any], args: tuple = (), grace
                  for r, p in enumerate(procs)]
     if caught and caught[0] == signal.SIGINT:
         raise KeyboardInterrupt
-    if caught:
-        print(f"{who}: terminated", file=sys.stderr, flush=True)
+    if caught:  # the CLI says "terminated"
         raise SystemExit(128 + caught[0])
     return exits
 

@@ -27,6 +27,7 @@ from dtpshard.core.launch import (
     set_threads,
     world_from_env,
 )
+from dtpshard.core.launch_checks import RANK_BYTES, check_nproc, check_timeout
 from dtpshard.core.settings import DTPSettings, resolve_dtp, warn_if_other_settings
 from dtpshard.core.shape import check_context
 from dtpshard.core.vocab import Count, Delay, Device, DType, NonNegativeInt, NonNegativeNumber, Seconds, Stage3
@@ -72,6 +73,7 @@ def plan_run(model: Path, prompt: str, world: int, *, delay: float | None, stage
              tokenizer: Path | None, json: bool, cuda_graphs: bool) -> RunJob:
     """The checked job for `world` ranks: δ and stage3 from the flags, else a student's record,
     else the layout's, else the defaults (core.settings.resolve_dtp)."""
+    check_timeout(timeout)
     if device.startswith("cuda:"):
         raise UserError(f"--device {device}: each rank uses cuda:LOCAL_RANK; give --device cuda")
     device = pick_device(device)
@@ -82,6 +84,8 @@ def plan_run(model: Path, prompt: str, world: int, *, delay: float | None, stage
     if latency_ms / 1000 >= timeout:
         raise UserError(f"--latency-ms {latency_ms:g}: every transfer would outlast --timeout {timeout:g} s")
     ckpt, lay = check_world(model, world, layout)
+    if world > 1 and "RANK" not in os.environ:  # --nproc: the ranks this machine runs, each with its shard
+        check_nproc(world, RANK_BYTES + ckpt.shape.shard(world).params() * DTYPES[dtype].itemsize)
     record = ckpt.record
     settings = resolve_dtp(ckpt.shape, devices=world, delay=delay, stage3=stage3, record=record, layout=lay,
                            where=f"layout {layout}")
