@@ -211,6 +211,10 @@ def check_config(cfg: Recipe) -> None:
             check(hints[f.name], value)
         except Invalid as e:
             raise UserError(f"--{f.name.replace('_', '-')} {value}: must be {e.wants}") from None
+    if getattr(cfg, "timeout", None) is not None:  # a study file's recipe does not pass through the CLI's check
+        from dtpshard.core.launch_checks import check_timeout
+
+        check_timeout(cfg.timeout)
     if getattr(cfg, "max_shard_size", None) is not None:  # flags with a syntax of their own, and optional
         from dtpshard.model.shards import parse_size  # dependencies: checked before the first byte is written
 
