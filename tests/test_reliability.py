@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from dtpshard.cli import main
 from dtpshard.core.errors import UserError
-from test_distill import _cli, args_for, random_docs
+from test_distill import _cli, args_for, setup  # noqa: F401 (setup: the tiny run's fixture)
 
 
 def one_line(capsys, *words):
@@ -35,21 +35,8 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_dirs, tmp_path_factory):
-    from dtpshard.core.layout import Layout
-    from dtpshard.model.dtp import DTPModel
-
-    root = tmp_path_factory.mktemp("reliability")
-    text = root / "docs.txt"
-    text.write_text("\n\n".join(random_docs(300, 0)))
-    model = tiny_dirs["llama"]
-    Layout.random(DTPModel.from_pretrained(model, 1, 0).shape, devices=2, delay=1, seed=3).save(root / "layout.json")
-    return {"root": root, "model": model, "text": text, "layout": root / "layout.json"}
-
-
 # -- nothing from a file is unpickled ---------------------------------------------------------
-def test_a_resumed_run_does_not_run_the_code_its_checkpoint_names(setup, tmp_path):
+def test_a_resumed_run_does_not_run_the_code_its_checkpoint_names(setup, tmp_path):  # noqa: F811
     run, marker = tmp_path / "run", tmp_path / "pwned"
     first = _cli(args_for(setup, run), {"DTPSHARD_TEST_CRASH": "step:5"})
     assert first.returncode == 17 and (run / "checkpoint.pt").is_file(), first.stderr
@@ -212,7 +199,7 @@ def test_an_affinity_that_is_not_numbers_is_not_written(tiny_dirs, tmp_path, cap
         assert not list(tmp_path.iterdir())
 
 
-def test_a_finished_run_without_weights_is_not_finished(setup, tmp_path, capsys):
+def test_a_finished_run_without_weights_is_not_finished(setup, tmp_path, capsys):  # noqa: F811
     run = tmp_path / "run"
     args = args_for(setup, run, steps=2, **{"eval-every": 2, "checkpoint-every": 2})
     assert main(args) == 0
@@ -224,7 +211,7 @@ def test_a_finished_run_without_weights_is_not_finished(setup, tmp_path, capsys)
 
 
 # -- flags are checked before the first byte ---------------------------------------------------
-def test_flags_are_checked_before_anything_is_written(setup, tmp_path, monkeypatch, capsys):
+def test_flags_are_checked_before_anything_is_written(setup, tmp_path, monkeypatch, capsys):  # noqa: F811
     import importlib.util
 
     run = tmp_path / "run"
@@ -241,7 +228,7 @@ def test_flags_are_checked_before_anything_is_written(setup, tmp_path, monkeypat
 
 
 # -- a student run with other settings: one warning, every command -----------------------------
-def test_every_command_warns_alike_for_a_student_run_with_other_settings(setup, tmp_path, capsys, caplog):
+def test_every_command_warns_alike_for_a_student_run_with_other_settings(setup, tmp_path, capsys, caplog):  # noqa: F811
     run = tmp_path / "run"
     assert main(args_for(setup, run, steps=1, **{"eval-every": 1, "checkpoint-every": 1})) == 0
     student = run / "final"
