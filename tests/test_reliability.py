@@ -128,11 +128,19 @@ def _commands(model: Path, out: Path) -> dict[str, list[str]]:
             "convert --plan": ["convert", str(model), "--devices", "2", "--steps", "1", "--out", str(out / "cv"),
                                "--plan"],
             "layout": ["layout", str(model), "--kind", "contiguous", "--devices", "2", "--out",
-                       str(out / "l.json")]}
+                       str(out / "l.json")],
+            "teacher-cache": ["teacher-cache", str(model), "--out", str(out / "cache"), "--steps", "1",
+                              "--seq-len", "8", "--no-progress"],
+            "permute": ["permute", str(model), str(out.parent / "layout.json"), "--out", str(out / "p")]}
 
 
-@pytest.mark.parametrize("command", ["eval", "generate", "affinity", "distill --plan", "convert --plan", "layout"])
-def test_a_models_numbers_are_checked_before_any_work_by_every_command(bad_models, command, tmp_path, capsys):
+@pytest.mark.parametrize("command", ["eval", "generate", "affinity", "distill --plan", "convert --plan", "layout",
+                                     "teacher-cache", "permute"])
+def test_a_models_numbers_are_checked_before_any_work_by_every_command(bad_models, tiny_dirs, command, tmp_path,
+                                                                       capsys):
+    assert main(["layout", str(tiny_dirs["llama"]), "--kind", "random", "--devices", "2", "--out",
+                 str(tmp_path / "layout.json")]) == 0
+    capsys.readouterr()
     for name, model in bad_models.items():
         out = tmp_path / name.replace("=", "_").replace("'", "").replace(" ", "_")
         out.mkdir()
