@@ -13,6 +13,7 @@ from dtpshard.cli import main
 from dtpshard.core.layout import Layout
 from dtpshard.core.shape import UnitShape
 from dtpshard.layouts.score import colocated_score
+from tiny import with_nan
 
 MODEL = UnitShape(4, 8, 2, 24)
 
@@ -116,9 +117,7 @@ def test_bad_inputs(aff, tmp_path, capsys):
     _one_line_error(capsys, ["layout", str(aff)], "missing --out")
     _one_line_error(capsys, ["layout", str(aff), "--layers", "9", "--out", out], "--layers 9")
     _one_line_error(capsys, ["layout", str(tmp_path / "nope"), "--out", out], "no such model directory")
-    nan = Affinity.load(aff)
-    nan.edges[(2, 3)][0, 0] = np.nan
-    nan.save(tmp_path / "nan.safetensors")
+    with_nan(aff, tmp_path / "nan.safetensors", (2, 3), (0, 0))
     _one_line_error(capsys, ["layout", str(tmp_path / "nan.safetensors"), "--out", out], "NaN")
     other = Affinity.load(aff)  # tensors of this shape, metadata of another model
     other.model = replace(MODEL, neurons=32)

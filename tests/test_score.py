@@ -12,6 +12,7 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout
 from dtpshard.core.shape import UnitShape
 from dtpshard.layouts.score import colocated_score, layout_devices, perm_from_devices
+from tiny import with_nan
 
 MODEL = UnitShape(3, 4, 2, 8)
 
@@ -159,8 +160,7 @@ def test_score_cmd_bad_inputs(tmp_path, capsys):
     _one_line_error(capsys, ["score", str(aff), str(lay)], "neurons=16 but the affinity file")
     aff, lay = _files(tmp_path, layout_delay=2)
     _one_line_error(capsys, ["score", str(aff), str(lay)], "no edge.0.2, needed at delay 2")
-    nan = random_affinity()
-    nan.edges[(1, 2)][3, 1] = np.nan
-    nan.save(tmp_path / "nan.safetensors")
+    random_affinity().save(tmp_path / "good.safetensors")
+    with_nan(tmp_path / "good.safetensors", tmp_path / "nan.safetensors", (1, 2), (3, 1))
     _one_line_error(capsys, ["score", str(tmp_path / "nan.safetensors"), str(lay)], "NaN")
     _one_line_error(capsys, ["score", str(tmp_path / "missing.safetensors"), str(lay)], "not found")

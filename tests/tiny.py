@@ -90,3 +90,18 @@ def command_line(command: str, model: Path, out: Path, opts: dict, **over) -> li
         if v is not None:
             args += [f"--{k}", str(v)]
     return args
+
+
+def with_nan(affinity_file: Path, out: Path, edge: tuple[int, int], index: tuple[int, int]) -> Path:
+    """A copy of an affinity file with one score NaN (Affinity.save refuses to write one): what a
+    damaged or hand-edited file holds, for the readers' refusals."""
+    import numpy as np
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    with safe_open(str(affinity_file), framework="np") as f:
+        meta = f.metadata()
+    tensors = load_file(str(affinity_file))
+    tensors[f"edge.{edge[0]}.{edge[1]}"][index] = np.nan
+    save_file(tensors, str(out), metadata=meta)
+    return out

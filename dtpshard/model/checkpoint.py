@@ -113,9 +113,6 @@ class TensorFiles:
 
     def __init__(self, path: Path):
         self.index: Path | None = path / INDEX
-        if self.index.is_file() and (path / SINGLE).is_file():  # transformers reads the single file, we the index
-            raise UserError(f"{path}: holds both {SINGLE} and {INDEX}, which transformers and dtpshard would read "
-                            "differently; remove the one that is not the model")
         if self.index.is_file():
             index = read_json(self.index, "safetensors index", 4 * SMALL_JSON)  # ~100 KB for a 405B model
             try:
@@ -126,6 +123,9 @@ class TensorFiles:
             outside = sorted({str(v) for v in weight_map.values() if Path(str(v)).name != str(v) or str(v) == ".."})
             if outside:  # Hugging Face reads shards from the checkpoint directory itself
                 raise UserError(f"{self.index}: weight file {outside[0]!r} is not a file of {path}")
+            if (path / SINGLE).is_file():  # transformers reads the single file first, we the index
+                raise UserError(f"{path}: holds both {SINGLE} and {INDEX}, which transformers and dtpshard would "
+                                "read differently; remove the one that is not the model")
         elif (path / SINGLE).is_file():
             self.index = None
             self.where = {k: path / SINGLE for k in tensor_names(path / SINGLE)}

@@ -30,7 +30,7 @@ import torch
 
 from dtpshard.core.errors import UserError, naming
 from dtpshard.core.io import atomic_path, atomic_write_text, check_writable_dir, dumps, loads, read_json, writing
-from dtpshard.training.settings import FORMAT
+from dtpshard.training.settings import FORMAT, require_tensorboard
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -229,14 +229,6 @@ def check_finished(run: Path) -> None:
 
 def mark_done(run: Path, summary: dict[str, Any]) -> None:
     atomic_write_text(run / DONE, dumps(summary) + "\n")
-
-
-def require_tensorboard() -> None:
-    """--tensorboard's optional dependency, checked with the flags (training/settings.check_config)."""
-    import importlib.util
-
-    if importlib.util.find_spec("tensorboard") is None:
-        raise UserError("--tensorboard needs the tensorboard package (pip install tensorboard)")
 
 
 class Metrics:

@@ -198,6 +198,14 @@ def compared_fields(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.metadata.get(COMPARED, True)]
 
 
+def require_tensorboard() -> None:
+    """--tensorboard's optional dependency, checked with the flags (check_config) and by the writer."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise UserError("--tensorboard needs the tensorboard package (pip install tensorboard)")
+
+
 def check_config(cfg: Recipe) -> None:
     """A recipe (or DistillConfig) built in Python checked as the CLI and a study file check it
     while reading: every field against its type (counts >= 1, finite numbers, the choices), and
@@ -220,8 +228,6 @@ def check_config(cfg: Recipe) -> None:
 
         parse_size(cfg.max_shard_size)
     if getattr(cfg, "tensorboard", None) is not None:
-        from dtpshard.training.rundir import require_tensorboard
-
         require_tensorboard()
     if cfg.fsdp and cfg.compile in ("on", True):  # auto stays eager under --fsdp
         raise UserError("--compile on with --fsdp: not supported (torch.compile over FSDP2 modules is untested); "
