@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,8 +110,6 @@ def check_result(values: dict[str, object], where: str) -> None:
     """A result is reported only when it is a number: a NaN or infinite metric (a model whose
     numbers overflow, a damaged checkpoint) is refused in one line instead of printed as a result.
     None stands for a metric not asked for (KL without a teacher) and passes."""
-    import math
-
     for name, v in values.items():
         if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v)):
             raise UserError(f"{where}: {name} is {v!r}, not a finite number (the model's outputs are not finite); "

@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.memory import available_bytes as available_memory
 
 # -- torchrun's environment ----------------------------------------------------------------------
 # variable -> the least value it may take (MASTER_PORT also at most 65535)
@@ -105,13 +106,6 @@ def check_threads(threads: int) -> None:
     if threads > THREADS_PER_CORE * cores():
         raise UserError(f"--threads {threads}: more than {THREADS_PER_CORE} per core ({cores()} cores here, so at "
                         f"most {THREADS_PER_CORE * cores()}); 0 picks a count for the cores")
-
-
-def available_memory() -> int:
-    """Bytes of RAM available now (psutil: free plus what the kernel can reclaim)."""
-    import psutil
-
-    return int(psutil.virtual_memory().available)
 
 
 def nproc_limits(per_rank: int = RANK_BYTES) -> tuple[int, int]:

@@ -173,13 +173,9 @@ def shape_from_hf_config(cfg: Any) -> ModelShape:
         raise UserError("attention_bias=True is not supported (an o_proj bias cannot be split into partials)")
     if _get(cfg, "mlp_bias"):
         raise UserError("mlp_bias=True is not supported")
+    check_numbers(cfg.to_dict() if callable(getattr(cfg, "to_dict", None)) else vars(cfg))  # an in-memory config too
     heads = cfg.num_attention_heads
     kv = _get(cfg, "num_key_value_heads") or heads
-    if heads % kv:
-        raise UserError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
-    check_sizes({"num_hidden_layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
-                 "num_attention_heads": heads, "num_key_value_heads": kv,
-                 "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}, "config.json")
     head_dim = _get(cfg, "head_dim") or cfg.hidden_size // heads
     return ModelShape(
         family=family, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads_per_group=heads // kv,
@@ -241,9 +237,11 @@ def check_numbers(raw: dict[str, Any], where: str = "config.json") -> None:
         raise UserError(f"{where}: head_dim={head_dim} is odd (rotary embeddings rotate pairs of dimensions)")
     check_sizes({k: raw[k] for k in _DIMENSIONS + _OPTIONAL_DIMENSIONS if k != "max_position_embeddings"
                  and raw.get(k) is not None}, where)
-    neurons, vocab, layers = raw["intermediate_size"], raw["vocab_size"], raw["num_hidden_layers"]
-    params = layers * (hidden * (heads + 2 * kv) * head_dim + heads * head_dim * hidden + 3 * neurons * hidden) \
-        + 2 * vocab * hidden
+    implied = ModelShape(layers=raw["num_hidden_layers"], kv_groups=kv, heads_per_group=heads // kv,
+                         neurons=raw["intermediate_size"], family=str(raw.get("model_type")), hidden=hidden,
+                         head_dim=head_dim, vocab=raw["vocab_size"], rms_eps=0.0, tied=False, qkv_bias=False,
+                         qk_norm=False)
+    params = implied.params()  # counted untied: the bound is on what the dimensions could hold
     if params > MAX_PARAMS:
         raise UserError(f"{where}: its dimensions imply {params:.3g} weights, beyond any model "
                         f"(at most {MAX_PARAMS:.3g}); the file is damaged")

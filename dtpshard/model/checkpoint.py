@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 from dtpshard.core.errors import UserError, naming
 from dtpshard.core.io import SMALL_JSON, dumps, file_hashes, open_regular, read_json, read_json_object
+from dtpshard.core.memory import check_fits
 from dtpshard.core.settings import read_record
 from dtpshard.core.shape import (
     FAMILIES,
@@ -31,7 +32,14 @@ from dtpshard.core.shape import (
     family_config,
     shape_from_hf_config,
 )
-from dtpshard.model.shards import DEFAULT_MAX_SHARD_SIZE, INDEX, Weights, parse_size, write_weights
+from dtpshard.model.shards import (
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX,
+    SAFETENSORS_DTYPES,
+    Weights,
+    parse_size,
+    write_weights,
+)
 
 # a tokenizer's files (what a teacher cache's tokenizer id hashes); a student gets them and the
 # generation defaults copied beside its weights
@@ -103,7 +111,6 @@ def read_shape(path: str | Path) -> ModelShape:
 
 
 SINGLE = "model.safetensors"
-_STORED_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2}  # safetensors' dtype names
 
 
 class TensorFiles:
@@ -288,16 +295,12 @@ class Checkpoint:
     def check_fits(self, dtype: torch.dtype | str | None) -> None:
         """Refuse, before reading a weight, a checkpoint whose tensors (in `dtype`, "auto"/None: as
         stored) need more RAM than is available now: it would be killed for memory half-way."""
-        import psutil
-
         dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-        size = torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else None
-        need = sum(math.prod(self.files.shape(k)) * (size or _STORED_BYTES.get(self.files.dtypes[k], 4))
+        stored = {name: t.itemsize for t, name in SAFETENSORS_DTYPES.items()}
+        need = sum(math.prod(self.files.shape(k)) * (dtype.itemsize if isinstance(dtype, torch.dtype)
+                                                     else stored.get(self.files.dtypes[k], 4))
                    for k in self.files.keys())
-        have = psutil.virtual_memory().available
-        if need > have:
-            raise UserError(f"{self.path}: its weights need {need / 2**30:.2f} GiB of memory, more than the "
-                            f"{have / 2**30:.2f} GiB available here")
+        check_fits(need, f"{self.path}: loading its weights")
 
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         sd = {}

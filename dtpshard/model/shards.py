@@ -25,7 +25,7 @@ from dtpshard.core.io import dumps, share
 
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
            torch.bool: "BOOL"}
 
@@ -66,9 +66,9 @@ def shard_plan(specs: list[TensorSpec], max_shard_size: int) -> dict[str, list[T
 def _header(specs: list[TensorSpec]) -> bytes:
     entries, offset = {"__metadata__": {"format": "pt"}}, 0
     for s in specs:
-        if s.dtype not in _DTYPES:
+        if s.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"{s.name}: dtype {s.dtype} has no safetensors name")
-        entries[s.name] = {"dtype": _DTYPES[s.dtype], "shape": list(s.shape),
+        entries[s.name] = {"dtype": SAFETENSORS_DTYPES[s.dtype], "shape": list(s.shape),
                            "data_offsets": [offset, offset + s.nbytes]}
         offset += s.nbytes
     head = json.dumps(entries, separators=(",", ":")).encode()
