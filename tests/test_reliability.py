@@ -100,6 +100,7 @@ BAD_NUMBERS = {
     "num_key_value_heads=-4": {"num_key_value_heads": -4},
     "num_key_value_heads=3": {"num_key_value_heads": 3},
     "max_position_embeddings=0": {"max_position_embeddings": 0},
+    "no intermediate_size": {"intermediate_size": ...},  # removed: transformers would fill in a default
     "beyond any model": {"hidden_size": 1 << 20, "intermediate_size": 1 << 22, "vocab_size": 1 << 22,
                          "head_dim": 1 << 17},
 }
@@ -113,7 +114,8 @@ def bad_models(tiny_dirs, tmp_path_factory):
         model = root / f"m{k}"
         shutil.copytree(tiny_dirs["llama"], model)
         cfg = json.loads((model / "config.json").read_text())
-        (model / "config.json").write_text(json.dumps({**cfg, **over}))  # NaN and Infinity as Python writes them
+        cfg = {k: v for k, v in {**cfg, **over}.items() if v is not ...}
+        (model / "config.json").write_text(json.dumps(cfg))  # NaN and Infinity as Python writes them
         out[name] = model
     return out
 

@@ -219,6 +219,8 @@ def check_numbers(raw: dict[str, Any], where: str = "config.json") -> None:
         v = raw.get(name)
         if v is None and name in _OPTIONAL_DIMENSIONS:
             continue
+        if name not in raw:  # transformers would fill in its class default: a model we did not see
+            raise UserError(f"{where}: no {name} (write it: transformers would take a default for it)")
         if not _is_int(v) or v < 1:
             raise UserError(f"{where}: {name}={quote(v)} must be a positive integer")
     for name, v in {"rms_norm_eps": raw.get("rms_norm_eps", 1e-6), **rope_thetas(raw)}.items():
