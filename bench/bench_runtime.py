@@ -38,11 +38,11 @@ from dtpshard.runtime.ranks import Link
 class NoLink(Link):
     """Transfers removed: every rank computes as if alone (the function changes, the work does not)."""
 
-    def reduce(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        return t
+    def start(self, p: torch.Tensor) -> torch.Tensor:
+        return p  # the "sum" is the own partial: nothing arrives from the others
 
-    def post(self, m: int, p: torch.Tensor) -> None:
-        self.pending[m] = [None, None, p, 0.0, torch.zeros_like(p)]
+    def value(self, handle: torch.Tensor) -> torch.Tensor:
+        return handle
 
 
 def random_checkpoint(out: Path, layers: int, vocab: int) -> Path:

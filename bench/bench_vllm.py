@@ -1,25 +1,38 @@
-"""vLLM decode speed of a DTP student against plain TP on the same weights, at TP = L.
+"""vLLM decode throughput of a DTP student against plain TP on the same weights, in vLLM's default
+(compiled) mode, with and without an emulated slower link.
 
-The pair: a random student (DTPModel.save_pretrained, model_type "dtp", L devices, δ = 1) and
-its permuted dense checkpoint: the same safetensors with its family's config (model_type
-"llama"), which vLLM serves as a Llama with its usual all-reduce after every module. Both run
-in the vLLM environment (dtpshard.serve.env), one engine each, each in its own
-`torchrun --nproc-per-node TP` (tests/vllm_driver.py), under the same settings; per
-batch size B, prompts of 32 tokens:
+The same random weights served three ways, each by one engine in its own `torchrun
+--nproc-per-node TP` (tests/vllm_driver.py; vLLM's external launcher), under the same settings:
+
+- DTP: the student (DTPModel.save_pretrained, model_type "dtp", L = TP, δ = 1);
+- TP: its permuted dense twin (the same safetensors with the family's config, model_type "llama"),
+  which vLLM serves as a Llama with a blocking all-reduce after every module;
+- no-comm: the student with its module reduces removed (bench/vllm_link.py): the same work, a
+  wrong function, the most the delayed reduce can give.
+
+`--latency-ms` adds a fixed latency to every all-reduce of all three, the same for each (harness
+only, bench/vllm_link.py): in series with the transfer, so TP waits all of it after every module
+while DTP's delayed reduce waits only for what δ modules of compute have not covered. Per batch B,
+prompts of 32 tokens:
 
     time per output token = (t(N new) − t(1 new)) / (N − 1)   (the prefill cancels)
     decode tokens/s       = B / time per output token
 
-the median of `--repeat` runs. The ratio is DTP's throughput over TP's: on the CPU the reduce
-is vLLM's blocking all-reduce either way, so ≥ 0.95× says DTP costs nothing extra; on GPUs
-(bench/cuda_check.py) it is where the delayed reduce should pay.
+the median of `--repeat` runs, repeats interleaved over the latencies. "model share" is the part of
+a decode step spent in the model's forward (the rest is vLLM's scheduler, sampling and LM head).
+Each rank runs `--threads` torch threads pinned to its own cores.
 
-    PYTHONPATH=. python bench/bench_vllm.py                # TP 2, batch 1 and 8, this CPU
+    python bench/bench_vllm.py --tp 2 --batch 1 8 --latency-ms 0 0.5 --json
+
+The last line with --json is a JSON list of rows {tp, batch, latency_ms, dtp_tok_s, tp_tok_s,
+nocomm_tok_s, model_share}. Run by the project's python; vLLM runs in the environment
+`python -m dtpshard.serve.env` builds (or $DTPSHARD_VLLM_PYTHON), as for the tests.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -32,9 +45,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-# A SmolLM2-135M-like decoder whose KV groups and neurons split over 2, 4 and 8 devices.
-SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=8,
+# Weights dominate a decode step: hidden 1024, 8 layers, fp32 (≈ 0.37 GB, ≈ 0.19 GB a rank at TP 2)
+SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
              num_key_value_heads=8, head_dim=64, vocab_size=8192, max_position_embeddings=1024)
+PROMPT = 32
 
 
 def make_pair(root: Path, devices: int, delay: float = 1, family: str = "llama", dtype: str = "float32",
@@ -58,44 +72,67 @@ def make_pair(root: Path, devices: int, delay: float = 1, family: str = "llama",
     return student, dense
 
 
-def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], new: int, repeat: int,
-            dtype: str = "float32", eager: bool = True, env: dict | None = None) -> list[dict]:
-    """One engine per model; rows of (batch, DTP and TP time per output token and tokens/s, ratio)."""
+def run_engines(python: Path, specs: list[dict], tp: int, env: dict) -> list[dict]:
+    """Each spec's engine in its own torchrun (a second engine in the same ranks can hang)."""
+    launcher = [str(python.parent / "torchrun"), "--standalone", "--nproc-per-node", str(tp)]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, spec in enumerate(specs):
+            (Path(tmp) / f"{i}.json").write_text(json.dumps([spec]))
+            done = subprocess.run([*launcher, str(ROOT / "tests" / "vllm_driver.py"), f"{tmp}/{i}.json",
+                                   f"{tmp}/{i}-out.json"], env=env, capture_output=True, text=True)
+            if done.returncode or not (Path(tmp) / f"{i}-out.json").exists():
+                raise SystemExit(f"vLLM failed:\n{done.stderr[-4000:]}")
+            (result,) = json.loads((Path(tmp) / f"{i}-out.json").read_text())
+            if "error" in result:
+                raise SystemExit(result["error"])
+            results.append(result)
+    return results
+
+
+def tok_s(result: dict, lat: float, b: int, new: int) -> tuple[float, float]:
+    """(decode tokens/s, the model forward's share of a decode step) at latency `lat`, batch b."""
+    med = {n: (statistics.median(result["timings"][f"{lat:g}/{b}/{n}"]),
+               statistics.median(result["model_seconds"][f"{lat:g}/{b}/{n}"])) for n in (1, new)}
+    step = (med[new][0] - med[1][0]) / (new - 1)
+    return b / step, (med[new][1] - med[1][1]) / (new - 1) / step
+
+
+def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], latencies: list[float],
+            new: int, repeat: int, threads: int, eager: bool = False) -> list[dict]:
     from dtpshard.serve.env import runtime_env
 
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, SHAPE["vocab_size"], (32,), generator=g).tolist() for _ in range(max(batches))]
-    specs = [{"model": str(m), "tp": tp, "dtype": dtype, "prompts": prompts[:1], "max_tokens": 1,
-              "enforce_eager": eager, "max_model_len": 1024, "max_num_seqs": max(batches),
-              "timing": {"batches": batches, "max_tokens": [1, new], "repeat": repeat}} for m in pair]
-    launcher = [str(python.parent / "torchrun"), "--standalone", "--nproc-per-node", str(tp)]  # each process a rank
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, spec in enumerate(specs):  # an engine per torchrun: a second one in the same ranks can hang
-            (Path(tmp) / f"{i}.json").write_text(json.dumps([spec]))
-            done = subprocess.run([*launcher, str(ROOT / "tests" / "vllm_driver.py"), f"{tmp}/{i}.json",
-                                   f"{tmp}/{i}-out.json"], env=env or runtime_env(), capture_output=True, text=True)
-            if done.returncode or not (Path(tmp) / f"{i}-out.json").exists():
-                raise SystemExit(f"vLLM failed:\n{done.stderr[-4000:]}")
-            results += json.loads((Path(tmp) / f"{i}-out.json").read_text())
-    dtp, dense = results
-    for r in (dtp, dense):
-        if "error" in r:
-            raise SystemExit(r["error"])
+    prompts = [torch.randint(3, SHAPE["vocab_size"], (PROMPT,), generator=g).tolist() for _ in range(max(batches))]
+    student, dense = pair
+
+    def spec(model: Path, remove: bool) -> dict:
+        return {"model": str(model), "tp": tp, "dtype": "float32", "prompts": prompts[:1], "max_tokens": 1,
+                "enforce_eager": eager, "max_model_len": 1024, "max_num_seqs": max(batches), "threads": threads,
+                "harness": {"latency": True, "remove_reduces": remove},
+                "timing": {"batches": batches, "max_tokens": [1, new], "repeat": repeat, "latencies_ms": latencies}}
+
+    env = runtime_env()
+    env["OMP_NUM_THREADS"] = str(threads)
+    dtp, plain, nocomm = run_engines(python, [spec(student, False), spec(dense, False), spec(student, True)], tp, env)
     rows = []
-    for b in batches:
-        tpot = [(statistics.median(r["timings"][f"{b}/{new}"]) - statistics.median(r["timings"][f"{b}/1"]))
-                / (new - 1) for r in (dtp, dense)]
-        rows.append({"tp": tp, "batch": b, "dtp_tpot_ms": 1e3 * tpot[0], "tp_tpot_ms": 1e3 * tpot[1],
-                     "dtp_tok_s": b / tpot[0], "tp_tok_s": b / tpot[1], "ratio": tpot[1] / tpot[0]})
+    for lat in latencies:
+        for b in batches:
+            (d, share), (t, _), (n, _) = (tok_s(r, lat, b, new) for r in (dtp, plain, nocomm))
+            rows.append({"tp": tp, "batch": b, "latency_ms": lat, "dtp_tok_s": d, "tp_tok_s": t, "nocomm_tok_s": n,
+                         "model_share": share})
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| TP | batch | DTP ms/token | TP ms/token | DTP tokens/s | TP tokens/s | DTP / TP throughput |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['tp']} | {r['batch']} | {r['dtp_tpot_ms']:.1f} | {r['tp_tpot_ms']:.1f} | {r['dtp_tok_s']:.1f} | "
-              f"{r['tp_tok_s']:.1f} | {r['ratio']:.3f}× |" for r in rows]
+    lines = ["| TP | batch | latency ms | DTP tok/s | TP tok/s | no-comm tok/s | DTP / TP | no-comm / TP | "
+             "DTP's share of the ceiling's gain | model share of a step |", "|" + "---:|" * 10]
+    for r in rows:
+        gain = r["nocomm_tok_s"] - r["tp_tok_s"]
+        got = (r["dtp_tok_s"] - r["tp_tok_s"]) / gain if abs(gain) > 1e-9 else float("nan")
+        lines.append(f"| {r['tp']} | {r['batch']} | {r['latency_ms']:g} | {r['dtp_tok_s']:.1f} | {r['tp_tok_s']:.1f} | "
+                     f"{r['nocomm_tok_s']:.1f} | {r['dtp_tok_s'] / r['tp_tok_s']:.3f}× | "
+                     f"{r['nocomm_tok_s'] / r['tp_tok_s']:.3f}× | {got:.0%} | {r['model_share']:.0%} |")
     return "\n".join(lines)
 
 
@@ -104,18 +141,27 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--latency-ms", type=float, nargs="+", default=[0, 0.1, 0.5, 1])
     ap.add_argument("--new", type=int, default=33, help="new tokens per timed request")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--compiled", action="store_true", help="vLLM's torch.compile (default: eager, as the tests)")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / TP, at least 1)")
+    ap.add_argument("--eager", action="store_true", help="--enforce-eager (default: vLLM's compiled mode)")
+    ap.add_argument("--json", action="store_true", help="end with the rows as one JSON line")
     args = ap.parse_args()
     python = found_python()
-    if python is None:
+    if python is None or not python.exists():
         raise SystemExit("no vLLM environment: run `python -m dtpshard.serve.env` first")
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.tp)
     with tempfile.TemporaryDirectory() as tmp:
         pair = make_pair(Path(tmp), args.tp)
-        rows = measure(python, pair, args.tp, args.batches, args.new, args.repeat, eager=not args.compiled)
+        rows = measure(python, pair, args.tp, args.batch, args.latency_ms, args.new, args.repeat, threads, args.eager)
+    load = os.getloadavg()
+    print(f"vLLM {'eager' if args.eager else 'compiled'}, TP {args.tp}, {threads} thread(s) per rank, "
+          f"{os.cpu_count()} cores, load average after the run {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}")
     print(table(rows))
+    if args.json:
+        print(json.dumps(rows))
     return 0
 
 

@@ -49,9 +49,9 @@ def _ended_in_order(model, out, delay, latency):
         ckpt, _ = check_world(model, world)
         net = RankModel(ckpt, rank, resolve_dtp(ckpt.shape, devices=world, delay=delay), timeout=60, latency=latency)
         net(torch.zeros(1, 5, dtype=torch.long))
-        net.link.post(0, torch.ones(4))
+        net.link.start(torch.ones(4))
         inside = _threads()
-    Path(out, f"rank{rank}.txt").write_text(f"{' '.join(inside)}\n{' '.join(_threads())}\n{len(net.link.pending)}")
+    Path(out, f"rank{rank}.txt").write_text(f"{' '.join(inside)}\n{' '.join(_threads())}\n{len(net.link.posted)}")
     return 0
 
 

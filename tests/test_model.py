@@ -169,13 +169,20 @@ def test_residual_update_backward_matches_autograd():
     dy = torch.randn(3, 2, 4, 8, dtype=torch.float64)
     for own, arrivals in ((1.0, []), (1.0, [(q1, 1.0)]), (3 ** -0.5, [(q1, 0.5), (q2, 0.5)])):
         ins = (x, p, *[q for q, _ in arrivals])
-        got = residual_update(x, p, own, arrivals)
+        got = residual_update(x, p, own, [(None, q, w) for q, w in arrivals])
         want = literal(x, p, own, arrivals)
         assert torch.allclose(got, want, atol=1e-12)
-        for a, b in zip(torch.autograd.grad((got * dy).sum(), ins), torch.autograd.grad((want * dy).sum(), ins)):
+        expected = torch.autograd.grad((want * dy).sum(), ins)
+        for a, b in zip(torch.autograd.grad((got * dy).sum(), ins), expected):
+            assert torch.allclose(a, b, atol=1e-12)
+        # the same sums given, as a rank's all-reduce gives them: the same values and gradients
+        given = residual_update(x, p, own, [(q.sum(0, keepdim=True), q, w) for q, w in arrivals])
+        assert torch.allclose(given, want, atol=1e-12)
+        for a, b in zip(torch.autograd.grad((given * dy).sum(), ins), expected):
             assert torch.allclose(a, b, atol=1e-12)
     with torch.no_grad():  # the inference path: no autograd Function, same values
-        assert torch.allclose(residual_update(x, p, 0.5, [(q1, 1.0)]), literal(x, p, 0.5, [(q1, 1.0)]), atol=1e-12)
+        assert torch.allclose(residual_update(x, p, 0.5, [(None, q1, 1.0)]), literal(x, p, 0.5, [(q1, 1.0)]),
+                              atol=1e-12)
 
 
 @pytest.mark.parametrize("cols", [False, True])

@@ -34,10 +34,10 @@ def edited(student, tmp_path, **dtp):
 def test_served_student_reads_the_record(student):
     served = served_student(load_hf_config(student))
     assert (served.settings.devices, served.settings.delay, served.settings.stage3) == (2, 1.5, "sqrt")
-    assert list(served.steps) == schedule(served.shape.modules, 2, 1.5, "sqrt")
+    assert served.schedule == schedule(served.shape.modules, 2, 1.5, "sqrt")
     assert served.family_config.model_type == "qwen3" and served.shape.qk_norm
     # δ = 1.5 over M = 6 modules: module k lands at k + 1 and k + 2; the last two never land
-    assert served.last_use == {0: 2, 1: 3, 2: 4, 3: 5, 4: 5}
+    assert served.schedule.last_use == {0: 2, 1: 3, 2: 4, 3: 5, 4: 5}
 
 
 @pytest.mark.parametrize("drop", ["stage3", "devices", "family"])

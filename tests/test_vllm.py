@@ -11,8 +11,10 @@ vLLM runs in its own environment (dtpshard.serve.env: `python -m dtpshard.serve.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -34,11 +36,16 @@ pytestmark = [
 ]
 
 NEW = 24
-# (family, L, δ, stored dtype): every engine serves in fp32; one student is stored in bf16
-CASES = [("llama", 2, 1, "float32"), ("llama", 2, 2, "bfloat16"), ("llama", 2, 1.5, "float32"),
-         ("qwen3", 2, 1, "float32"), ("qwen3", 2, 1.5, "float32"), ("qwen2", 4, 1, "float32")]
-SERVED = ("qwen3", 2, 2, "float32")  # through the OpenAI server
-REFUSED = ("llama", 2, 1, "float32"), 1  # that student at TP 1
+# (family, L, δ, stored dtype, mode): every engine serves in fp32; one student is stored in bf16.
+# "compiled" is vLLM's default (on a CPU: Dynamo and Inductor over the whole forward), "eager" is
+# --enforce-eager; the compiled engines also return Inductor's code for the graph-order test.
+CASES = [("llama", 2, 1, "float32", "eager"), ("llama", 2, 2, "bfloat16", "eager"),
+         ("llama", 2, 1.5, "float32", "eager"), ("qwen3", 2, 1, "float32", "eager"),
+         ("qwen3", 2, 1.5, "float32", "eager"), ("qwen2", 4, 1, "float32", "eager"),
+         ("llama", 2, 1, "float32", "compiled"), ("llama", 2, 2, "float32", "compiled"),
+         ("qwen3", 2, 1.5, "float32", "compiled")]
+SERVED = ("qwen3", 2, 2, "float32", "compiled")  # through the OpenAI server, in its default mode
+REFUSED = ("llama", 2, 1, "float32", "eager"), 1  # that student at TP 1
 
 
 def prompts(n: int = 5) -> list[list[int]]:
@@ -48,7 +55,7 @@ def prompts(n: int = 5) -> list[list[int]]:
 
 
 def make_student(root: Path, case: tuple) -> Path:
-    family, devices, delay, stored = case
+    family, devices, delay, stored = case[:4]
     out = root / f"{family}-{devices}-{delay}-{stored}"
     if not out.exists():
         teacher = save_tiny(root / f"teacher-{family}", family, head_dim=32)
@@ -97,8 +104,9 @@ def engines(tmp_path_factory):
     batch = prompts()
 
     def spec(case, tp):
+        compiled = case[4] == "compiled"
         return {"model": str(make_student(root, case)), "tp": tp, "dtype": "float32", "prompts": batch,
-                "max_tokens": NEW, "logprobs": 5}
+                "max_tokens": NEW, "logprobs": 5, "enforce_eager": not compiled, "inductor_code": compiled}
 
     out = {"root": root, "batch": batch}
     for L in sorted({c[1] for c in CASES}):
@@ -121,6 +129,61 @@ def test_vllm_matches_dtpshard(engines, case):
             assert len(top) >= 5
             for token, value in top.items():
                 assert abs(lp[len(p) - 1 + t, int(token)].item() - value) < 1e-4
+
+
+GEMM = re.compile(r"\.(?:onednn_mm|weight_packed_linear|zentorch_linear_unary|_linear_pointwise|mkl_linear)"
+                  r"\.default\(|extern_kernels\.(?:mm|addmm|bmm)\(|aten\.(?:mm|addmm|bmm)\.default\(")
+START = re.compile(r"_c10d_functional\.all_reduce_?\.default\((\w+)")
+WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)")
+
+
+def overlaps(code: str) -> list[int]:
+    """For each reduce started in Inductor's output code, in order, the GEMMs run before its wait."""
+    started: dict[str, int] = {}  # buffer -> GEMMs seen when it started
+    gemms, out = 0, []
+    for line in code.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        if m := START.search(line):
+            started[m.group(1)] = gemms
+        elif (m := WAIT.search(line)) and m.group(1) in started:
+            out.append(gemms - started.pop(m.group(1)))
+        elif GEMM.search(line):
+            gemms += 1
+    assert not started, f"reduces never waited for: {sorted(started)}"
+    return out
+
+
+def test_overlaps_reads_a_wait_next_to_its_collective():
+    """The parser itself: a wait right behind its collective counts no GEMM (so the test below can fail)."""
+    code = ("buf1 = torch.ops._C.onednn_mm.default(arg1, buf0, None)\n"
+            "torch.ops._c10d_functional.all_reduce_.default(buf1, 'sum', '2')\n"
+            "torch.ops._c10d_functional.wait_tensor.default(buf1)\n"
+            "buf3 = torch.ops._C.onednn_mm.default(arg2, buf2, None)\n"
+            "torch.ops._c10d_functional.all_reduce_.default(buf3, 'sum', '2')\n"
+            "buf4 = torch.ops._C.onednn_mm.default(arg3, buf2, None)\n"
+            "torch.ops._c10d_functional.wait_tensor.default(buf3)\n")
+    assert overlaps(code) == [0, 1]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[4] == "compiled"], ids=lambda c: "-".join(map(str, c)))
+def test_compiled_graph_waits_where_the_schedule_lands(engines, case):
+    """In the code Inductor compiled for vLLM's default mode, every module's reduce is started right
+    after its module and waited for only where the schedule lands it: between them run the next
+    ⌊δ⌋ modules' matmuls (2 each: q/k/v and o_proj, or gate/up and down_proj). Every sum that lands
+    is sent, and no other."""
+    from dtpshard.model.delay import schedule
+
+    result = engines[case, case[1]]
+    code = "\n".join(c for c in result["inductor_code"] if "_c10d_functional" in c)
+    assert code, "no compiled graph holds the functional reduces"
+    family, L, delay = case[:3]
+    modules = 2 * 3  # tiny.py's 3 layers
+    between = overlaps(code)
+    # vLLM's own all-reduces block, and come first and last: the embedding's and the final mean's
+    assert len(between) == len(schedule(modules, L, delay, "sqrt").last_use) + 2, between
+    assert between[0] == between[-1] == 0
+    assert min(between[1:-1]) >= 2 * int(delay), between
 
 
 def test_vllm_is_not_dense(engines):
@@ -151,17 +214,19 @@ def post(url: str, body: dict, timeout: float = 600) -> dict:
 
 
 def test_vllm_server_completions(tmp_path_factory):
-    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 at --tensor-parallel-size L
-    answers /v1/completions, for a batch of prompts, with DTPModel.generate's tokens."""
+    """The command `dtpshard convert` prints for vLLM's CPU build (model/student.py
+    serving_commands), run as printed, in vLLM's default mode, serves /v1/completions on 127.0.0.1
+    with DTPModel.generate's tokens for a batch of prompts."""
+    from dtpshard.model.student import serving_commands
+
     root = tmp_path_factory.mktemp("vllm-server")
     student = make_student(root, SERVED)
     batch = prompts(4)
     port = free_port()
+    command = serving_commands(student, SERVED[1], SERVED[3], python=sys.executable)["vllm_cpu"]
     log = (root / "server.log").open("w")
-    server = subprocess.Popen([str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(student),
-                               "--host", "127.0.0.1", "--port", str(port), "--tensor-parallel-size", "2",
-                               "--dtype", "float32", "--enforce-eager", "--max-model-len", "256"],
-                              env=runtime_env(), stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(["bash", "-c", f"exec {command} --host 127.0.0.1 --port {port} --max-model-len 256"],
+                              stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 1200
         while True:
@@ -184,6 +249,22 @@ def test_vllm_server_completions(tmp_path_factory):
         log.close()
     got = [c["token_ids"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
     assert got == reference(student, batch)[0]
+
+
+@pytest.mark.parametrize("how", ["api_server", "vllm serve"])
+def test_server_refuses_other_tp_in_one_line(tmp_path, how):
+    """TP 1 for an L = 2 student, at the command line: exit code 2, one line saying why, no traceback
+    (vLLM wraps the refusal in pydantic's; the plugin prints just its line). `vllm serve` runs in
+    the CPU build's environment too (serve/env.py)."""
+    student = make_student(tmp_path, REFUSED[0])
+    cmd = ([str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(student)] if how == "api_server"
+           else [str(PYTHON.parent / "vllm"), "serve", str(student)])
+    done = subprocess.run([*cmd, "--tensor-parallel-size", "1", "--dtype", "float32", "--port", str(free_port())],
+                          env=runtime_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stderr[-4000:]
+    assert "Traceback" not in done.stderr
+    (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert line == ("error: this DTP student runs on L = 2 devices: serve it with --tensor-parallel-size 2 (not 1)")
 
 
 @pytest.mark.slow

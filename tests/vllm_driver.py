@@ -8,10 +8,14 @@ Under torchrun the engines use vLLM's external launcher: each of the TP processe
 with its own rank (no workers spawned, no queues between them), every spec's TP must be the
 world size, and rank 0 writes OUT.
 
-SPECS: a list of {"model", "tp", "dtype", "prompts": [[ids]], "max_tokens", "logprobs", "engine": {...},
-"timing": {"batches": [B], "max_tokens": [N], "repeat": R}};
+SPECS: a list of {"model", "tp", "dtype", "prompts": [[ids]], "max_tokens", "logprobs", "enforce_eager",
+"engine": {...}, "threads": N (torch threads per rank, each rank pinned to its own cores),
+"harness": {"latency": bool, "remove_reduces": bool} (bench/vllm_link.py),
+"inductor_code": bool (return Inductor's output code of every graph compiled),
+"timing": {"batches": [B], "max_tokens": [N], "repeat": R, "latencies_ms": [ms]}};
 OUT: one result per spec, {"tokens": [[ids]], "logprobs": [[{id: logprob} per new token]], "seconds",
-"timings": {"B/N": [seconds of each repeat]}} or {"error": message} when the engine refused the model.
+"timings": {"LAT/B/N": [seconds of each repeat]}, "model_seconds": {"LAT/B/N": [seconds in the model's
+forward]}, "inductor_code": [source]} or {"error": message} when the engine refused the model.
 """
 from __future__ import annotations
 
@@ -20,14 +24,84 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 LAUNCHED = "WORLD_SIZE" in os.environ  # under torchrun
+
+
+def _pin(threads: int) -> None:
+    """This rank on its own `threads` cores (rank r: cores r·threads ...), torch on as many threads."""
+    import torch
+
+    cores = sorted(os.sched_getaffinity(0))
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    mine = {cores[(rank * threads + i) % len(cores)] for i in range(threads)}
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(threads)
+
+
+def _inductor_code() -> list[str]:
+    """The source of every module Inductor has compiled (or loaded from its cache) in this process."""
+    from torch._inductor.codecache import PyCodeCache
+
+    mods = {id(m): m for m in [*PyCodeCache.modules, *PyCodeCache.modules_no_attr.values()]}
+    return [Path(m.__file__).read_text() for m in mods.values() if getattr(m, "__file__", None)]
+
+
+def _harness(spec: dict) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import vllm_link
+
+    if spec.get("latency"):
+        vllm_link.install_latency()
+    if spec.get("remove_reduces"):
+        vllm_link.remove_reduces()
+
+
+def _time(llm, prompts: list, timing: dict) -> tuple[dict, dict]:
+    """Seconds per generate call and seconds in the model's forward, repeats interleaved over latencies."""
+    from vllm import SamplingParams
+
+    inside = [0.0]
+
+    def hook(model):
+        started = [0.0]
+        model.register_forward_pre_hook(lambda *_: started.__setitem__(0, time.perf_counter()))
+        model.register_forward_hook(lambda *_: inside.__setitem__(0, inside[0] + time.perf_counter() - started[0]))
+
+    llm.apply_model(hook)
+    if timing.get("latencies_ms"):
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+        import vllm_link
+        cell = vllm_link.LATENCY
+    else:
+        cell = [0.0]
+    walls: dict = {}
+    model: dict = {}
+    for _ in range(timing.get("repeat", 3)):
+        for lat in timing.get("latencies_ms", [0]):
+            cell[0] = lat / 1000
+            for b in timing["batches"]:
+                for n in timing["max_tokens"]:
+                    fixed = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                    inside[0] = 0.0
+                    start = time.perf_counter()
+                    llm.generate(prompts[:b], fixed, use_tqdm=False)
+                    key = f"{lat:g}/{b}/{n}"
+                    walls.setdefault(key, []).append(time.perf_counter() - start)
+                    model.setdefault(key, []).append(inside[0])
+    cell[0] = 0.0
+    return walls, model
 
 
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if spec.get("threads"):
+        _pin(spec["threads"])
+    if spec.get("harness"):
+        _harness(spec["harness"])
     engine = dict(spec.get("engine", {}))
     if LAUNCHED:
         engine["distributed_executor_backend"] = "external_launcher"
@@ -46,18 +120,10 @@ def run(spec: dict) -> dict:
     if spec.get("logprobs"):
         result["logprobs"] = [[{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
                               for o in outs]
-    timing = spec.get("timing")
-    if timing:
-        result["timings"] = {}
-        for b in timing["batches"]:
-            for n in timing["max_tokens"]:
-                fixed = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                runs = []
-                for _ in range(timing.get("repeat", 3)):
-                    start = time.perf_counter()
-                    llm.generate(prompts[:b], fixed, use_tqdm=False)
-                    runs.append(time.perf_counter() - start)
-                result["timings"][f"{b}/{n}"] = runs
+    if spec.get("timing"):
+        result["timings"], result["model_seconds"] = _time(llm, prompts, spec["timing"])
+    if spec.get("inductor_code"):
+        result["inductor_code"] = _inductor_code()
     llm.llm_engine.engine_core.shutdown()
     del llm  # under torchrun the process groups stay: the next engine (same TP) finds them made
     gc.collect()

@@ -20,6 +20,7 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_path, check_keys, dumps, loads
 from dtpshard.core.memory import check_fits
 from dtpshard.core.shape import UnitShape
+from dtpshard.model.delay import schedule
 
 FORMAT = "dtpshard.affinity/1"
 META_KEYS = ("format", "model", "delay", "tokens", "options", "source")  # every metadata key, as save writes
@@ -33,16 +34,17 @@ def is_affinity_file(path: str | Path) -> bool:
 
 
 def edges_for_delay(modules: int, delay: float) -> list[tuple[int, int]]:
-    """Edges (a, b) with b - δ <= a <= b - 1: module b runs before a's partials arrive."""
-    return [(a, b) for b in range(modules) for a in range(max(0, math.ceil(b - delay)), b)]
+    """Edges (a, b): module b runs before a's partials arrive (b - δ <= a <= b - 1), as the delay
+    schedule says (model/delay.py; neither L nor the stage-3 scale changes when a sum lands)."""
+    return schedule(modules, 2, delay, "sqrt").edges()
 
 
-def _needed(name: str, delay: float) -> bool:
-    """Whether tensor `edge.a.b` is an edge δ needs (other names are kept, to be refused later)."""
+def _needed(name: str, needed: set[str]) -> bool:
+    """Whether tensor `name` is one of the `needed` edges' (a name that is no edge's is kept, to be refused later)."""
     parts = name.split(".")
     if len(parts) != 3 or not (parts[1].isdigit() and parts[2].isdigit()):
         return True
-    return math.ceil(int(parts[2]) - delay) <= int(parts[1])
+    return name in needed
 
 
 @dataclass
@@ -87,7 +89,8 @@ class Affinity:
                 check_keys(meta, META_KEYS, f"{path}: metadata")
                 model, file_delay, options, tokens = _metadata(meta, path)
                 model = UnitShape.from_json(model, f"{path}: metadata")
-                names = [k for k in f.keys() if delay is None or _needed(k, delay)]
+                needed = None if delay is None else {f"edge.{a}.{b}" for a, b in edges_for_delay(model.modules, delay)}
+                names = [k for k in f.keys() if needed is None or _needed(k, needed)]
                 sizes = [math.prod(f.get_slice(k).get_shape()) for k in names]
                 check_fits(8 * sum(sizes) + 4 * max(sizes, default=0), f"{path}: {len(names)} edges in float64",
                            "at delay >= 2 every FFN -> FFN edge is neurons x neurons")

@@ -3,8 +3,9 @@ parameter names, and the loop over the delay schedule.
 
 The loop is written once (`Decoder.walk`): every device's residual stream starts as the token
 embedding, each module's partials are computed from the streams (modules.Module.partials) and
-handed to an exchange, which adds them as the schedule says (model/delay.py): the simulator's
-LocalExchange over the devices axis, or a rank's Link over torch.distributed (runtime/ranks.py).
+handed to the exchange (model/exchange.py), which adds them as the schedule says (model/delay.py),
+moving them over the devices axis (the simulator) or over torch.distributed (a rank's Link,
+runtime/ranks.py).
 A rank is the same decoder built for one device's shard of the shape, run with L = 1; the dense
 model (model/dense.py) is the whole decoder at L = 1, δ = 0, and calibration reads what each
 module computed through the loop's `hook`.
@@ -22,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from dtpshard.core.errors import UserError
 from dtpshard.core.shape import FAMILY, ModelShape, family_config
 from dtpshard.model.attention import KVCache
-from dtpshard.model.delay import Step
+from dtpshard.model.exchange import Exchange
 from dtpshard.model.modules import Layer, Trace, sequence
 from dtpshard.model.ops import Norm, Proj
 
@@ -112,19 +113,19 @@ class Decoder(nn.Module):
         return (cos[:, None].repeat(devices, 1, 1, 1), sin[:, None].repeat(devices, 1, 1, 1),
                 padding_attn_mask(attention_mask, T).repeat(devices, 1, 1, 1))
 
-    def run_streams(self, input_ids: torch.Tensor, devices: int, steps: list[Step], exchange: Any, cache: Any = None,
+    def run_streams(self, input_ids: torch.Tensor, devices: int, exchange: Exchange, cache: Any = None,
                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [B, T] -> the devices' final residual streams x [devices, B, T, D]."""
+        """input_ids [B, T] -> the devices' final residual streams x [devices, B, T, D] (a rank: devices = 1)."""
         emb = self.embed(input_ids)  # [B, T, D]
         cos, sin, mask = self._rope(emb, devices, cache, attention_mask)
         x = emb.unsqueeze(0).expand(devices, *emb.shape)  # every device starts from the embedding
-        x = self.walk(x, cos, sin, steps, exchange, cache, mask)
+        x = self.walk(x, cos, sin, exchange, cache, mask)
         if cache is not None:
             cache.advance(input_ids.shape[1])
         return x
 
-    def walk(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, steps: list[Step],
-             exchange: Any, cache: Any = None, mask: torch.Tensor | None = None, modules: range | None = None,
+    def walk(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, exchange: Exchange,
+             cache: Any = None, mask: torch.Tensor | None = None, modules: range | None = None,
              hook: Callable[[int, torch.Tensor, torch.Tensor, Trace], None] | None = None) -> torch.Tensor:
         """The module loop: streams x [L, B, T, D] through `modules` (default all 2n) -> x after them.
 
@@ -132,7 +133,7 @@ class Decoder(nn.Module):
         what it computed on the way (modules.Trace) before the exchange adds them; without a
         hook no trace is kept."""
         ckpt = self.gradient_checkpointing and torch.is_grad_enabled() and cache is None
-        for m in range(len(steps)) if modules is None else modules:
+        for m in range(len(exchange.schedule)) if modules is None else modules:
             if hook is not None:
                 trace: Trace = {}
                 p = self.sequence[m].partials(x, cos, sin, cache, mask, trace)
@@ -141,9 +142,9 @@ class Decoder(nn.Module):
                 p = checkpoint(self.module_partials, m, x, cos, sin, None, mask, use_reentrant=False)
             else:
                 p = self.module_partials(m, x, cos, sin, cache, mask)
-            x = exchange.update(m, x, p, steps[m])
+            x = exchange.update(m, x, p)
         return x
 
-    def head_input(self, x: torch.Tensor, exchange: Any) -> torch.Tensor:
+    def head_input(self, x: torch.Tensor, exchange: Exchange) -> torch.Tensor:
         """h = mean_l FinalNorm(x_l): [B, T, D], the LM head's input."""
         return exchange.mean(self.model.norm(x))

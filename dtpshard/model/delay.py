@@ -3,19 +3,18 @@
 Update at module m, for integer δ:  x_l ← x_l + s_m·p_l^m + Σ_{j≠l} p_j^{m-δ}.
 Fractional δ = d + a: module m's broadcast lands with weight (1-a) after module m+d and a after
 m+d+1, and s_m is interpolated the same way, so the forward is continuous in δ.
-The schedule is data; an exchange carries it out. `LocalExchange` is the simulator's, with every
-device's partials on this machine (the leading axis of [L, B, T, D]); the runtime's `Link`
-(runtime/ranks.py) posts each partial to the other processes and waits where the schedule lands it.
+
+The schedule is data, and everything that follows from it is derived here once: when each
+module's sum is last needed (`last_use`), which modules run before it has landed (`edges`, what
+calibration scores), whether it is plain tensor parallelism. model/exchange.py carries it out.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
-import torch
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from dtpshard.core.settings import DTPSettings
-from dtpshard.model.ops import residual_update
 
 
 def _own_scale_int(m: int, modules: int, devices: int, delay: int, stage3: str) -> float:
@@ -32,7 +31,48 @@ class Step:
     arrivals: tuple[tuple[int, float], ...]  # (source module k, weight): others' p^k added at module m
 
 
-def schedule(modules: int, devices: int, delay: float, stage3: str) -> list[Step]:
+@dataclass(frozen=True)
+class Schedule:
+    """Per module m its Step; indexable and iterable as the sequence of steps. What follows from
+    the steps is computed once, when it is made, as plain attributes (a compiler tracing a forward
+    reads them as constants):
+
+    - `last_use`: module k -> the last module its sum lands at (absent: it never lands, stage 3, so
+      it is never sent);
+    - `tensor_parallel`: δ = 0, every module's sum lands at once where it is made (the devices'
+      streams stay equal)."""
+
+    steps: tuple[Step, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "last_use", {k: m for m, step in enumerate(self.steps) for k, _ in step.arrivals})
+        object.__setattr__(self, "tensor_parallel", all(step.arrivals == ((m, 1.0),) and step.own_scale == 1
+                                                        for m, step in enumerate(self.steps)))
+
+    last_use: dict[int, int] = field(init=False, compare=False, repr=False)
+    tensor_parallel: bool = field(init=False, compare=False, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, m: int) -> Step:
+        return self.steps[m]
+
+    def __iter__(self) -> Iterator[Step]:
+        return iter(self.steps)
+
+    def edges(self) -> list[tuple[int, int]]:
+        """(a, b): module b computes before module a's sum has first landed (never, in stage 3), on
+        streams that lack the other devices' p^a; the edges calibration scores (docs/design.md §2)."""
+        first: dict[int, int] = {}
+        for m, step in enumerate(self.steps):
+            for k, _ in step.arrivals:
+                first.setdefault(k, m)
+        M = len(self)
+        return [(a, b) for b in range(M) for a in range(b) if b <= first.get(a, M)]
+
+
+def schedule(modules: int, devices: int, delay: float, stage3: str) -> Schedule:
     """Per module m: s_m and the arrivals, for the settings of a core.settings.DTPSettings (checked
     by core.settings.resolve_dtp); `schedule_for(M, settings)` takes the settings whole."""
     d = math.floor(delay)
@@ -45,35 +85,8 @@ def schedule(modules: int, devices: int, delay: float, stage3: str) -> list[Step
             s = (1 - a) * s + a * _own_scale_int(m, modules, devices, d + 1, stage3)
             arrivals.append((m - d - 1, a))
         steps.append(Step(s, tuple((k, w) for k, w in arrivals if k >= 0 and w > 0)))
-    return steps
+    return Schedule(tuple(steps))
 
 
-def schedule_for(modules: int, settings: DTPSettings) -> list[Step]:
+def schedule_for(modules: int, settings: DTPSettings) -> Schedule:
     return schedule(modules, settings.devices, settings.delay, settings.stage3)
-
-
-def horizon(delay: float) -> int:
-    """How many past modules' partials must be kept: the oldest arrival is m - ceil(δ)."""
-    return math.ceil(delay)
-
-
-class LocalExchange:
-    """The simulator's transfers: device l's share of what arrives is Σ_j p_j^k - p_l^k, all of it
-    at hand, so a module's partials are kept for ⌈δ⌉ modules and then dropped."""
-
-    def __init__(self, delay: float):
-        self.keep = horizon(delay)
-        self.recent: dict[int, torch.Tensor] = {}  # module -> its partials [L, B, T, D]
-
-    def update(self, m: int, x: torch.Tensor, p: torch.Tensor, step: Step) -> torch.Tensor:
-        """x_l ← x_l + s_m·p_l^m + Σ_(k, w) w·Σ_{j≠l} p_j^k, for every device l at once."""
-        self.recent[m] = p
-        # one device (the dense model, L = 1) has no others: Σ_{j≠l} is empty, not a sum that cancels
-        arrivals = [(self.recent[k], w) for k, w in step.arrivals] if x.shape[0] > 1 else []
-        x = residual_update(x, p, step.own_scale, arrivals)
-        self.recent.pop(m - self.keep, None)
-        return x
-
-    def mean(self, h: torch.Tensor) -> torch.Tensor:
-        """[L, B, T, D] -> the mean over devices [B, T, D]."""
-        return h.mean(0)

@@ -31,7 +31,8 @@ from dtpshard.core.settings import DENSE, warn_if_other_settings
 from dtpshard.core.shape import ModelShape, shape_from_hf_config
 from dtpshard.model.checkpoint import Checkpoint
 from dtpshard.model.decoder import Decoder, rotary_for
-from dtpshard.model.delay import LocalExchange, schedule_for
+from dtpshard.model.delay import schedule_for
+from dtpshard.model.exchange import DeviceAxis, Exchange
 from dtpshard.model.modules import Layer
 from dtpshard.model.ops import inv_rms
 
@@ -117,6 +118,10 @@ class DenseModel(Decoder):
         warn_if_other_settings(ckpt.path, ckpt.record, DENSE)
         return cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), dtype, device, ckpt.shape)
 
+    def exchange(self) -> Exchange:
+        """One device: each module's output is added to the one residual stream, nothing moves."""
+        return Exchange(self.steps, DeviceAxis(), 1)
+
     # -- pieces ----------------------------------------------------------------------------------
     def rope_for(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [1, 1, T, hd] for positions 0..T-1 (Decoder.rope), kept per length: calibration
@@ -143,7 +148,7 @@ class DenseModel(Decoder):
             seen.update(trace, out=p[0])
 
         cos, sin = self.rope_for(T) if m % 2 == 0 else (None, None)
-        after = self.walk(x[None], cos, sin, self.steps, LocalExchange(0), modules=range(m, m + 1), hook=hook)[0]
+        after = self.walk(x[None], cos, sin, self.exchange(), modules=range(m, m + 1), hook=hook)[0]
         if m % 2:
             return after, FFNOut(seen["out"], seen["act"][0], seen["gate"][0], seen["up"][0], rms(x, s.rms_eps))
         r, hd, G = s.heads_per_group, s.head_dim, s.kv_groups
@@ -169,8 +174,8 @@ class DenseModel(Decoder):
     @torch.no_grad()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """[B, T] token ids -> [B, T, V] logits: the L = 1, δ = 0 schedule over these modules."""
-        exchange = LocalExchange(0)
-        x = self.run_streams(ids.to(self.device), 1, self.steps, exchange)
+        exchange = self.exchange()
+        x = self.run_streams(ids.to(self.device), 1, exchange)
         return F.linear(self.head_input(x, exchange), self.lm_head_weight)
 
 

@@ -21,7 +21,8 @@ from dtpshard.core.shape import shape_from_hf_config
 from dtpshard.model.attention import KVCache
 from dtpshard.model.checkpoint import DTP_JSON
 from dtpshard.model.decoder import Decoder
-from dtpshard.model.delay import LocalExchange, schedule_for
+from dtpshard.model.delay import schedule_for
+from dtpshard.model.exchange import DeviceAxis, Exchange
 from dtpshard.model.hf import PretrainedMixin, causal_lm_loss, output, resolve_dtype
 
 __all__ = ["DTPModel", "DTP_JSON", "KVCache"]
@@ -57,9 +58,8 @@ class DTPModel(PretrainedMixin, Decoder):
     def hidden(self, input_ids: torch.Tensor, cache: KVCache | None = None,
                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """h = mean_l FinalNorm(x_l): [B, T, D], the LM head's input (Decoder.head_input)."""
-        exchange = LocalExchange(self.delay)
-        return self.head_input(self.run_streams(input_ids, self.devices, self.steps, exchange, cache, attention_mask),
-                               exchange)
+        exchange = Exchange(self.steps, DeviceAxis(), self.devices)
+        return self.head_input(self.run_streams(input_ids, self.devices, exchange, cache, attention_mask), exchange)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, cache: KVCache | None = None, logits_to_keep: int = 0) -> Any:

@@ -17,6 +17,11 @@ from dtpshard.model.shards import DEFAULT_MAX_SHARD_SIZE, Weights
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """DTYPE_NAMES' name of a torch dtype (float32, bfloat16, float16)."""
+    return next(name for name, d in DTYPE_NAMES.items() if d == dtype)
+
+
 def output(logits: torch.Tensor, loss: torch.Tensor | None = None, cache: Any = None) -> Any:
     """transformers' own output class, so `.logits`, `.loss`, `out[0]` and `out["logits"]` work."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -127,5 +132,5 @@ class PretrainedMixin:
         save_checkpoint(Path(out_dir), config, weights, source or getattr(self, "source_path", None),
                         max_shard_size=max_shard_size, write=write)
         if write:
-            for name, text in {**REMOTE_CODE, "README.md": card or usage_card(config)}.items():
+            for name, text in {**REMOTE_CODE, "README.md": card or usage_card(config, dtype_name(dtype))}.items():
                 (Path(out_dir) / name).write_text(text, encoding="utf-8")

@@ -84,34 +84,45 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotate_half(x) * sin
 
 
-# -- the residual update over the devices axis ------------------------------------------------
-def residual_update(x: torch.Tensor, p: torch.Tensor, own: float,
-                    arrivals: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
-    """x_l + own·p_l + Σ_k w_k·(Σ_j p_j^k - p_l^k) for every device l at once, x and p [L, B, T, D].
+# -- the residual update ----------------------------------------------------------------------
+Arrival = tuple[torch.Tensor | None, torch.Tensor, float]  # (Σ_j p_j^k or None, p_l^k, weight w)
 
-    One new tensor, updated in place, instead of a temporary per term; with gradients, a
-    hand-written backward (_ResidualUpdate) that saves nothing and makes one buffer per arrival.
+
+def residual_update(x: torch.Tensor, p: torch.Tensor, own: float, arrivals: list[Arrival]) -> torch.Tensor:
+    """x_l + own·p_l + Σ_k w_k·(Σ_j p_j^k - p_l^k), in that order, for every exchange (model/exchange.py).
+
+    Σ_j p_j^k is given (a rank's all-reduce), or None where the devices are the leading axis of
+    x, p and p^k [L, B, T, D] (the simulator), which is then summed here. One new tensor, updated in
+    place, instead of a temporary per term; with gradients, a hand-written backward
+    (_ResidualUpdate) that saves nothing and makes one buffer per arrival.
     """
-    if torch.is_grad_enabled() and (x.requires_grad or p.requires_grad or any(q.requires_grad for q, _ in arrivals)):
-        return _ResidualUpdate.apply(x, p, own, [w for _, w in arrivals], *[q for q, _ in arrivals])
-    return _residual_sum(x, p, own, [w for _, w in arrivals], [q for q, _ in arrivals])
+    if torch.is_grad_enabled() and (x.requires_grad or p.requires_grad or
+                                    any(t is not None and t.requires_grad for s, q, _ in arrivals for t in (s, q))):
+        if any(s is not None for s, _, _ in arrivals):  # a reduced sum (no engine trains through one): autograd's
+            out = torch.add(x, p, alpha=own)
+            for s, q, w in arrivals:
+                out = out + (q.sum(0, keepdim=True) if s is None else s) * w - q * w
+            return out
+        return _ResidualUpdate.apply(x, p, own, [w for _, _, w in arrivals], *[q for _, q, _ in arrivals])
+    return _residual_sum(x, p, own, arrivals)
 
 
-def _residual_sum(x: torch.Tensor, p: torch.Tensor, own: float, weights: list[float], qs: list[torch.Tensor]):
+def _residual_sum(x: torch.Tensor, p: torch.Tensor, own: float, arrivals: list[Arrival]) -> torch.Tensor:
     out = torch.add(x, p, alpha=own)
-    for q, w in zip(qs, weights):
-        out.add_(q.sum(0, keepdim=True), alpha=w).sub_(q, alpha=w)
+    for s, q, w in arrivals:
+        out.add_(q.sum(0, keepdim=True) if s is None else s, alpha=w).sub_(q, alpha=w)
     return out
 
 
 class _ResidualUpdate(torch.autograd.Function):
-    """residual_update's gradients: dx = dout, dp = own·dout, dq_k = w_k·(Σ_l dout_l - dout):
-    what autograd would get through sum/add_/sub_ with an expand, a negation and an add less."""
+    """residual_update's gradients over the devices axis: dx = dout, dp = own·dout,
+    dq_k = w_k·(Σ_l dout_l - dout): what autograd would get through sum/add_/sub_ with an expand,
+    a negation and an add less."""
 
     @staticmethod
     def forward(ctx, x, p, own, weights, *qs):
         ctx.own, ctx.weights = own, weights
-        return _residual_sum(x, p, own, weights, list(qs))
+        return _residual_sum(x, p, own, [(None, q, w) for q, w in zip(qs, weights)])
 
     @staticmethod
     def backward(ctx, dout):

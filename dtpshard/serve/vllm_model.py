@@ -4,38 +4,34 @@ TP rank l is device l (docs/design.md §1): the student's weights are already pe
 contiguous TP shards (QKVParallelLinear's heads, MergedColumnParallelLinear's neurons,
 RowParallelLinear's input columns) are exactly the layout's device l. The row-parallel outputs
 are left unreduced (`reduce_results=False`): each is the rank's partial p_l^m. The rank keeps its
-own residual stream x_l and runs the delay schedule of model/delay.py:
+own residual stream x_l and hands each partial to the exchange (model/exchange.py), the same one
+the simulator and the runtime run:
 
     x_l ← x_l + s_m·p_l^m + Σ_(k, w) w·(Σ_j p_j^k − p_l^k)
 
-where Σ_j p_j^k is the all-reduce of module k's partials, posted when module k is done and
-taken δ modules later (split between two modules for a fractional δ). The output is the mean
-over ranks of FinalNorm(x_l), an all-reduce of the normed streams divided by L, then vLLM's
+Σ_j p_j^k is an all-reduce started when module k is done and waited for where the schedule
+lands it (serve/reduce.py: functional collectives on vLLM's TP device group, gloo on a CPU and
+NCCL on CUDA), so δ modules of compute overlap it, eagerly and compiled. The output is the mean
+over ranks of FinalNorm(x_l) (vLLM's own all-reduce, divided by L), then vLLM's
 vocabulary-parallel LM head. Attention is vLLM's (paged KV cache, continuous batching, chunked
 prefill, prefix caching), so the engine treats the student as it treats a Llama.
 
-The reduce does not block where it need not. On CUDA it is a functional collective
-(torch.distributed._functional_collectives.all_reduce on vLLM's TP group): eager mode returns
-an AsyncCollectiveTensor that waits at its first use, which is where the schedule lands it, and
-under torch.compile the collective and its wait are separate graph nodes with the modules in
-between, so the NCCL kernel overlaps their compute. On the CPU backend vLLM's own all-reduce is
-used, which blocks; the function computed is the same. No per-request state is kept on a module:
-the pending sums live in forward's locals.
+Where vLLM compiles the forward as pieces split at attention (CUDA's piecewise graphs), every
+pending sum is waited for before the attention core, inside the piece that started it: a wait in
+a later piece than its collective crashes under CUDA graphs (pytorch/pytorch#192000). The sum is
+still added where the schedule lands it, so the function is the same. No per-request state is
+kept on a module: the exchange is made per forward.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
-from vllm.distributed import (
-    get_pp_group,
-    get_tensor_model_parallel_world_size,
-    get_tp_group,
-    tensor_model_parallel_all_reduce,
-)
+from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group, tensor_model_parallel_all_reduce
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -48,21 +44,35 @@ from vllm.sequence import IntermediateTensors
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.shape import ModelShape
+from dtpshard.model.exchange import Exchange
+from dtpshard.serve.reduce import FunctionalReduce
 from dtpshard.serve.student import ServedStudent, check_parallel, served_student
 
-# HF tensor name part -> (vLLM's fused parameter, its shard id)
-_STACKED = {".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"), ".v_proj.": (".qkv_proj.", "v"),
-            ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1)}
+
+class TPReduce(FunctionalReduce):
+    """The partials' sums over vLLM's TP group; the final mean's, which blocks anyway, by vLLM's own
+    communicator (shared memory on a CPU, NCCL or its custom all-reduce on CUDA)."""
+
+    def total(self, h: torch.Tensor) -> torch.Tensor:
+        return tensor_model_parallel_all_reduce(h)
 
 
-def post_reduce(p: torch.Tensor) -> torch.Tensor:
-    """Σ over TP ranks of a partial [tokens, D], started now; its value is read where it lands."""
-    if p.is_cuda:
-        from torch.distributed import _functional_collectives as funcol
+def tp_reduce() -> TPReduce:
+    """The Reduce of this rank's TP group (bench/bench_vllm.py swaps it to emulate a link or remove it)."""
+    return TPReduce(get_tp_group().device_group.group_name)
 
-        return funcol.all_reduce(p, "sum", get_tp_group().device_group)
-    # vLLM's CPU communicator sums in place: the rank's own partial is still needed when it lands
-    return tensor_model_parallel_all_reduce(p.clone())
+
+def split_at_attention(compilation: Any) -> bool:
+    """Whether vLLM compiles the forward as pieces split at its splitting ops (attention), each
+    captured as its own CUDA graph: Dynamo's FX split in VLLM_COMPILE mode, or Inductor's graph
+    partition. A CPU compiles the forward whole (DYNAMO_TRACE_ONCE) and eager mode splits nothing."""
+    from vllm.config import CompilationMode
+
+    if not compilation.splitting_ops or compilation.mode == CompilationMode.NONE:
+        return False
+    if getattr(compilation, "use_inductor_graph_partition", False):
+        return compilation.backend == "inductor"
+    return compilation.mode == CompilationMode.VLLM_COMPILE
 
 
 class DTPAttention(nn.Module):
@@ -93,12 +103,16 @@ class DTPAttention(nn.Module):
         by_head = t.view(*t.shape[:-1], t.shape[-1] // self.head_dim, self.head_dim)  # [tokens, heads, hd]
         return norm(by_head).view(t.shape)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, h: torch.Tensor,
+                before_attention: Callable[[], None] | None = None) -> torch.Tensor:
+        """The partial; `before_attention` runs just before the attention core (a graph split)."""
         qkv, _ = self.qkv_proj(h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             q, k = self._norm_heads(self.q_norm, q), self._norm_heads(self.k_norm, k)
         q, k = self.rotary_emb(positions, q, k)
+        if before_attention is not None:
+            before_attention()
         out, _ = self.o_proj(self.attn(q, k, v))
         return out
 
@@ -132,9 +146,10 @@ class DTPDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden, eps=s.rms_eps)
         self.mlp = DTPFFN(s, vllm_config, f"{prefix}.mlp")
 
-    def partial(self, attention: bool, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def partial(self, attention: bool, positions: torch.Tensor, x: torch.Tensor, exchange: Exchange,
+                split: bool) -> torch.Tensor:
         if attention:
-            return self.self_attn(positions, self.input_layernorm(x))
+            return self.self_attn(positions, self.input_layernorm(x), exchange.settle if split else None)
         return self.mlp(self.post_attention_layernorm(x))
 
 
@@ -149,7 +164,10 @@ class DTPDecoder(nn.Module):
         check_parallel(student, get_tensor_model_parallel_world_size(), parallel.pipeline_parallel_size)
         s = student.shape
         self.student = student  # frozen settings and schedule: no per-request state
-        self.embed_tokens = VocabParallelEmbedding(s.vocab, s.hidden, quant_config=vllm_config.quant_config)
+        self.reduce = tp_reduce()
+        self.split = split_at_attention(vllm_config.compilation_config)
+        self.embed_tokens = VocabParallelEmbedding(s.vocab, s.hidden, quant_config=vllm_config.quant_config,
+                                                   prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(DTPDecoderLayer(student, vllm_config, f"{prefix}.layers.{i}")
                                     for i in range(s.layers))
         self.norm = RMSNorm(s.hidden, eps=s.rms_eps)
@@ -162,29 +180,24 @@ class DTPDecoder(nn.Module):
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """[tokens] ids -> h = mean_l FinalNorm(x_l) [tokens, D], the same on every rank."""
         x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)  # x_l = embedding
-        last_use = self.student.last_use
-        own: dict[int, torch.Tensor] = {}  # module k -> p_l^k, until its sum has landed
-        sums: dict[int, torch.Tensor] = {}  # module k -> Σ_j p_j^k (pending on CUDA)
-        for m, step in enumerate(self.student.steps):
-            p = self.layers[m // 2].partial(m % 2 == 0, positions, x)  # [tokens, D]
-            x = torch.add(x, p, alpha=step.own_scale)  # the own partial, at once
-            if m in last_use:  # stage 3's partials never land: not sent
-                own[m], sums[m] = p, post_reduce(p)
-            for k, w in step.arrivals:  # the others' partials of module k: Σ_j p_j^k − p_l^k
-                x = x.add_(sums[k], alpha=w).sub_(own[k], alpha=w)
-                if last_use[k] == m:
-                    del own[k], sums[k]
-        L = self.student.settings.devices
-        return tensor_model_parallel_all_reduce(self.norm(x)) / L
+        exchange = Exchange(self.student.schedule, self.reduce, self.student.settings.devices)
+        for m in range(len(self.student.schedule)):
+            p = self.layers[m // 2].partial(m % 2 == 0, positions, x, exchange, self.split)  # [tokens, D]
+            x = exchange.update(m, x, p)
+        return exchange.mean(self.norm(x))
 
 
 class DTPForCausalLM(nn.Module):
     """vLLM's model for a DTP student (architecture "DTPForCausalLM", model_type "dtp")."""
 
+    # vLLM's fused parameters and the checkpoint's tensors they are stacked from
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    stacked_params_mapping = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
+                              (".qkv_proj", ".v_proj", "v"), (".gate_up_proj", ".gate_proj", 0),
+                              (".gate_up_proj", ".up_proj", 1)]
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        if get_pp_group().world_size != 1:
-            raise UserError("a DTP student is served with --pipeline-parallel-size 1")
         self.model = DTPDecoder(vllm_config=vllm_config, prefix=f"{prefix}.model" if prefix else "model")
         s = self.model.student.shape
         self.tied = s.tied
@@ -214,9 +227,9 @@ class DTPForCausalLM(nn.Module):
             if name.endswith("rotary_emb.inv_freq") or (self.tied and name.startswith("lm_head.")):
                 continue
             shard = None
-            for part, (fused, shard_id) in _STACKED.items():
-                if part in name:
-                    name, shard = name.replace(part, fused), shard_id
+            for fused, part, shard_id in self.stacked_params_mapping:
+                if part + "." in name:
+                    name, shard = name.replace(part + ".", fused + "."), shard_id
                     break
             if name not in params:
                 raise UserError(f"the student's weights hold {name!r}, which its {self.model.student.shape.family} "

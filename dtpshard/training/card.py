@@ -158,7 +158,7 @@ def _compared(first: dict[str, Any] | None, last: dict[str, Any] | None) -> str:
     return text
 
 
-def student_card(run: Path, block: dict[str, Any], hashes: TeacherHashes | None) -> str:
+def student_card(run: Path, block: dict[str, Any], hashes: TeacherHashes | None, dtype: str = "float32") -> str:
     """README.md of RUN/final: the Hub's front matter (base model, the teacher's license), what
     the student is, the run (teacher and its sha256, L, δ, stage3, the layout's kind and J, steps,
     tokens, data, the final held-out KL and perplexity against step 0's), how to run it and, for
@@ -200,4 +200,4 @@ def student_card(run: Path, block: dict[str, Any], hashes: TeacherHashes | None)
             f"Distilled from `{base_model(teacher)}` by `dtpshard distill` to compute its Delayed Tensor Parallelism "
             f"form (below). The run's own records are `{local_name(run / rundir.CONFIG, card_dir, root)}` and "
             f"`{local_name(run / rundir.METRICS, card_dir, root)}`.\n\n"
-            "## The run\n\n" + table + "\n" + usage_section(block))
+            "## The run\n\n" + table + "\n" + usage_section(block, dtype))

@@ -36,6 +36,7 @@ from dtpshard.affinity.calibrate import CalibrationData, PassSettings
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, local_paths
 from dtpshard.core.io import atomic_dir, atomic_write_text, dumps, read_json, read_json_object
+from dtpshard.model.student import serving_commands
 from dtpshard.training.settings import DistillConfig, check_config, compared_fields
 
 FORMAT = "dtpshard.convert/1"
@@ -204,23 +205,23 @@ def student_stage(p: Paths, cfg: DistillConfig) -> None:
                 _place(f, tmp / f.name)
         score = Layout.load(p.layout).score
         card = (final / "README.md").read_text(encoding="utf-8") if (final / "README.md").is_file() else ""
-        (tmp / "README.md").write_text(card + _card_section(score, cfg.devices), encoding="utf-8")
+        (tmp / "README.md").write_text(card + _card_section(score, final), encoding="utf-8")
 
 
-def serving(student: Path, devices: int) -> dict[str, str]:
-    """The commands that serve the student, by where it runs."""
-    return {"vllm": f"python -m vllm.entrypoints.openai.api_server --model {student} "
-                    f"--tensor-parallel-size {devices}",
-            "transformers": f'AutoModelForCausalLM.from_pretrained("{student}", trust_remote_code=True)',
-            "dtpshard": f"torchrun --nproc-per-node {devices} -m dtpshard run {student} --prompt TEXT"}
+def serving(student: Path) -> dict[str, str]:
+    """The commands that serve the student (model/student.py), for its L and stored dtype."""
+    config = read_json_object(student / "config.json", "config")
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    return serving_commands(student, config["dtp"]["devices"], dtype)
 
 
-def _card_section(score: dict[str, Any], devices: int) -> str:
-    cmds = serving(Path("."), devices)
+def _card_section(score: dict[str, Any], student: Path) -> str:
+    cmds = {k: v.replace(str(student), ".") for k, v in serving(student).items()}
     return (f"\n## Made by `dtpshard convert`\n\nThe layout optimised the co-located score J = {score['J']:.4f} "
             f"(contiguous {score['contiguous_J']:.4f}, random {score['random_J']:.4f}, random expectation "
             f"{score['random_expectation']:.4f}). Served from this directory:\n\n"
-            f"- vLLM at tensor-parallel size L = {devices} (dtpshard installed beside vllm): `{cmds['vllm']}`\n"
+            f"- vLLM at tensor-parallel size L (dtpshard installed beside vllm): `{cmds['vllm']}`; with vLLM's "
+            f"CPU build: `{cmds['vllm_cpu']}`\n"
             f"- transformers, one device: `{cmds['transformers']}`\n- dtpshard's runtime: `{cmds['dtpshard']}`\n")
 
 
@@ -319,7 +320,7 @@ def summary(p: Paths, cfg: DistillConfig) -> dict[str, Any]:
                   "random": score.get("random_J"), "random_expectation": score.get("random_expectation")},
             "kl": {"step_0": evals[0]["eval_kl"] if evals else None, "final": evals[-1]["eval_kl"] if evals else None,
                    "final_step": evals[-1]["step"] if evals else None},
-            "seconds": {s: times.get(s) for s in STAGES}, "serve": serving(p.student, cfg.devices)}
+            "seconds": {s: times.get(s) for s in STAGES}, "serve": serving(p.student)}
 
 
 def _own_fields(name: str, *classes: type, shared: type) -> type:
@@ -393,6 +394,7 @@ def convert_cmd(cfg: Annotated[DistillConfig, Parameter(name="*")],
           f"serve it:\n"
           f"  vLLM, tensor parallel over L = {result['devices']} GPUs (needs dtpshard installed beside vllm):\n"
           f"    {serve['vllm']}\n"
+          f"  vLLM's CPU build, L = {result['devices']} processes on this machine:\n    {serve['vllm_cpu']}\n"
           f"  transformers, one device:\n    {serve['transformers']}\n"
           f"  dtpshard's runtime, one process per device:\n    {serve['dtpshard']}")
     return 0

@@ -33,6 +33,7 @@ from dtpshard.core.layout import as_layout
 from dtpshard.core.memory import return_freed_memory
 from dtpshard.core.shape import family_config, shape_from_hf_config
 from dtpshard.model.checkpoint import load_hf_config, open_checkpoint
+from dtpshard.model.hf import dtype_name
 from dtpshard.model.shards import Weights, parse_size
 from dtpshard.training import memory, rundir
 from dtpshard.training.card import TeacherHashes, student_card
@@ -365,7 +366,7 @@ def _save_student(r: _Run) -> None:
     def write(weights: Weights) -> None:
         with atomic_dir(r.dir / rundir.FINAL, force=True) as tmp:
             card = student_card(r.dir, {"family": family_config(student.hf_config).model_type,
-                                        **student.dtp_block()}, r.hashes)
+                                        **student.dtp_block()}, r.hashes, dtype_name(dtype))
             student.save_pretrained(tmp, source, weights, dtype, cfg.max_shard_size, card=card)
             provenance = {k: r.config[k] for k in ("teacher", "layout", "layout_kind", "layout_sha256", "steps",
                                                     "seed", "train_data", "eval_data")}

@@ -1,0 +1,105 @@
+"""Benchmark harness inside a vLLM rank (tests/vllm_driver.py loads it for bench/bench_vllm.py): an
+emulated slower link, and a student with its reduces removed. Nothing here is dtpshard's library.
+
+- `install_latency()`: every all-reduce completes LATENCY seconds after the transfer itself
+  (in series, as runtime/ranks.py's Link emulates it). vLLM's own blocking all-reduce (plain TP's
+  after every module; the embedding's and the final mean's in every model) sleeps that long after
+  it returns. The student's delayed reduces run on a Python process group wrapped around vLLM's
+  gloo TP group, whose work completes LATENCY after gloo's: a wait_tensor at the landing waits
+  only for what the compute since the start has not covered. The latency is read at each call, so
+  one engine is timed at several latencies.
+- `remove_reduces()`: the student's module reduces replaced by the own partial (Σ − own = 0):
+  the same work without a transfer, a different function: the ceiling DTP can approach.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+LATENCY = [0.0]  # seconds, set by the driver between timed runs
+
+
+def _sleep_until(t: float) -> None:
+    left = t - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
+class _DelayedWork(dist.Work):
+    def __init__(self, inner: dist.Work):
+        super().__init__()
+        self.inner, self.done = inner, [0.0]
+        inner.get_future().add_done_callback(lambda _: self.done.__setitem__(0, time.perf_counter()))
+
+    def wait(self, timeout=None) -> bool:  # noqa: ANN001 - c10d's signature
+        self.inner.wait()
+        if LATENCY[0] > 0:
+            _sleep_until((self.done[0] or time.perf_counter()) + LATENCY[0])
+        return True
+
+    def is_completed(self) -> bool:
+        return self.inner.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        return self.inner.get_future()
+
+
+class _DelayedGroup(dist.ProcessGroup):
+    """A Python process group over `inner` whose all-reduces complete LATENCY late."""
+
+    def __init__(self, inner: dist.ProcessGroup):
+        super().__init__(inner.rank(), inner.size())
+        self.inner = inner
+
+    def allreduce(self, tensors, opts=None):  # noqa: ANN001 - c10d's signature
+        return _DelayedWork(self.inner.allreduce(tensors, dist.AllreduceOptions() if opts is None else opts))
+
+    def getBackendName(self) -> str:  # noqa: N802 - c10d's name
+        return "delayed-gloo"
+
+
+def install_latency() -> None:
+    from torch._C._distributed_c10d import _register_process_group
+    from vllm.distributed import get_tp_group
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    import dtpshard.serve.vllm_model as vm
+
+    blocking = CpuCommunicator.all_reduce
+
+    def all_reduce(self, input_):
+        out = blocking(self, input_)
+        if LATENCY[0] > 0:
+            time.sleep(LATENCY[0])
+        return out
+
+    CpuCommunicator.all_reduce = all_reduce
+    made: dict[str, str] = {}
+
+    def tp_reduce() -> vm.TPReduce:
+        inner = get_tp_group().device_group
+        if inner.group_name not in made:
+            made[inner.group_name] = name = f"{inner.group_name}-delayed"
+            _register_process_group(name, _DelayedGroup(inner))
+        return vm.TPReduce(made[inner.group_name])
+
+    vm.tp_reduce = tp_reduce
+
+
+class _NoReduce:
+    def start(self, p: torch.Tensor) -> torch.Tensor:
+        return p
+
+    def value(self, handle: torch.Tensor) -> torch.Tensor:
+        return handle
+
+
+def remove_reduces() -> None:
+    import dtpshard.serve.vllm_model as vm
+
+    class NoReduce(_NoReduce, vm.TPReduce):  # the final mean stays vLLM's all-reduce
+        pass
+
+    vm.tp_reduce = lambda: NoReduce("")
