@@ -99,7 +99,10 @@ def tok_s(result: dict, lat: float, b: int, new: int) -> tuple[float, float]:
 
 
 def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], latencies: list[float],
-            new: int, repeat: int, threads: int, eager: bool = False) -> list[dict]:
+            new: int, repeat: int, threads: int = 0, eager: bool = False, dtype: str = "float32",
+            env: dict | None = None) -> list[dict]:
+    """Rows per (latency, batch). `threads` > 0 pins each rank to that many cores; the emulated link
+    (CPU only) is installed when a latency is not 0."""
     from dtpshard.serve.env import runtime_env
 
     g = torch.Generator().manual_seed(0)
@@ -107,13 +110,14 @@ def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], 
     student, dense = pair
 
     def spec(model: Path, remove: bool) -> dict:
-        return {"model": str(model), "tp": tp, "dtype": "float32", "prompts": prompts[:1], "max_tokens": 1,
+        return {"model": str(model), "tp": tp, "dtype": dtype, "prompts": prompts[:1], "max_tokens": 1,
                 "enforce_eager": eager, "max_model_len": 1024, "max_num_seqs": max(batches), "threads": threads,
-                "harness": {"latency": True, "remove_reduces": remove},
+                "harness": {"latency": any(lat > 0 for lat in latencies), "remove_reduces": remove},
                 "timing": {"batches": batches, "max_tokens": [1, new], "repeat": repeat, "latencies_ms": latencies}}
 
-    env = runtime_env()
-    env["OMP_NUM_THREADS"] = str(threads)
+    env = dict(env or runtime_env())
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     dtp, plain, nocomm = run_engines(python, [spec(student, False), spec(dense, False), spec(student, True)], tp, env)
     rows = []
     for lat in latencies:

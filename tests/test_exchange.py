@@ -20,6 +20,7 @@ import torch
 from dtpshard.core.launch import launch_local, root_cause
 from dtpshard.model.delay import schedule
 from dtpshard.model.exchange import DeviceAxis, Exchange
+from graph_order import overlaps
 
 DEADLINE = 240
 
@@ -77,6 +78,17 @@ VARIANTS = {  # name -> (compiled, before which modules, settle there, graph bre
 }
 
 
+def _compiled_code() -> str:
+    """The output code of the graphs Inductor compiled in this process that hold functional reduces."""
+    from pathlib import Path
+
+    from torch._inductor.codecache import PyCodeCache
+
+    mods = {id(m): m for m in [*PyCodeCache.modules, *PyCodeCache.modules_no_attr.values()]}
+    sources = [Path(m.__file__).read_text() for m in mods.values() if getattr(m, "__file__", None)]
+    return "\n".join(s for s in sources if "_c10d_functional" in s)
+
+
 def _rank(out: str, delay: float, late_ms: float) -> int:
     from dtpshard.core.launch import process_group, set_threads
     from dtpshard.serve.reduce import FunctionalReduce
@@ -93,7 +105,10 @@ def _rank(out: str, delay: float, late_ms: float) -> int:
             def run(x, at=at, settle=settle, breaks=breaks):
                 return _forward(x, weights, Exchange(sched, FunctionalReduce(group), world), at, settle, breaks)
 
+            torch._dynamo.reset()
             res[name] = (torch.compile(run, backend="inductor") if compiled else run)(x)
+            if name == "compiled":
+                res["code"] = _compiled_code()
         # asynchrony: rank 1 starts its half of a sum late_ms late; rank 0's start does not wait for it
         reduce = FunctionalReduce(group)
         torch.distributed.barrier()
@@ -120,6 +135,22 @@ def test_functional_reduce_gives_the_simulators_streams(tmp_path, delay):
             assert (res[name] - want).abs().max().item() < 1e-12, (r, name)
         start, wait, total = res["timing"]
         assert total == [3.0] * 4
+    # Inductor kept each wait where the exchange put it: ⌊δ⌋ modules (one GEMM each) after its start
+    between = overlaps(torch.load(tmp_path / "rank0.pt")["code"])
+    assert len(between) == len(schedule(8, 2, delay, "sqrt").last_use) + 1  # + the final mean's
+    assert min(between[:-1]) >= int(delay) and between[-1] == 0, between
     start0, wait0, _ = torch.load(tmp_path / "rank0.pt")["timing"]
     assert start0 < 0.1 * late_ms / 1000, "rank 0's start waited for rank 1"
     assert wait0 > 0.5 * late_ms / 1000, "rank 0's value did not wait for rank 1's late half"
+
+
+def test_overlaps_reads_a_wait_next_to_its_collective():
+    """The parser itself: a wait right behind its collective counts no GEMM (so the test below can fail)."""
+    code = ("buf1 = torch.ops._C.onednn_mm.default(arg1, buf0, None)\n"
+            "torch.ops._c10d_functional.all_reduce_.default(buf1, 'sum', '2')\n"
+            "torch.ops._c10d_functional.wait_tensor.default(buf1)\n"
+            "buf3 = torch.ops._C.onednn_mm.default(arg2, buf2, None)\n"
+            "torch.ops._c10d_functional.all_reduce_.default(buf3, 'sum', '2')\n"
+            "buf4 = torch.ops._C.onednn_mm.default(arg3, buf2, None)\n"
+            "torch.ops._c10d_functional.wait_tensor.default(buf3)\n")
+    assert overlaps(code) == [0, 1]

@@ -11,7 +11,6 @@ vLLM runs in its own environment (dtpshard.serve.env: `python -m dtpshard.serve.
 from __future__ import annotations
 
 import json
-import re
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import torch
 
 from dtpshard.model.dtp import DTPModel
 from dtpshard.serve.env import PYTHON_VAR, found_python, runtime_env
+from graph_order import overlaps
 from tiny import save_tiny
 
 HERE = Path(__file__).parent
@@ -129,41 +129,6 @@ def test_vllm_matches_dtpshard(engines, case):
             assert len(top) >= 5
             for token, value in top.items():
                 assert abs(lp[len(p) - 1 + t, int(token)].item() - value) < 1e-4
-
-
-GEMM = re.compile(r"\.(?:onednn_mm|weight_packed_linear|zentorch_linear_unary|_linear_pointwise|mkl_linear)"
-                  r"\.default\(|extern_kernels\.(?:mm|addmm|bmm)\(|aten\.(?:mm|addmm|bmm)\.default\(")
-START = re.compile(r"_c10d_functional\.all_reduce_?\.default\((\w+)")
-WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)")
-
-
-def overlaps(code: str) -> list[int]:
-    """For each reduce started in Inductor's output code, in order, the GEMMs run before its wait."""
-    started: dict[str, int] = {}  # buffer -> GEMMs seen when it started
-    gemms, out = 0, []
-    for line in code.splitlines():
-        if line.lstrip().startswith("#"):
-            continue
-        if m := START.search(line):
-            started[m.group(1)] = gemms
-        elif (m := WAIT.search(line)) and m.group(1) in started:
-            out.append(gemms - started.pop(m.group(1)))
-        elif GEMM.search(line):
-            gemms += 1
-    assert not started, f"reduces never waited for: {sorted(started)}"
-    return out
-
-
-def test_overlaps_reads_a_wait_next_to_its_collective():
-    """The parser itself: a wait right behind its collective counts no GEMM (so the test below can fail)."""
-    code = ("buf1 = torch.ops._C.onednn_mm.default(arg1, buf0, None)\n"
-            "torch.ops._c10d_functional.all_reduce_.default(buf1, 'sum', '2')\n"
-            "torch.ops._c10d_functional.wait_tensor.default(buf1)\n"
-            "buf3 = torch.ops._C.onednn_mm.default(arg2, buf2, None)\n"
-            "torch.ops._c10d_functional.all_reduce_.default(buf3, 'sum', '2')\n"
-            "buf4 = torch.ops._C.onednn_mm.default(arg3, buf2, None)\n"
-            "torch.ops._c10d_functional.wait_tensor.default(buf3)\n")
-    assert overlaps(code) == [0, 1]
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[4] == "compiled"], ids=lambda c: "-".join(map(str, c)))

@@ -8,12 +8,14 @@ Under torchrun the engines use vLLM's external launcher: each of the TP processe
 with its own rank (no workers spawned, no queues between them), every spec's TP must be the
 world size, and rank 0 writes OUT.
 
-SPECS: a list of {"model", "tp", "dtype", "prompts": [[ids]], "max_tokens", "logprobs", "enforce_eager",
+SPECS: a list of {"model", "tp", "dtype", "prompts": [[ids]], "max_tokens", "logprobs", "prompt_logprobs",
+"enforce_eager",
 "engine": {...}, "threads": N (torch threads per rank, each rank pinned to its own cores),
 "harness": {"latency": bool, "remove_reduces": bool} (bench/vllm_link.py),
 "inductor_code": bool (return Inductor's output code of every graph compiled),
 "timing": {"batches": [B], "max_tokens": [N], "repeat": R, "latencies_ms": [ms]}};
-OUT: one result per spec, {"tokens": [[ids]], "logprobs": [[{id: logprob} per new token]], "seconds",
+OUT: one result per spec, {"tokens": [[ids]], "logprobs": [[{id: logprob} per new token]],
+"prompt_logprobs": [[logprob of each prompt token]], "seconds",
 "timings": {"LAT/B/N": [seconds of each repeat]}, "model_seconds": {"LAT/B/N": [seconds in the model's
 forward]}, "inductor_code": [source]} or {"error": message} when the engine refused the model.
 """
@@ -48,14 +50,19 @@ def _inductor_code() -> list[str]:
     return [Path(m.__file__).read_text() for m in mods.values() if getattr(m, "__file__", None)]
 
 
-def _harness(spec: dict) -> None:
+def _link():
+    """bench/vllm_link.py: the benchmark's emulated link and removed reduces."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import vllm_link
 
+    return vllm_link
+
+
+def _harness(spec: dict) -> None:
     if spec.get("latency"):
-        vllm_link.install_latency()
+        _link().install_latency()
     if spec.get("remove_reduces"):
-        vllm_link.remove_reduces()
+        _link().remove_reduces()
 
 
 def _time(llm, prompts: list, timing: dict) -> tuple[dict, dict]:
@@ -70,12 +77,7 @@ def _time(llm, prompts: list, timing: dict) -> tuple[dict, dict]:
         model.register_forward_hook(lambda *_: inside.__setitem__(0, inside[0] + time.perf_counter() - started[0]))
 
     llm.apply_model(hook)
-    if timing.get("latencies_ms"):
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-        import vllm_link
-        cell = vllm_link.LATENCY
-    else:
-        cell = [0.0]
+    cell = _link().LATENCY if any(timing.get("latencies_ms", [0])) else [0.0]
     walls: dict = {}
     model: dict = {}
     for _ in range(timing.get("repeat", 3)):
@@ -112,7 +114,7 @@ def run(spec: dict) -> dict:
     except Exception as e:  # the refusal is what the test reads
         return {"error": f"{type(e).__name__}: {e}"}
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
-                            logprobs=spec.get("logprobs"))
+                            logprobs=spec.get("logprobs"), prompt_logprobs=spec.get("prompt_logprobs"))
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -120,6 +122,9 @@ def run(spec: dict) -> dict:
     if spec.get("logprobs"):
         result["logprobs"] = [[{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
                               for o in outs]
+    if spec.get("prompt_logprobs") is not None:  # each prompt token's own log-probability (None: the first)
+        result["prompt_logprobs"] = [[None if pos is None else pos[t].logprob for t, pos in
+                                      zip(p, o.prompt_logprobs)] for p, o in zip(spec["prompts"], outs)]
     if spec.get("timing"):
         result["timings"], result["model_seconds"] = _time(llm, prompts, spec["timing"])
     if spec.get("inductor_code"):

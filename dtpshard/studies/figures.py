@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from dtpshard.core.io import atomic_path
 from dtpshard.studies.compare import head_start, rolling_median
+from dtpshard.studies.seeds import MIN_LAYOUTS, seeded_random
 from dtpshard.studies.stats import correlate, mean_curve, rank_correlate
 from dtpshard.studies.study import distinct as distinct_layouts
 from dtpshard.studies.study import layout_kl, mid_step
@@ -275,6 +276,32 @@ def draw_head_start(study: Study, path: Path) -> Path | None:
     return out
 
 
+def draw_seeds(study: Study, path: Path) -> Path | None:
+    """Each of those random layouts' final KL per seed against its J, the seed mean ringed."""
+    import matplotlib.pyplot as plt
+
+    seeded = seeded_random(study)
+    if len(seeded) < MIN_LAYOUTS:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    markers = "o^sDv<>"
+    for info, kls in seeded:
+        ax.plot([info.J, info.J], [min(kls), max(kls)], color="grey", lw=1, zorder=1)
+        for s, v in enumerate(kls):
+            ax.scatter(info.J, v, marker=markers[s % len(markers)], color=f"C{s}", s=30, zorder=3,
+                       label=f"seed {s}" if info is seeded[0][0] else None)
+        ax.scatter(info.J, sum(kls) / len(kls), facecolor="none", edgecolor="black", s=110, lw=0.9, zorder=2,
+                   label="seed mean" if info is seeded[0][0] else None)
+    ax.set_xlabel("co-located score J")
+    ax.set_ylabel(f"KL at step {study.steps}, nats / token")
+    ax.set_title(f"{len(seeded)} random layouts, each trained with several seeds", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    out = _save(fig, path)
+    plt.close(fig)
+    return out
+
+
 def draw_all(study: Study, figures: Path) -> dict[str, Path]:
     import matplotlib
 
@@ -282,7 +309,7 @@ def draw_all(study: Study, figures: Path) -> dict[str, Path]:
     figures.mkdir(parents=True, exist_ok=True)
     out = {}
     for key, fn in (("curves", draw_curves), ("j_vs_kl", draw_j_vs_kl), ("proxies", draw_proxies),
-                    ("up_edge", draw_up_edge), ("head_start", draw_head_start)):
+                    ("up_edge", draw_up_edge), ("head_start", draw_head_start), ("seeds", draw_seeds)):
         p = fn(study, figures / f"{key}.png")
         if p is not None:
             out[key] = p

@@ -25,6 +25,7 @@ from dtpshard.studies import provenance as p
 from dtpshard.studies.compare import optional_sections
 from dtpshard.studies.dominance import dominance_lines
 from dtpshard.studies.figures import draw_all
+from dtpshard.studies.seeds import seed_lines
 from dtpshard.studies.stalls import stall_lines
 from dtpshard.studies.stats import (
     bootstrap_pearson,
@@ -294,6 +295,7 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
     if "proxies" in figures:
         body += [f"![trained KL against J under each proxy]({figures['proxies']})", ""]
     body += stall_lines(study)
+    body += seed_lines(study, figures)
     body += ["## Every layout", "", layout_table(study), ""]
     if "up_edge" in figures:
         body += ["## Where the up edge is co-located, layer by layer", "",

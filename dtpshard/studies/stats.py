@@ -185,7 +185,7 @@ class Interval:
         return f"[{self.low:+.{digits}f}, {self.high:+.{digits}f}]"
 
 
-def _percentile_interval(stats: np.ndarray, level: float) -> Interval | None:
+def percentile_interval(stats: np.ndarray, level: float) -> Interval | None:
     stats = stats[np.isfinite(stats)]  # resamples where r is undefined are dropped
     if stats.size == 0:
         return None
@@ -206,7 +206,7 @@ def bootstrap_pearson(x: Sequence[float], y: Sequence[float], resamples: int = 1
     if len(xs) < 3:
         return None
     idx = _resamples(len(xs), resamples, seed)
-    return _percentile_interval(pearson_rows(xs[idx], ys[idx]), level)
+    return percentile_interval(pearson_rows(xs[idx], ys[idx]), level)
 
 
 def bootstrap_pearson_difference(xa: Sequence[float], xb: Sequence[float], y: Sequence[float],
@@ -218,7 +218,7 @@ def bootstrap_pearson_difference(xa: Sequence[float], xb: Sequence[float], y: Se
     if len(a) < 3:
         return None
     idx = _resamples(len(a), resamples, seed)
-    return _percentile_interval(pearson_rows(a[idx], c[idx]) - pearson_rows(b[idx], c[idx]), level)
+    return percentile_interval(pearson_rows(a[idx], c[idx]) - pearson_rows(b[idx], c[idx]), level)
 
 
 @dataclass(frozen=True)
