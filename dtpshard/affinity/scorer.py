@@ -45,11 +45,11 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from dtpshard.affinity.file import edges_for_delay
 from dtpshard.affinity.offload import DiskArray, HiddenStates, MemoryArray
+from dtpshard.core.family import ACTIVATIONS
 from dtpshard.core.settings import DEFAULT
 from dtpshard.core.shape import ModelShape
 from dtpshard.core.vocab import PROXIES
@@ -92,12 +92,6 @@ PROXY_OPTIONS: dict[str, ScoreOptions] = {"first-order": ScoreOptions(), "group-
 assert set(PROXY_OPTIONS) == set(PROXIES), "every proxy name has its score options"
 
 
-def silu_grad(g: torch.Tensor) -> torch.Tensor:
-    """silu'(g) = σ(g)(1 + g(1 − σ(g)))."""
-    s = torch.sigmoid(g)
-    return s * (1 + g * (1 - s))
-
-
 @dataclass
 class Target:
     """Module b on a chunk of tokens (flattened), shapes [T, ·]."""
@@ -120,6 +114,7 @@ class EdgeScorer:
                  chunk: int | None = None):
         """w_src: module a's output weight (o_proj or down_proj, [D, cols]); tgt: module b's layer."""
         self.shape, self.opts, self.a, self.b = s, opts, a, b
+        self.act, self.act_grad = ACTIVATIONS[s.act]  # the family's gate activation and its derivative
         self.heads, self.to_ffn = a % 2 == 0, b % 2 == 1
         self.w_src = w_src
         gamma = tgt.ln2 if self.to_ffn else tgt.ln1
@@ -215,7 +210,7 @@ class EdgeScorer:
         g, u, rho = t.g.T, t.u.T, t.rho.T  # [N, T], [N, T], [1, T]
         if self.opts.rho == "ablation":
             return {"g": g.contiguous(), "u": u.contiguous(), "act": t.act.T.contiguous(), "rho": rho}
-        a, bs = silu_grad(g) * u, F.silu(g)  # a = silu'(g)u, b = silu(g); β = 1/ρ (per token)
+        a, bs = self.act_grad(g) * u, self.act(g)  # a = silu'(g)u, b = silu(g); β = 1/ρ (per token)
         side = {"a": (a / rho).contiguous(), "b": (bs / rho).contiguous(), "rho": rho}
         if self.opts.rho == "jacobian":
             side["e"] = (a * g + bs * u).contiguous()
@@ -232,7 +227,7 @@ class EdgeScorer:
             keep = 1 - alpha * side["rho"]  # [u, 1, T]
             g2 = torch.addcmul(side["g"][vs] * keep, beta, zg, value=-1)
             u2 = torch.addcmul(side["u"][vs] * keep, beta, zu, value=-1)
-            d = torch.sub(side["act"][vs], F.silu(g2).mul_(u2))
+            d = torch.sub(side["act"][vs], self.act(g2).mul_(u2))
         else:  # d = a Δg + b Δu, Δg = zg/ρ (+ α ρ g for the exact Jacobian)
             d = zg.mul_(side["a"][vs]).addcmul_(zu, side["b"][vs])
             if alpha is not None:
@@ -269,10 +264,10 @@ class EdgeScorer:
         if self.opts.rho == "ablation":  # Δg[t, n, m] = μ g_m + λ_n fg[n, m]; materialised
             dg = lam[:, :, None] * fg + mu[:, :, None] * t.g[:, None, :]
             du = lam[:, :, None] * fu + mu[:, :, None] * t.u[:, None, :]
-            d = t.act[:, None, :] - F.silu(t.g[:, None, :] - dg) * (t.u[:, None, :] - du)
+            d = t.act[:, None, :] - self.act(t.g[:, None, :] - dg) * (t.u[:, None, :] - du)
             return d.pow(2).sum(0)
         # d = λ_n (a_m fg + b_m fu) + μ_n e_m, with a = silu'(g)u, b = silu(g), e = a g + b u
-        a, bs = silu_grad(t.g) * t.u, F.silu(t.g)
+        a, bs = self.act_grad(t.g) * t.u, self.act(t.g)
         l2 = lam.pow(2).T  # [N_src, T]
         out = fg.pow(2) * (l2 @ a.pow(2)) + 2 * fg * fu * (l2 @ (a * bs)) + fu.pow(2) * (l2 @ bs.pow(2))
         if mu is not None:

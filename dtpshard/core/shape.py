@@ -10,34 +10,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from dtpshard.core.errors import UserError, quote
+from dtpshard.core.family import ACTIVATIONS, FAMILIES, FAMILY  # noqa: F401 - FAMILIES: the names, re-exported
 
-
-@dataclass(frozen=True)
-class Family:
-    """What dtpshard knows of a supported model family (transformers' model_type `name`)."""
-
-    name: str
-    prefix: str  # transformers' class prefix: {prefix}RotaryEmbedding, {prefix}ForCausalLM
-    qkv_bias: bool  # q/k/v projections with a bias (Qwen2)
-    qk_norm: bool  # RMSNorm on each head's q and k (Qwen3)
-    window_by_default: bool  # a sliding_window with use_sliding_window unset is used (Llama, Mistral)
-
-    @property
-    def modeling(self) -> str:
-        """transformers' module of the family's classes."""
-        return f"transformers.models.{self.name}.modeling_{self.name}"
-
-    @property
-    def causal_lm(self) -> str:
-        return f"{self.prefix}ForCausalLM"
-
-
-# the one table of supported families
-FAMILY = {f.name: f for f in (Family("llama", "Llama", qkv_bias=False, qk_norm=False, window_by_default=True),
-                              Family("qwen2", "Qwen2", qkv_bias=True, qk_norm=False, window_by_default=False),
-                              Family("qwen3", "Qwen3", qkv_bias=False, qk_norm=True, window_by_default=False),
-                              Family("mistral", "Mistral", qkv_bias=False, qk_norm=False, window_by_default=True))}
-FAMILIES = tuple(FAMILY)
 STUDENT_TYPE = "dtp"  # a distilled student's model_type (model/student.py): its `dtp` block names the base family
 UNIT_FIELDS = ("layers", "kv_groups", "heads_per_group", "neurons")  # what a layout or an affinity file records
 
@@ -104,6 +78,14 @@ class ModelShape(UnitShape):
     tied: bool
     qkv_bias: bool  # Qwen2
     qk_norm: bool  # Qwen3
+    # what some families add (core/family.py); the defaults are every other family's
+    act: str = "silu"  # the gate's activation (ACTIVATIONS)
+    embedding_multiplier: float = 1.0  # the embedding's scale (Granite)
+    residual_multiplier: float = 1.0  # each module output's scale before it joins the stream (Granite)
+    attention_scale: float | None = None  # the scores' factor (None: 1/sqrt(head_dim); Granite's multiplier)
+    logits_scaling: float = 1.0  # logits are divided by it (Granite)
+    rotary_dim: int | None = None  # dimensions of each head that rotate (None: all; a partial rotary factor)
+    window: int | None = None  # sliding-window attention: each query sees the `window` latest positions
 
     @property
     def heads(self) -> int:  # H query heads
@@ -125,11 +107,14 @@ class ModelShape(UnitShape):
         return self.layers * self.layer_params() + self.vocab * self.hidden * (1 if self.tied else 2)
 
     def to_dict(self) -> dict[str, Any]:
-        """The shape as a run's config.json records it (compared on resume, so its keys stay fixed)."""
-        return {"family": self.family, "layers": self.layers, "hidden": self.hidden, "heads": self.heads,
-                "kv_groups": self.kv_groups, "head_dim": self.head_dim, "neurons": self.neurons,
-                "vocab": self.vocab, "rms_eps": self.rms_eps, "tied": self.tied, "qkv_bias": self.qkv_bias,
-                "qk_norm": self.qk_norm}
+        """The shape as a run's config.json records it (compared on resume, so its keys stay fixed: a
+        field at its default is left out, as runs recorded before it existed have it)."""
+        out = {"family": self.family, "layers": self.layers, "hidden": self.hidden, "heads": self.heads,
+               "kv_groups": self.kv_groups, "head_dim": self.head_dim, "neurons": self.neurons,
+               "vocab": self.vocab, "rms_eps": self.rms_eps, "tied": self.tied, "qkv_bias": self.qkv_bias,
+               "qk_norm": self.qk_norm}
+        return {**out, **{f.name: getattr(self, f.name) for f in fields(self)[len(fields(UnitShape)) + 8:]
+                          if getattr(self, f.name) != f.default}}
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -149,6 +134,34 @@ def family_config(cfg: Any) -> Any:
     return base()
 
 
+def _window(cfg: Any, family: str) -> int | None:
+    """The sliding window a config uses, None if none; windows that vary by layer are refused."""
+    layer_types = _get(cfg, "layer_types") or []
+    use_sw, window = _get(cfg, "use_sliding_window"), _get(cfg, "sliding_window")
+    if use_sw or any(t != "full_attention" for t in layer_types):  # Qwen's windows on some layers
+        raise UserError(f"sliding_window={window!r} (use_sliding_window={use_sw!r}): sliding-window attention on "
+                        "some layers only is not supported")
+    if window is None or use_sw is False or not FAMILY[family].window_by_default:
+        return None
+    if not _is_int(window) or window < 1:
+        raise UserError(f"config.json: sliding_window={quote(window)} must be a positive integer")
+    limit = _get(cfg, "max_position_embeddings")
+    return None if isinstance(limit, int) and window >= limit else window
+
+
+def _rotary_dim(cfg: Any, head_dim: int) -> int | None:
+    params = _get(cfg, "rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", _get(cfg, "partial_rotary_factor", 1.0)) if isinstance(params, dict) \
+        else 1.0
+    if not _is_number(factor) or not 0 < factor <= 1:
+        raise UserError(f"config.json: partial_rotary_factor={quote(factor)} must be in (0, 1]")
+    dim = int(head_dim * factor)
+    if dim % 2:
+        raise UserError(f"config.json: partial_rotary_factor={factor} rotates {dim} of {head_dim} dimensions, an "
+                        "odd number (rotary embeddings rotate pairs)")
+    return None if dim == head_dim else dim
+
+
 def shape_from_hf_config(cfg: Any) -> ModelShape:
     """Validate a transformers config (a DTP student's: its base family's) and return its shape;
     refuse anything DTP cannot run."""
@@ -156,24 +169,20 @@ def shape_from_hf_config(cfg: Any) -> ModelShape:
     family = _get(cfg, "model_type")
     if family not in FAMILIES:
         raise UserError(f"model_type={family!r} is not supported (supported: {', '.join(FAMILIES)})")
+    spec = FAMILY[family]
     for moe_field in ("num_experts", "num_local_experts", "n_routed_experts"):
         if _get(cfg, moe_field):
             raise UserError(f"{moe_field}={_get(cfg, moe_field)} (mixture-of-experts models are not supported)")
     act = _get(cfg, "hidden_act", "silu")
-    if act != "silu":
-        raise UserError(f"hidden_act={act!r} is not supported (only SwiGLU with silu)")
-    layer_types = _get(cfg, "layer_types") or []
-    sliding_layers = [t for t in layer_types if t != "full_attention"]
-    use_sw = _get(cfg, "use_sliding_window")
-    window = _get(cfg, "sliding_window")
-    if use_sw or sliding_layers or (window is not None and use_sw is None and FAMILY[family].window_by_default):
-        raise UserError(f"sliding_window={window!r} (use_sliding_window={use_sw!r}): "
-                        "sliding-window attention is not supported")
-    if not FAMILY[family].qkv_bias and _get(cfg, "attention_bias"):
+    if act not in ACTIVATIONS:
+        raise UserError(f"hidden_act={act!r} is not supported (a gated FFN with {', '.join(ACTIVATIONS)})")
+    window = _window(cfg, family)
+    if not spec.qkv_bias and _get(cfg, "attention_bias"):
         raise UserError("attention_bias=True is not supported (an o_proj bias cannot be split into partials)")
     if _get(cfg, "mlp_bias"):
         raise UserError("mlp_bias=True is not supported")
     check_numbers(cfg.to_dict() if callable(getattr(cfg, "to_dict", None)) else vars(cfg))  # an in-memory config too
+    spec.check_config(cfg)
     heads = cfg.num_attention_heads
     kv = _get(cfg, "num_key_value_heads") or heads
     head_dim = _get(cfg, "head_dim") or cfg.hidden_size // heads
@@ -181,7 +190,8 @@ def shape_from_hf_config(cfg: Any) -> ModelShape:
         family=family, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads_per_group=heads // kv,
         kv_groups=kv, head_dim=head_dim, neurons=cfg.intermediate_size, vocab=cfg.vocab_size,
         rms_eps=float(_get(cfg, "rms_norm_eps", 1e-6)), tied=bool(_get(cfg, "tie_word_embeddings", False)),
-        qkv_bias=FAMILY[family].qkv_bias, qk_norm=FAMILY[family].qk_norm)
+        qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm, act=act, rotary_dim=_rotary_dim(cfg, head_dim), window=window,
+        **spec.scalar_values(cfg))
 
 
 _DIMENSIONS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")

@@ -62,18 +62,30 @@ class KVCache:
         """Called once a forward has appended `length` tokens to every slot (nothing to do here)."""
 
 
+def window_band(T: int, S: int, window: int, device: torch.device) -> torch.Tensor:
+    """[T, S] boolean: query t (the last T of S positions) sees key s only if t − s < window, as
+    transformers' sliding-window mask (positions counted in the cache, padding included)."""
+    q = torch.arange(S - T, S, device=device)[:, None]
+    return (q - torch.arange(S, device=device)[None]) < window
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_per_group: int, kv: Any = None,
-           mask: torch.Tensor | None = None) -> torch.Tensor:
+           mask: torch.Tensor | None = None, scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """q [N, H, T, hd], k and v [N, G, T, hd] (rotary already applied) -> o [N, H, T, hd], with
     H = G · heads_per_group. With a cache slot `kv`, k and v are appended to it first and
     query t sees the P cached positions and new positions up to t. `mask` (boolean, broadcastable
     to [N, H, T, P + T], True = attend) replaces that causal rule, e.g. for left padding; the caller
-    builds it causal. A cache may give its own mask (a fixed-size cache: the positions filled)."""
+    builds it causal. A cache may give its own mask (a fixed-size cache: the positions filled, and
+    its window). `scale`: the scores' factor (None: 1/sqrt(hd)); `window`: sliding-window attention,
+    each query seeing only the `window` latest positions."""
     if kv is not None:
         k, v, visible = kv.append(k, v)
         mask = visible if mask is None else mask
     T = q.shape[2]
     cached = k.shape[2] - T
+    if window is not None and window < k.shape[2] and not getattr(kv, "windowed", False):
+        band = window_band(T, k.shape[2], window, q.device)
+        mask = (band & torch.ones_like(band).tril(cached)) if mask is None else mask & band
     # On the CPU, sdpa attends grouped queries without copying k and v per query head; on CUDA
     # enable_gqa is not supported by every kernel (a math fallback would cost more than the copy).
     # enable_gqa is passed only when True, so older torch (no such argument) keeps working.
@@ -82,6 +94,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_per_group: i
     if r > 1 and not gqa:
         k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
     extra = {"enable_gqa": True} if gqa else {}
+    if scale is not None:
+        extra["scale"] = scale
     if mask is None and cached and T > 1:  # a chunk appended to a cache: query t sees keys up to cached + t
         mask = torch.ones(T, cached + T, dtype=torch.bool, device=q.device).tril(cached)
     if mask is not None:

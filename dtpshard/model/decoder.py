@@ -89,8 +89,9 @@ class Decoder(nn.Module):
         return self.sequence[m].partials(x, cos, sin, cache, mask)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[B, T] token ids -> [B, T, D] embeddings."""
-        return self.model.embed_tokens(input_ids)
+        """[B, T] token ids -> [B, T, D] embeddings (times the family's embedding multiplier)."""
+        e = self.model.embed_tokens(input_ids)
+        return e if self.shape.embedding_multiplier == 1 else e * self.shape.embedding_multiplier
 
     def rope(self, x: torch.Tensor, start: int | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [1, 1, length, hd] of positions start .. start + length - 1."""

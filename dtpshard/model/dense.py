@@ -68,12 +68,16 @@ class LayerWeights:
 
     @classmethod
     def of(cls, layer: Layer, s: ModelShape) -> LayerWeights:
+        """o_w and down carry the family's residual multiplier: a unit's contribution to the stream
+        is what they give."""
         a, f = layer.self_attn, layer.mlp
         r, hd, g = s.heads_per_group, s.head_dim, s.kv_groups
         qkv_w = torch.cat([a.q_proj.weight.view(g, r * hd, s.hidden), a.k_proj.weight.view(g, hd, s.hidden),
                            a.v_proj.weight.view(g, hd, s.hidden)], dim=1)
-        return cls(layer.input_layernorm.weight, qkv_w, a.o_proj.weight, layer.post_attention_layernorm.weight,
-                   f.gate_proj.weight, f.up_proj.weight, f.down_proj.weight)
+        m = s.residual_multiplier
+        o_w, down = (a.o_proj.weight, f.down_proj.weight) if m == 1 else (a.o_proj.weight * m, f.down_proj.weight * m)
+        return cls(layer.input_layernorm.weight, qkv_w, o_w, layer.post_attention_layernorm.weight,
+                   f.gate_proj.weight, f.up_proj.weight, down)
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -135,7 +139,7 @@ class DenseModel(Decoder):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[B, T] token ids -> [B, T, D] residual stream."""
-        return self.model.embed_tokens(ids.to(self.device))
+        return super().embed(ids.to(self.device))
 
     def step(self, m: int, x: torch.Tensor) -> tuple[torch.Tensor, AttentionOut | FFNOut]:
         """Module m on the residual x [B, T, D], through the decoder's loop: the residual after it
@@ -242,4 +246,4 @@ class StreamedDense(DenseModel):
             if bool(hit.any()):  # the rows picked before the conversion: only those are copied
                 block = self.ckpt.files.get("model.embed_tokens.weight", slice(r0, min(V, r0 + step)))
                 out[hit] = block[(ids[hit] - r0).cpu()].to(device=self.device, dtype=self.dtype)
-        return out
+        return out if self.shape.embedding_multiplier == 1 else out * self.shape.embedding_multiplier

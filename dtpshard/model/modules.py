@@ -2,7 +2,8 @@
 
 Device l's partial of an attention is its pre-norm input through its own heads (q/k/v rows with
 their biases, q/k-norm, RoPE, attention over its KV groups, its o_proj columns); of an FFN, its own
-neurons (gate/up rows, SwiGLU, its down_proj columns). The inputs carry the devices axis
+neurons (gate/up rows, the gated activation, its down_proj columns); either times the family's
+residual multiplier (core/family.py), which distributes over the devices' partials. The inputs carry the devices axis
 [L, B, T, D] and the weights are the dense ones, read as per-device views (ops.device_matmul), so:
 
 - the simulator (`DTPModel`) holds the dense weights and runs all L devices at once;
@@ -20,9 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from dtpshard.core.family import ACTIVATIONS
 from dtpshard.core.shape import ModelShape
 from dtpshard.model.attention import attend
 from dtpshard.model.ops import Norm, Proj, device_matmul, rotary
@@ -63,7 +64,8 @@ class Attention(nn.Module):
         q, k, v = (self._heads(n, h, trace) for n in "qkv")
         if self.s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        o = attend(rotary(q, cos, sin), rotary(k, cos, sin), v, self.s.heads_per_group, kv, mask)
+        o = attend(rotary(q, cos, sin), rotary(k, cos, sin), v, self.s.heads_per_group, kv, mask,
+                   self.s.attention_scale, self.s.window)
         if trace is not None:
             trace["o"] = o  # [L*B, H/L, T, hd], the o_proj input per head
         o = o.transpose(1, 2).reshape(L, B, T, -1)  # [L*B, Hl, T, hd] -> [L, B, T, Hl*hd]
@@ -73,6 +75,7 @@ class Attention(nn.Module):
 class FFN(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
+        self.act = ACTIVATIONS[s.act][0]
         self.gate_proj = Proj(s.neurons, s.hidden)
         self.up_proj = Proj(s.neurons, s.hidden)
         self.down_proj = Proj(s.hidden, s.neurons)
@@ -80,7 +83,7 @@ class FFN(nn.Module):
     def partials(self, h: torch.Tensor, trace: Trace | None = None) -> torch.Tensor:
         """h [L, B, T, D] -> partials [L, B, T, D]: device l's neurons through its down_proj columns."""
         g, u = device_matmul(h, self.gate_proj), device_matmul(h, self.up_proj)
-        act = F.silu(g) * u
+        act = self.act(g) * u
         if trace is not None:
             trace.update(gate=g, up=u, act=act)
         return device_matmul(act, self.down_proj, cols=True)
@@ -118,8 +121,11 @@ class Module:
         layer = self.layer
         if self.attention:
             kv = None if cache is None else cache[self.index]
-            return layer.self_attn.partials(layer.input_layernorm(x), cos, sin, kv, mask, trace)
-        return layer.mlp.partials(layer.post_attention_layernorm(x), trace)
+            p = layer.self_attn.partials(layer.input_layernorm(x), cos, sin, kv, mask, trace)
+        else:
+            p = layer.mlp.partials(layer.post_attention_layernorm(x), trace)
+        scale = layer.self_attn.s.residual_multiplier  # what joins the stream (Granite's residual multiplier)
+        return p if scale == 1 else p * scale
 
 
 def sequence(stack: Any, layers: int) -> tuple[Module, ...]:

@@ -80,8 +80,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on [N, heads, T, hd] with cos/sin broadcastable to it (transformers' apply_rotary_pos_emb)."""
-    return x * cos + rotate_half(x) * sin
+    """RoPE on [N, heads, T, hd] with cos/sin broadcastable to it (transformers' apply_rotary_pos_emb);
+    cos/sin narrower than hd (a partial rotary factor, Phi-3's): only the first dimensions rotate."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rd], x[..., rd:]
+    return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
 
 
 # -- the residual update ----------------------------------------------------------------------

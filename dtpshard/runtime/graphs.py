@@ -22,29 +22,34 @@ from dtpshard.model.attention import KVCache
 
 
 class StaticSlot:
-    """One attention module's fixed buffers [B, G/L, max_len, hd]; the position is the cache's."""
+    """One attention module's fixed buffers [B, G/L, max_len, hd]; the position is the cache's. Its
+    mask is the whole rule, a sliding window's too (attend adds none: `windowed`)."""
+
+    windowed = True
 
     def __init__(self, cache: StaticKVCache, k: torch.Tensor):
         self.cache, self.k, self.v = cache, k, torch.zeros_like(k)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        pos = self.cache.pos
+        pos, positions = self.cache.pos, self.cache.positions
         self.k.index_copy_(2, pos, k)
         self.v.index_copy_(2, pos, v)
-        visible = (self.cache.positions <= pos)[None, None, None]  # [1, 1, 1, max_len]
-        return self.k, self.v, visible
+        visible = positions <= pos
+        if self.cache.window is not None:
+            visible = visible & (pos - positions < self.cache.window)
+        return self.k, self.v, visible[None, None, None]  # [1, 1, 1, max_len]
 
 
 class StaticKVCache:
     """The cache protocol of model/attention.py over fixed buffers: one token per call."""
 
     def __init__(self, layers: int, batch: int, groups: int, max_len: int, head_dim: int, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, window: int | None = None):
         self.slots = [StaticSlot(self, torch.zeros(batch, groups, max_len, head_dim, device=device, dtype=dtype))
                       for _ in range(layers)]
         self.pos = torch.zeros(1, dtype=torch.long, device=device)  # where the next token goes
         self.positions = torch.arange(max_len, device=device)
-        self.max_len = max_len
+        self.max_len, self.window = max_len, window
 
     def __getitem__(self, i: int) -> StaticSlot:
         return self.slots[i]
@@ -71,7 +76,7 @@ class GraphDecoder:
     def __init__(self, net, batch: int, max_len: int):  # a RankModel
         s, self.net, self.max_len = net.shape, net, max_len
         w = net.lm_head_weight
-        self.static = StaticKVCache(s.layers, batch, s.kv_groups, max_len, s.head_dim, w.device, w.dtype)
+        self.static = StaticKVCache(s.layers, batch, s.kv_groups, max_len, s.head_dim, w.device, w.dtype, s.window)
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=w.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None

@@ -43,10 +43,13 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.sequence import IntermediateTensors
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.family import VLLM_FUSED
 from dtpshard.core.shape import ModelShape
 from dtpshard.model.exchange import Exchange
 from dtpshard.serve.reduce import FunctionalReduce
 from dtpshard.serve.student import ServedStudent, check_parallel, served_student
+
+ACT_AND_MUL = {"silu": SiluAndMul}  # vLLM's fused activation-and-multiply per core/family.py ACTIVATIONS name
 
 
 class TPReduce(FunctionalReduce):
@@ -96,8 +99,9 @@ class DTPAttention(nn.Module):
             self.k_norm = RMSNorm(s.head_dim, eps=s.rms_eps)
         self.rotary_emb = get_rope(s.head_dim, max_position=getattr(cfg, "max_position_embeddings", 8192),
                                    rope_parameters=getattr(cfg, "rope_parameters", None), is_neox_style=True)
-        self.attn = Attention(heads, s.head_dim, s.head_dim ** -0.5, num_kv_heads=groups,
-                              cache_config=vllm_config.cache_config, quant_config=quant, prefix=f"{prefix}.attn")
+        scale = s.head_dim ** -0.5 if s.attention_scale is None else s.attention_scale
+        self.attn = Attention(heads, s.head_dim, scale, num_kv_heads=groups, cache_config=vllm_config.cache_config,
+                              quant_config=quant, per_layer_sliding_window=s.window, prefix=f"{prefix}.attn")
 
     def _norm_heads(self, norm: RMSNorm, t: torch.Tensor) -> torch.Tensor:
         by_head = t.view(*t.shape[:-1], t.shape[-1] // self.head_dim, self.head_dim)  # [tokens, heads, hd]
@@ -127,7 +131,7 @@ class DTPFFN(nn.Module):
                                                        prefix=f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(s.neurons, s.hidden, bias=False, reduce_results=False,
                                            quant_config=quant, prefix=f"{prefix}.down_proj")
-        self.act_fn = SiluAndMul()
+        self.act_fn = ACT_AND_MUL[s.act]()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate_up, _ = self.gate_up_proj(h)
@@ -145,12 +149,15 @@ class DTPDecoderLayer(nn.Module):
         self.self_attn = DTPAttention(student, vllm_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(s.hidden, eps=s.rms_eps)
         self.mlp = DTPFFN(s, vllm_config, f"{prefix}.mlp")
+        self.residual_multiplier = s.residual_multiplier
 
     def partial(self, attention: bool, positions: torch.Tensor, x: torch.Tensor, exchange: Exchange,
                 split: bool) -> torch.Tensor:
         if attention:
-            return self.self_attn(positions, self.input_layernorm(x), exchange.settle if split else None)
-        return self.mlp(self.post_attention_layernorm(x))
+            p = self.self_attn(positions, self.input_layernorm(x), exchange.settle if split else None)
+        else:
+            p = self.mlp(self.post_attention_layernorm(x))
+        return p if self.residual_multiplier == 1 else p * self.residual_multiplier
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0})
@@ -173,7 +180,9 @@ class DTPDecoder(nn.Module):
         self.norm = RMSNorm(s.hidden, eps=s.rms_eps)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        e = self.embed_tokens(input_ids)
+        m = self.student.shape.embedding_multiplier
+        return e if m == 1 else e * m
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
@@ -190,11 +199,12 @@ class DTPDecoder(nn.Module):
 class DTPForCausalLM(nn.Module):
     """vLLM's model for a DTP student (architecture "DTPForCausalLM", model_type "dtp")."""
 
-    # vLLM's fused parameters and the checkpoint's tensors they are stacked from
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-    stacked_params_mapping = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"),
-                              (".qkv_proj", ".v_proj", "v"), (".gate_up_proj", ".gate_proj", 0),
-                              (".gate_up_proj", ".up_proj", 1)]
+    # vLLM's fused parameters and the student's tensors they stack (core/family.py VLLM_FUSED; a
+    # student stores every family's layers under the canonical names)
+    packed_modules_mapping = {fused.rpartition(".")[2]: [p.rpartition(".")[2] for p, _ in parts]
+                              for fused, parts in VLLM_FUSED.items()}
+    stacked_params_mapping = [(f".{fused.rpartition('.')[2]}", f".{p.rpartition('.')[2]}", shard)
+                              for fused, parts in VLLM_FUSED.items() for p, shard in parts]
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -205,7 +215,7 @@ class DTPForCausalLM(nn.Module):
                                       prefix=f"{prefix}.lm_head" if prefix else "lm_head")
         if s.tied:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-        self.logits_processor = LogitsProcessor(s.vocab)
+        self.logits_processor = LogitsProcessor(s.vocab, scale=1 / s.logits_scaling)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
