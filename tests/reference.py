@@ -19,57 +19,84 @@ def _cfg(hf_config):
     return H, G, hd, theta, c.rms_norm_eps, c.model_type
 
 
+def _mult(c, key):  # Granite's multipliers (every other family: none)
+    return float(getattr(c, key, 1.0)) if c.model_type == "granite" else 1.0
+
+
+def _weights(sd, pre, c):
+    """A layer's q, k, v, gate and up matrices, read from Phi-3's fused tensors where it has them."""
+    if c.model_type != "phi3":
+        return {n: sd[pre + f"{'self_attn' if n in 'qkv' else 'mlp'}.{n}_proj.weight"]
+                for n in ("q", "k", "v", "gate", "up")}
+    H, G, hd = c.num_attention_heads, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
+    qkv, gate_up = sd[pre + "self_attn.qkv_proj.weight"], sd[pre + "mlp.gate_up_proj.weight"]
+    N = gate_up.shape[0] // 2
+    return {"q": qkv[:H * hd], "k": qkv[H * hd:(H + G) * hd], "v": qkv[(H + G) * hd:],
+            "gate": gate_up[:N], "up": gate_up[N:]}
+
+
 def _norm(x, w, eps):
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _rope(x, theta):  # x [T, hd], positions 0..T-1
-    T, hd = x.shape
+def _rope(x, theta, factor=1.0):  # x [T, hd], positions 0..T-1; the first factor·hd dimensions rotate
+    T, full = x.shape
+    hd = int(full * factor)
     inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
     ang = torch.arange(T, dtype=torch.float64)[:, None] * inv[None]
     cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
-    rot = torch.cat([-x[:, hd // 2:], x[:, :hd // 2]], -1)
-    return x * cos + rot * sin
+    y = x[:, :hd]
+    rot = torch.cat([-y[:, hd // 2:], y[:, :hd // 2]], -1)
+    return torch.cat([y * cos + rot * sin, x[:, hd:]], -1)
 
 
 def device_partial(sd, hf_config, m, l, L, x):
-    """p_l^m = f_m^l(x): device l's heads or neurons of module m, for one sequence x [T, D]."""
+    """p_l^m = f_m^l(x): device l's heads or neurons of module m, for one sequence x [T, D] (times
+    Granite's residual multiplier: what joins the stream)."""
     H, G, hd, theta, eps, family = _cfg(hf_config)
     r = H // G
     i = m // 2
     pre = f"model.layers.{i}."
+    W = _weights(sd, pre, hf_config)
     if m % 2 == 1:
-        N = sd[pre + "mlp.gate_proj.weight"].shape[0]
+        N = W["gate"].shape[0]
         rows = slice(l * N // L, (l + 1) * N // L)
         h = _norm(x, sd[pre + "post_attention_layernorm.weight"], eps)
-        g = h @ sd[pre + "mlp.gate_proj.weight"][rows].T
-        u = h @ sd[pre + "mlp.up_proj.weight"][rows].T
-        return (torch.nn.functional.silu(g) * u) @ sd[pre + "mlp.down_proj.weight"][:, rows].T
+        g = h @ W["gate"][rows].T
+        u = h @ W["up"][rows].T
+        out = (torch.nn.functional.silu(g) * u) @ sd[pre + "mlp.down_proj.weight"][:, rows].T
+        return out * _mult(hf_config, "residual_multiplier")
     h = _norm(x, sd[pre + "input_layernorm.weight"], eps)
     T = x.shape[0]
     out = torch.zeros_like(x)
+    factor = (getattr(hf_config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    scale = _mult(hf_config, "attention_multiplier") if family == "granite" else 1 / math.sqrt(hd)
+    window = getattr(hf_config, "sliding_window", None) if family == "phi3" else None
+    hidden = torch.ones(T, T, dtype=torch.bool).triu(1)  # a query does not see later positions
+    if window is not None:  # nor those `window` or more before it
+        hidden |= torch.ones(T, T, dtype=torch.bool).tril(-window)
     for g_ in range(l * G // L, (l + 1) * G // L):
         ks = slice(g_ * hd, (g_ + 1) * hd)
-        k = h @ sd[pre + "self_attn.k_proj.weight"][ks].T
-        v = h @ sd[pre + "self_attn.v_proj.weight"][ks].T
+        k = h @ W["k"][ks].T
+        v = h @ W["v"][ks].T
         if family == "qwen2":
             k = k + sd[pre + "self_attn.k_proj.bias"][ks]
             v = v + sd[pre + "self_attn.v_proj.bias"][ks]
         if family == "qwen3":
             k = _norm(k, sd[pre + "self_attn.k_norm.weight"], eps)
-        k = _rope(k, theta)
+        k = _rope(k, theta, factor)
         for h_ in range(g_ * r, (g_ + 1) * r):
             qs = slice(h_ * hd, (h_ + 1) * hd)
-            q = h @ sd[pre + "self_attn.q_proj.weight"][qs].T
+            q = h @ W["q"][qs].T
             if family == "qwen2":
                 q = q + sd[pre + "self_attn.q_proj.bias"][qs]
             if family == "qwen3":
                 q = _norm(q, sd[pre + "self_attn.q_norm.weight"], eps)
-            q = _rope(q, theta)
-            scores = (q @ k.T) / math.sqrt(hd)
-            scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+            q = _rope(q, theta, factor)
+            scores = (q @ k.T) * scale
+            scores = scores.masked_fill(hidden, float("-inf"))
             out = out + (scores.softmax(-1) @ v) @ sd[pre + "self_attn.o_proj.weight"][:, qs].T
-    return out
+    return out * _mult(hf_config, "residual_multiplier")
 
 
 def own_scale(m, M, L, d, stage3):
@@ -90,7 +117,7 @@ def literal_dtp_logits(hf_model, ids, L, delta, stage3="sqrt"):
     lm = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
     out = []
     for seq in ids:
-        xs = [sd["model.embed_tokens.weight"][seq].clone() for _ in range(L)]
+        xs = [sd["model.embed_tokens.weight"][seq] * _mult(cfg, "embedding_multiplier") for _ in range(L)]
         P = {}
         for m in range(M):
             P[m] = [device_partial(sd, cfg, m, l, L, xs[l]) for l in range(L)]
@@ -106,5 +133,5 @@ def literal_dtp_logits(hf_model, ids, L, delta, stage3="sqrt"):
                 new.append(x)
             xs = new
         h = sum(_norm(x, sd["model.norm.weight"], cfg.rms_norm_eps) for x in xs) / L
-        out.append(h @ lm.T)
+        out.append(h @ lm.T / _mult(cfg, "logits_scaling"))
     return torch.stack(out)

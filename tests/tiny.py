@@ -10,14 +10,14 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "llama_tied", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "llama_tied", "qwen2", "qwen3", "mistral", "phi3", "granite")
 
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
             num_key_value_heads=4, vocab_size=384, max_position_embeddings=256, rms_norm_eps=1e-6)
 
 
 def tiny_config(family: str = "llama", **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     kw = dict(BASE)
     if family == "llama":
@@ -35,6 +35,13 @@ def tiny_config(family: str = "llama", **overrides):
     elif family == "mistral":
         cls = MistralConfig
         kw.update(tie_word_embeddings=False, sliding_window=None)
+    elif family == "phi3":  # fused qkv_proj and gate_up_proj; a sliding window shorter than the tests' texts
+        cls = Phi3Config
+        kw.update(tie_word_embeddings=False, sliding_window=11, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    elif family == "granite":  # every multiplier away from 1
+        cls = GraniteConfig
+        kw.update(tie_word_embeddings=True, embedding_multiplier=3.0, residual_multiplier=0.6,
+                  attention_multiplier=0.2, logits_scaling=2.5)
     else:
         raise ValueError(family)
     kw.update(overrides)
