@@ -144,8 +144,13 @@ FAMILY = {f.name: f for f in (
 FAMILIES = tuple(FAMILY)
 
 
+def head_weight(weight: torch.Tensor, scaling: float = 1.0) -> torch.Tensor:
+    """The LM head's matrix with the family's logit transform in it: the embedding (or head) matrix
+    [V, D] divided by the logits scaling (Granite's; every other family's is 1, and nothing is
+    divided). The losses take this matrix, so their gradients carry the transform too."""
+    return weight if scaling == 1 else weight / scaling
+
+
 def logits(h: torch.Tensor, weight: torch.Tensor, scaling: float = 1.0) -> torch.Tensor:
-    """The LM head: h [..., D] times the embedding (or head) matrix [V, D], divided by the family's
-    logits scaling (Granite; 1 for every other family, where nothing is divided)."""
-    out = F.linear(h, weight)
-    return out if scaling == 1 else out / scaling
+    """The LM head: h [..., D] -> logits [..., V]."""
+    return F.linear(h, head_weight(weight, scaling))

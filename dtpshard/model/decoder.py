@@ -17,11 +17,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.shape import FAMILY, ModelShape, family_config
+from dtpshard.core.family import FAMILY, head_weight
+from dtpshard.core.shape import ModelShape, family_config
 from dtpshard.model.attention import KVCache
 from dtpshard.model.exchange import Exchange
 from dtpshard.model.modules import Layer, Trace, sequence
@@ -74,6 +76,15 @@ class Decoder(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [V, D]
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's matrix with the family's logit transform (core/family.py head_weight)."""
+        return head_weight(self.lm_head_weight, self.shape.logits_scaling)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head: h [..., D] (head_input's) -> logits [..., V]."""
+        return F.linear(h, self.head_weight)
 
     def new_cache(self) -> KVCache:
         return KVCache(self.shape.layers)

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from dtpshard.core.settings import DENSE, warn_if_other_settings
 from dtpshard.core.shape import ModelShape, shape_from_hf_config
@@ -180,7 +179,7 @@ class DenseModel(Decoder):
         """[B, T] token ids -> [B, T, V] logits: the L = 1, δ = 0 schedule over these modules."""
         exchange = self.exchange()
         x = self.run_streams(ids.to(self.device), 1, exchange)
-        return F.linear(self.head_input(x, exchange), self.lm_head_weight)
+        return self.logits(self.head_input(x, exchange))
 
 
 EMBED_BLOCK_BYTES = 64 << 20  # embedding rows read at once by StreamedDense

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from dtpshard.core.layout import as_layout
 from dtpshard.core.permutation import apply_layout
@@ -72,7 +71,7 @@ class DTPModel(PretrainedMixin, Decoder):
         h = self.hidden(input_ids, cache, attention_mask)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        logits = F.linear(h, self.lm_head_weight)
+        logits = self.logits(h)
         return output(logits, None if labels is None else causal_lm_loss(logits, labels), cache)
 
     # -- loading -------------------------------------------------------------------------

@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.launch import RankFailure, at_shutdown, cause
@@ -184,4 +183,4 @@ class RankModel(Decoder):
         x = self.run_streams(input_ids, 1, exchange, cache)
         if logits_to_keep:
             x = x[:, :, -logits_to_keep:]
-        return F.linear(self.head_input(x, exchange), self.lm_head_weight)
+        return self.logits(self.head_input(x, exchange))

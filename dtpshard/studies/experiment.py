@@ -234,7 +234,7 @@ class _CachedTeacher:
     every layout (the teacher does not depend on the layout): half the zero-shot cost."""
 
     def __init__(self, model: Any):
-        self.model, self.lm_head_weight, self._h = model, model.lm_head_weight, {}
+        self.model, self.head_weight, self._h = model, model.head_weight, {}
 
     def hidden(self, ids: Any) -> Any:
         key = (tuple(ids.shape), ids.cpu().numpy().tobytes())

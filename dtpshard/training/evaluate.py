@@ -14,7 +14,9 @@ import torch
 
 from dtpshard.core.devices import pick_device
 from dtpshard.core.errors import UserError, check_result
+from dtpshard.core.family import head_weight
 from dtpshard.core.io import dumps
+from dtpshard.core.shape import shape_from_hf_config
 from dtpshard.core.vocab import Count, Delay, Device, Stage3
 from dtpshard.data.blocks import load_texts, make_blocks
 from dtpshard.model.checkpoint import Checkpoint, check_token_ids, load_tokenizer, read_shape
@@ -24,10 +26,12 @@ from dtpshard.training.precision import Precision, autocast_for
 
 
 def hidden_and_head(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h [B, T, D], LM head weight [V, D]) of a DTPModel or of a transformers causal LM."""
-    if hasattr(model, "lm_head_weight"):
-        return model.hidden(ids), model.lm_head_weight
-    return model.model(ids).last_hidden_state, model.get_output_embeddings().weight
+    """(h [B, T, D], the LM head's matrix [V, D] with its logit transform: core/family.py
+    head_weight) of a DTPModel or of a transformers causal LM."""
+    if hasattr(model, "head_weight"):
+        return model.hidden(ids), model.head_weight
+    scaling = shape_from_hf_config(model.config).logits_scaling
+    return model.model(ids).last_hidden_state, head_weight(model.get_output_embeddings().weight, scaling)
 
 
 @torch.no_grad()
