@@ -111,6 +111,17 @@ class Family:
         """The canonical tensors a stored layer tensor holds, stacked by rows (itself if not fused)."""
         return self.fused.get(stored, (stored,))
 
+    def rows(self, shape: Any) -> dict[str, tuple[str, int, int]]:
+        """canonical layer tensor -> (stored layer tensor, first row, end row) in the stored one."""
+        sizes = {k: v[0] for k, v in layer_shapes(shape).items()}
+        out = {}
+        for stored in self.stored():
+            start = 0
+            for part in self.parts(stored):
+                out[part] = (stored, start, start + sizes[part])
+                start += sizes[part]
+        return out
+
     def check_config(self, cfg: Any, where: str = "config.json") -> None:
         """This family's numbers: every multiplier a finite number, and > 0 where it divides or scales."""
         for key in [s.key for s in self.scalars] + ([self.attention_scale_key] if self.attention_scale_key else []):
@@ -126,6 +137,73 @@ class Family:
         if self.attention_scale_key and getattr(cfg, self.attention_scale_key, None) is not None:
             out["attention_scale"] = float(getattr(cfg, self.attention_scale_key))
         return out
+
+
+def layer_shapes(shape: Any) -> dict[str, list[int]]:
+    """The shape of every canonical tensor of one decoder layer of `shape` (a core.shape.ModelShape)."""
+    D, q, kv, N, hd = shape.hidden, shape.heads * shape.head_dim, shape.kv_groups * shape.head_dim, shape.neurons, \
+        shape.head_dim
+    every = {"input_layernorm.weight": [D], "post_attention_layernorm.weight": [D],
+             "self_attn.q_proj.weight": [q, D], "self_attn.k_proj.weight": [kv, D], "self_attn.v_proj.weight": [kv, D],
+             "self_attn.o_proj.weight": [D, q], "self_attn.q_proj.bias": [q], "self_attn.k_proj.bias": [kv],
+             "self_attn.v_proj.bias": [kv], "self_attn.q_norm.weight": [hd], "self_attn.k_norm.weight": [hd],
+             "mlp.gate_proj.weight": [N, D], "mlp.up_proj.weight": [N, D], "mlp.down_proj.weight": [D, N]}
+    return {k: every[k] for k in FAMILY[shape.family].canonical(shape.qkv_bias, shape.qk_norm)}
+
+
+def stored_shapes(shape: Any, fused: bool = True) -> dict[str, list[int]]:
+    """Every tensor a checkpoint of `shape` holds, with its shape: its family's own format (fused:
+    the family's fused tensors), or the canonical one (a student's)."""
+    fam, per = FAMILY[shape.family], layer_shapes(shape)
+    out = {"model.embed_tokens.weight": [shape.vocab, shape.hidden], "model.norm.weight": [shape.hidden]}
+    if not shape.tied:
+        out["lm_head.weight"] = [shape.vocab, shape.hidden]
+    for i in range(shape.layers):
+        for key in (fam.stored() if fused else per):
+            parts = fam.parts(key) if fused else (key,)
+            out[f"model.layers.{i}.{key}"] = [sum(per[p][0] for p in parts), *per[parts[0]][1:]]
+    return out
+
+
+def _layer_key(name: str) -> tuple[str, str] | None:
+    """model.layers.{i}.{key} -> (prefix with i, key)."""
+    if not name.startswith("model.layers."):
+        return None
+    i, _, key = name[len("model.layers."):].partition(".")
+    return f"model.layers.{i}.", key
+
+
+def split_fused(sd: dict[str, torch.Tensor], shape: Any) -> dict[str, torch.Tensor]:
+    """A state dict in the family's format -> the canonical one (a fused tensor's parts as row views)."""
+    fam = FAMILY[shape.family]
+    if not fam.fused:
+        return dict(sd)
+    rows, out = fam.rows(shape), {}
+    for name, t in sd.items():
+        where = _layer_key(name)
+        if where is None or where[1] not in fam.fused:
+            out[name] = t
+            continue
+        for part in fam.parts(where[1]):
+            _, a, b = rows[part]
+            out[where[0] + part] = t[a:b]
+    return out
+
+
+def join_fused(sd: dict[str, torch.Tensor], shape: Any) -> dict[str, torch.Tensor]:
+    """A canonical state dict -> the family's format (its fused tensors stacked from their parts)."""
+    fam = FAMILY[shape.family]
+    if not fam.fused:
+        return dict(sd)
+    parts = {p: stored for stored, ps in fam.fused.items() for p in ps}
+    out = {}
+    for name, t in sd.items():
+        where = _layer_key(name)
+        if where is None or where[1] not in parts:
+            out[name] = t
+        elif fam.parts(parts[where[1]])[0] == where[1]:
+            out[where[0] + parts[where[1]]] = torch.cat([sd[where[0] + p] for p in fam.parts(parts[where[1]])])
+    return out
 
 
 FAMILY = {f.name: f for f in (

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dtpshard.core.family import split_fused
 from dtpshard.core.layout import as_layout
 from dtpshard.core.permutation import apply_layout
 from dtpshard.core.settings import DTPSettings, resolve_dtp
@@ -80,7 +81,8 @@ class DTPModel(PretrainedMixin, Decoder):
                         delay: float | None = None, stage3: str | None = None, layout: Any = None,
                         dtype: torch.dtype | str = torch.float32, record: dict[str, Any] | None = None,
                         settings: DTPSettings | None = None) -> DTPModel:
-        """The DTP model of a dense (or distilled) state dict, permuted by `layout` (a Layout or its
+        """The DTP model of a dense (or distilled) state dict (its family's format, fused tensors and
+        all, or the canonical one: core/family.py), permuted by `layout` (a Layout or its
         file). L, δ and stage3 as core.settings.resolve_dtp says: `settings` (already resolved) or
         the arguments, else the student's `record`, else the layout's, else the defaults. dtype
         "auto": the config's, else the weights' (as transformers)."""
@@ -93,7 +95,7 @@ class DTPModel(PretrainedMixin, Decoder):
         settings = resolve_dtp(shape, **given, record=record, layout=layout, where=where)
         with torch.device("meta"):
             model = cls(hf_config, settings)
-        sd = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+        sd = {k: v for k, v in split_fused(state_dict, shape).items() if not k.endswith("rotary_emb.inv_freq")}
         if model.shape.tied:
             sd.pop("lm_head.weight", None)
         stored = next((v.dtype for v in sd.values() if v.is_floating_point()), None)
