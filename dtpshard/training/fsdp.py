@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import atomic_path, atomic_write_text
+from dtpshard.core.io import SMALL_JSON, atomic_path, atomic_write_text, read_text
 from dtpshard.training.rundir import SHARDED_CHECKPOINT as DIR
 
 LATEST = "LATEST"
@@ -118,7 +118,7 @@ def latest(run: Path) -> Path | None:
     p = run / DIR / LATEST
     if not p.is_file():
         return None
-    return run / DIR / p.read_text().strip()
+    return run / DIR / read_text(p, SMALL_JSON, "checkpoint pointer").strip()
 
 
 def clean(run: Path) -> None:

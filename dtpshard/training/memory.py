@@ -26,6 +26,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.reading import read_text
 from dtpshard.core.settings import DTPSettings
 from dtpshard.core.shape import ModelShape
 from dtpshard.model.dtp import DTPModel
@@ -222,10 +223,10 @@ _STATUS, _CLEAR = Path("/proc/self/status"), Path("/proc/self/clear_refs")
 
 def _hwm() -> int | None:
     try:
-        for line in _STATUS.read_text().splitlines():
+        for line in read_text(_STATUS, 1 << 20, "process status").splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, UserError):  # no /proc: no measurement
         pass
     return None
 
