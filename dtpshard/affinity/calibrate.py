@@ -23,7 +23,7 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, check_replaceable, local_paths
 from dtpshard.core.io import check_output_file, check_writable_dir, dumps
 from dtpshard.core.settings import DEFAULT
-from dtpshard.core.shape import check_delay
+from dtpshard.core.shape import check_delay, check_seq_len
 from dtpshard.core.vocab import AffinityDType, Count, Delay, Device, NonNegativeInt, NonNegativeNumber, Proxy, Seed
 from dtpshard.data.blocks import load_texts, make_blocks
 from dtpshard.model.checkpoint import check_token_ids, load_tokenizer, open_checkpoint
@@ -126,6 +126,7 @@ def plan_calibration(model: Path, out: Path, data: CalibrationData = Calibration
     ckpt = open_checkpoint(model)
     shape = ckpt.shape
     check_delay(shape, delay)
+    check_seq_len(ckpt.hf_config, data.seq_len)
     if not edges_for_delay(shape.modules, delay):
         raise UserError(f"--delay {delay}: no edges (every module sees all partials below δ = 1)")
     check_output_file(Path(out))  # before the pass, not after it
