@@ -126,7 +126,6 @@ def plan_calibration(model: Path, out: Path, data: CalibrationData = Calibration
     ckpt = open_checkpoint(model)
     shape = ckpt.shape
     check_delay(shape, delay)
-    check_seq_len(ckpt.hf_config, data.seq_len)
     if not edges_for_delay(shape.modules, delay):
         raise UserError(f"--delay {delay}: no edges (every module sees all partials below δ = 1)")
     check_output_file(Path(out))  # before the pass, not after it
@@ -135,6 +134,7 @@ def plan_calibration(model: Path, out: Path, data: CalibrationData = Calibration
     texts = load_texts(data.text, data.dataset, role="calibration", text_field=data.text_field)
     ids = make_blocks(tok, texts, data.seq_len, data.blocks, seed=data.seed)  # [blocks, seq_len]
     check_token_ids(ids, shape.vocab, data.tokenizer or model)
+    check_seq_len(ckpt.hf_config, data.seq_len)  # the text's own refusals first: they say more
     budget = int(run.memory_budget * GiB) if run.memory_budget > 0 else default_budget(device)
     how = plan(shape, ids.numel(), delay, getattr(torch, run.dtype), budget, run.offload)
     if how.hidden > how.hidden_budget:
