@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from dtpshard.cli import main
 from test_convert import args_for as convert_args
 from test_distill import random_docs
+from test_experiment import config_text
 from tiny import command_line
 
 
@@ -79,11 +80,18 @@ def test_force_clears_only_what_dtpshard_made(setup, converted, tmp_path, capsys
     assert main(distill) == 0
     shutil.rmtree(run / "final")
     (run / "final").symlink_to(mine)
+    exp = tmp_path / "exp"  # an experiment's directory (its record) whose runs/ is a link to the user's
+    exp.mkdir()
+    (exp / "config.json").write_text(json.dumps({"format": "dtpshard.experiment/1"}))
+    (exp / "runs").symlink_to(mine)
+    (tmp_path / "study.toml").write_text(config_text(setup["model"], setup["text"]))
     capsys.readouterr()
     for out, argv, named, what in (
             (linked, convert_args(setup, linked), linked / "run", "is a symbolic link"),
             (foreign, convert_args(setup, foreign), foreign / "run", "is not a directory dtpshard made"),
-            (run, distill, run / "final", "is a symbolic link")):
+            (run, distill, run / "final", "is a symbolic link"),
+            (exp, ["experiment", str(tmp_path / "study.toml"), "--out", str(exp)], exp / "runs",
+             "is a symbolic link")):
         before = sorted(p.name for p in out.iterdir())
         assert main(argv + ["--force"]) == 2
         one_line(capsys, f"{named}: {what}", "nothing was removed")

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 # an experiment directory's files (experiment.py writes them, study.py reads them)
 TIMINGS, PROVENANCE, SCORES, ZEROSHOT = "timings.json", "provenance.json", "scores.json", "zeroshot.json"
-LAYOUT_DIR, RUNS = "layouts", "runs"
+LAYOUT_DIR, RUNS, TEACHER_CACHE = "layouts", "runs", "teacher-cache"
 
 
 class timed:

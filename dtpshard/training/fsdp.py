@@ -124,6 +124,8 @@ def latest(run: Path) -> Path | None:
 def clean(run: Path) -> None:
     """Rank 0, before training: drop temporaries and every step directory LATEST does not name."""
     root = run / DIR
+    if root.is_symlink():  # its files are someone else's: never cleared
+        raise UserError(f"{root}: is a symbolic link, which dtpshard did not make; remove it or use another --out")
     if not root.is_dir():
         return
     keep = latest(run)

@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -198,7 +198,7 @@ def check_run(run: Path, config: dict[str, Any], compared: list[str], force: boo
     return not diff
 
 
-def _made_by_dtpshard(d: Path) -> bool:
+def made_by_dtpshard(d: Path) -> bool:
     """Whether directory `d` carries dtpshard's own marker, so that --force may clear it: empty, a
     dtpshard directory or student (its config.json's format, or a `dtp` block), or a sharded
     checkpoint (its LATEST pointer and step directories)."""
@@ -213,16 +213,18 @@ def _made_by_dtpshard(d: Path) -> bool:
                                          or isinstance(config.get("dtp"), dict))
 
 
-def start_over(run: Path, owned: tuple[str, ...] = OWNED) -> None:
+def start_over(run: Path, owned: tuple[str, ...] = OWNED,
+               marks: dict[str, Callable[[Path], bool]] | None = None) -> None:
     """Remove this run's own files, `owned` (never anything else in the directory). Nothing is
     removed when one of them is not what the command makes: a symbolic link (it points at
-    someone else's files), or a directory without dtpshard's marker; that one is named instead."""
+    someone else's files), or a directory without dtpshard's marker (`marks[name]`, default
+    `made_by_dtpshard`); that one is named instead."""
     for name in owned:
         p = run / name
         if p.is_symlink():
             raise UserError(f"{p}: is a symbolic link (to {os.readlink(p)}), which dtpshard did not make; nothing "
                             "was removed (remove or move it yourself, or choose another --out)")
-        if p.is_dir() and not _made_by_dtpshard(p):
+        if p.is_dir() and not (marks or {}).get(name, made_by_dtpshard)(p):
             raise UserError(f"{p}: is not a directory dtpshard made (no dtpshard config.json in it); nothing was "
                             "removed (move it away, or choose another --out)")
     for name in owned:
