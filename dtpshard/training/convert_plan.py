@@ -117,7 +117,7 @@ def layout_plan(s: ModelShape, dtp: DTPSettings, available: int, rate: float | N
 def distill_plan(cfg: DistillConfig, s: ModelShape, world: int, local: int | None, device: str,
                  rate: float | None) -> StagePlan:
     """cfg: resolved (L and δ given)."""
-    from dtpshard.training.loop import plan_for
+    from dtpshard.training.memory import plan_for
 
     mem = plan_for(cfg, world, device, local)
     P = s.params()

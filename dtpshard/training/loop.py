@@ -34,7 +34,7 @@ from dtpshard.core.memory import return_freed_memory
 from dtpshard.core.shape import check_seq_len, family_config, shape_from_hf_config
 from dtpshard.model.checkpoint import load_hf_config, open_checkpoint
 from dtpshard.model.hf import dtype_name
-from dtpshard.model.shards import Weights, parse_size
+from dtpshard.model.shards import Weights
 from dtpshard.training import inputs, memory, rundir
 from dtpshard.training.card import TeacherHashes, student_card
 from dtpshard.training.ddp import Dist
@@ -116,21 +116,6 @@ def _evaluate(student, teacher, ev: torch.Tensor, cfg: DistillConfig, d: Dist, s
         student.train(was)
         strategy.after_eval(student)
     return summarise(d.sum(sums), True)
-
-
-def plan_for(cfg: DistillConfig, world: int, device: str, local: int | None = None,
-             hf_config: Any = None) -> memory.MemoryPlan:
-    """The memory plan of this run per process, from config.json alone (cfg resolved; `hf_config`:
-    the teacher's, when it is read already); `local` processes share this machine's RAM (default:
-    torchrun's LOCAL_WORLD_SIZE)."""
-    hf_config = load_hf_config(cfg.teacher) if hf_config is None else hf_config
-    precision = resolve_precision(cfg.precision, device)
-    setup = memory.Setup(world, cfg.fsdp and world > 1, precision, cfg.grad_checkpointing, cfg.micro_batch,
-                         cfg.seq_len, torch.device(device).type)
-    given = None if cfg.plan_memory is None else parse_size(cfg.plan_memory, "--plan-memory")
-    return memory.plan_memory(shape_from_hf_config(hf_config), hf_config, setup, settings=cfg.dtp,
-                              available=memory.available_bytes(device, local or memory.local_ranks(), given),
-                              runtime=memory.process_bytes(device))
 
 
 @dataclass
@@ -216,7 +201,7 @@ def _setup(cfg: DistillConfig, d: Dist) -> _Run | None:
     hf_config, layout = load_hf_config(cfg.teacher), as_layout(cfg.layout)  # each read once, passed along
     check_seq_len(hf_config, cfg.seq_len)
     cfg = dataclasses.replace(resolve(cfg, shape_from_hf_config(hf_config), layout), precision=precision)
-    plan = plan_for(cfg, d.world, d.device, hf_config=hf_config)  # config.json records what ran
+    plan = memory.plan_for(cfg, d.world, d.device, hf_config=hf_config)  # config.json records what ran
     memory.refuse_unless_fits(plan)  # every rank alike, before anything is loaded
     if torch.device(d.device).type == "cpu":
         return_freed_memory()  # so that the resident set is what the tensors hold (core/memory.py)
