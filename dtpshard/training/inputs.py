@@ -28,6 +28,18 @@ def _identity(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
 
 
+_hashed: dict[tuple[str, tuple[int, ...]], str] = {}  # this process's hashes, by file and identity
+
+
+def _sha256(path: Path) -> str:
+    """file_sha256, once per process for a file that has not changed (convert records the teacher
+    in convert.json and again, as its distillation begins, in RUN/config.json)."""
+    key = (os.path.realpath(path), tuple(_identity(path)))
+    if key not in _hashed:
+        _hashed[key] = file_sha256(path)
+    return _hashed[key]
+
+
 def run_files(teacher: Path, layout: Path | None) -> dict[str, Path]:
     """{key: path} of what a distillation is made from: teacher/NAME per weight file, and the layout."""
     from dtpshard.model.checkpoint import TensorFiles
@@ -40,7 +52,7 @@ def run_files(teacher: Path, layout: Path | None) -> dict[str, Path]:
 
 def record(files: dict[str, Path]) -> dict[str, dict[str, Any]]:
     """{key: {sha256, identity}} of each file."""
-    return {key: {"sha256": file_sha256(p), "identity": _identity(p)} for key, p in files.items()}
+    return {key: {"sha256": _sha256(p), "identity": _identity(p)} for key, p in files.items()}
 
 
 def _what(key: str, path: Path) -> str:
@@ -66,7 +78,7 @@ def check_unchanged(recorded: Any, files: dict[str, Path], where: str) -> None:
             raise UserError(f"{where}: records no hash of {_what(key, path)}; use --force to start over")
         if entry.get("identity") == _identity(path):
             continue
-        current = file_sha256(path)
+        current = _sha256(path)
         if current != sha:
             raise UserError(f"{_what(key, path)} changed since {where} recorded it (sha256 {sha[:16]}, now "
                             f"{current[:16]}); restore it, or use --force to start over")
