@@ -271,6 +271,7 @@ ALLOWED = {
     ("dtpshard/core/reading.py", "yaml.load"): "parses text the reader read, within bounds",
     ("dtpshard/training/trust.py", "torch.load"): "a file object open_regular opened, or bytes in memory",
     ("dtpshard/serve/env.py", ".read_text"): "its own marker in the environment it made, and importlib.metadata",
+    ("dtpshard/data/local.py", "load_from_disk"): "datasets' own reader of a save_to_disk directory's arrow files",
 }
 
 
@@ -298,7 +299,8 @@ def _read(call: ast.Call) -> str | None:
         return f"{base}.open"
     if f.attr in _LOADERS.get(base, ()):
         return f"{base}.{f.attr}"
-    if f.attr in ("safe_open", "load_file"):
+    if f.attr in ("safe_open", "load_file", "load_from_disk", "read_table", "read_csv") or \
+            (f.attr == "read_parquet" and base in ("pd", "pandas")):
         return f.attr
     if base == "shutil" and f.attr == "copytree" and not any(k.arg == "copy_function" for k in call.keywords):
         return "shutil.copytree"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +67,7 @@ def load_hf_config(path: str | Path) -> Any:
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"model directory not found: {path}")
-    if not (path / "config.json").is_file():
+    if not os.path.lexists(path / "config.json"):  # anything else there: the reader names it
         raise UserError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
     raw = read_json_object(path / "config.json", "model config")  # within bounds before transformers parses it
     if raw.get("model_type") in (*FAMILIES, STUDENT_TYPE):  # any other model is refused by name below
@@ -120,7 +121,7 @@ class TensorFiles:
 
     def __init__(self, path: Path):
         self.index: Path | None = path / INDEX
-        if self.index.is_file():
+        if os.path.lexists(self.index):  # a FIFO or a device: refused by name as it is read
             index = read_json(self.index, "safetensors index", 4 * SMALL_JSON)  # ~100 KB for a 405B model
             try:
                 weight_map = index["weight_map"]
@@ -130,10 +131,10 @@ class TensorFiles:
             outside = sorted({str(v) for v in weight_map.values() if Path(str(v)).name != str(v) or str(v) == ".."})
             if outside:  # Hugging Face reads shards from the checkpoint directory itself
                 raise UserError(f"{self.index}: weight file {outside[0]!r} is not a file of {path}")
-            if (path / SINGLE).is_file():  # transformers reads the single file first, we the index
+            if os.path.lexists(path / SINGLE):  # transformers reads the single file first, we the index
                 raise UserError(f"{path}: holds both {SINGLE} and {INDEX}, which transformers and dtpshard would "
                                 "read differently; remove the one that is not the model")
-        elif (path / SINGLE).is_file():
+        elif os.path.lexists(path / SINGLE):
             self.index = None
             self.where = {k: path / SINGLE for k in tensor_names(path / SINGLE)}
         else:
@@ -141,7 +142,7 @@ class TensorFiles:
             why = (f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} not model weights" if others
                    else "convert .bin checkpoints with transformers first")
             raise UserError(f"{path}: no {SINGLE} or {INDEX} ({why})")
-        missing = sorted({str(f.name) for f in self.where.values() if not f.is_file()})
+        missing = sorted({str(f.name) for f in self.where.values() if not os.path.lexists(f)})
         if missing:
             raise UserError(f"{path}: missing weight file {missing[0]}")
         self.alias = check_names(self.where, canonical)  # two stored names of one parameter: refused
