@@ -39,6 +39,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """A test run never waits on a process a test left behind: multiprocessing joins every child it
+    started when the interpreter exits, so one rank stuck in its teardown would hold the run forever."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(10)
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """One saved tiny checkpoint per family, built once per test session."""

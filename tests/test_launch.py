@@ -99,6 +99,7 @@ def clean_exits(argv, runs):
     assert not failed, failed
 
 
+@pytest.mark.slow  # a soak: five torchrun launches of four ranks each
 def test_torchrun_exits_0_run_after_run(tiny_dirs):
     clean_exits(_torchrun(tiny_dirs["llama"], 4), 5)
 

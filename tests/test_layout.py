@@ -124,8 +124,8 @@ def test_unreadable_files(tmp_path):
     (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00\x81")
     with pytest.raises(UserError, match="not a text"):
         Layout.load(tmp_path / "bin.json")
-    with pytest.raises(UserError, match="cannot read layout"):
-        Layout.load(tmp_path)  # a directory
+    with pytest.raises(UserError, match="is a directory, not a regular file"):
+        Layout.load(tmp_path)
 
 
 def test_constructors_refuse_bad_devices():

@@ -49,12 +49,12 @@ def _limit() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (WRITE, WRITE))
 
 
-def run_cli(*argvs: list[str]) -> list[tuple[int, str]]:
-    """(exit code, stderr) of each command line, run in one child process."""
+def run_cli(*argvs: list[str], stdin: str = "") -> list[tuple[int, str]]:
+    """(exit code, stderr) of each command line, run in one child process (`stdin`: what it may read)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     try:
         p = subprocess.run([sys.executable, "-c", DRIVER, json.dumps([[str(a) for a in v] for v in argvs])],
-                           capture_output=True, text=True, timeout=TIMEOUT, env=env, preexec_fn=_limit)
+                           capture_output=True, text=True, timeout=TIMEOUT, env=env, preexec_fn=_limit, input=stdin)
     except subprocess.TimeoutExpired as e:
         said = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else e.stdout or ""
         pytest.fail(f"no answer within {TIMEOUT} s (a read that blocks?); the last command line: "

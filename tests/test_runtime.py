@@ -198,10 +198,11 @@ def test_emulated_link_latency_is_in_series_with_the_transfer():
 
     link = Link(0, 10, latency=0.05)
     done = link._completion(Work())
-    time.sleep(0.03)  # the transfer itself takes 30 ms
-    fut.set_result(None)
+    time.sleep(0.03)  # the transfer itself takes 30 ms (or more: only lower bounds are asserted)
+    before = time.perf_counter()
+    fut.set_result(None)  # the transfer completes now: its callback runs inside this call
     completed = time.perf_counter()
-    assert done[0] == pytest.approx(completed, abs=0.01)
+    assert before <= done[0] <= completed  # stamped at completion, however loaded the machine
     link._wait(Work(), done, "a transfer")
     assert time.perf_counter() - completed >= 0.05  # latency after completion, not max(30, 50) ms after posting
     plain = Link(0, 10)  # no emulated link: no callback, no wait

@@ -23,7 +23,7 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, check_replaceable, local_paths
 from dtpshard.core.io import check_output_file, check_writable_dir, dumps
 from dtpshard.core.settings import DEFAULT
-from dtpshard.core.shape import check_delay
+from dtpshard.core.shape import check_delay, check_seq_len
 from dtpshard.core.vocab import AffinityDType, Count, Delay, Device, NonNegativeInt, NonNegativeNumber, Proxy, Seed
 from dtpshard.data.blocks import load_texts, make_blocks
 from dtpshard.model.checkpoint import check_token_ids, load_tokenizer, open_checkpoint
@@ -134,6 +134,7 @@ def plan_calibration(model: Path, out: Path, data: CalibrationData = Calibration
     texts = load_texts(data.text, data.dataset, role="calibration", text_field=data.text_field)
     ids = make_blocks(tok, texts, data.seq_len, data.blocks, seed=data.seed)  # [blocks, seq_len]
     check_token_ids(ids, shape.vocab, data.tokenizer or model)
+    check_seq_len(ckpt.hf_config, data.seq_len)  # the text's own refusals first: they say more
     budget = int(run.memory_budget * GiB) if run.memory_budget > 0 else default_budget(device)
     how = plan(shape, ids.numel(), delay, getattr(torch, run.dtype), budget, run.offload)
     if how.hidden > how.hidden_budget:

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import atomic_path, check_keys, dumps, loads
+from dtpshard.core.io import atomic_path, check_keys, dumps, loads, open_safetensors
 from dtpshard.core.memory import check_fits
 from dtpshard.core.shape import UnitShape
 from dtpshard.model.delay import schedule
@@ -29,7 +30,7 @@ _META_BYTES = 1 << 20  # one metadata value: a few hundred bytes in practice
 
 def is_affinity_file(path: str | Path) -> bool:
     """Whether `path` is an affinity file (what `dtpshard affinity --out` may replace): its header says so."""
-    with safe_open(str(path), framework="numpy") as f:
+    with open_safetensors(path, "numpy") as f:
         return (f.metadata() or {}).get("format") == FORMAT
 
 
@@ -79,10 +80,10 @@ class Affinity:
         """Every edge, or only those `delay` needs (a δ = 1 layout from a δ = 2 file skips
         the neurons x neurons edges); refused in one line if they do not fit in memory."""
         path = Path(path)
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise UserError(f"affinity file not found: {path}")
         try:
-            with safe_open(str(path), framework="numpy") as f:
+            with open_safetensors(path, "numpy") as f:
                 meta = f.metadata() or {}
                 if meta.get("format") != FORMAT:  # the header, checked before any tensor is read
                     raise UserError(f"{path}: format={meta.get('format')!r}, expected {FORMAT!r}")

@@ -24,15 +24,18 @@ from typing import Any
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.reading import (  # noqa: F401 (reading lives there; callers import it from here too)
+    ANY_SIZE,
     INT_LIMIT,
     MAX_DEPTH,
     SMALL_JSON,
     STUDY_BYTES,
     check_keys,
+    check_regular,
     check_tree,
     load_yaml,
     loads,
     open_regular,
+    open_safetensors,
     read_bytes,
     read_json,
     read_json_object,
@@ -219,6 +222,15 @@ def atomic_dir(path: str | Path, force: bool = False) -> Iterator[Path]:
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
+def copy_regular(src: str | Path, dst: str | Path, cap: int = ANY_SIZE, what: str = "file",
+                 where: str | None = None) -> None:
+    """Copy regular file `src` (at most `cap` bytes, read as `open_regular` reads) to a new `dst`,
+    with its permission bits and times, as shutil.copy2 would (which would wait on a FIFO)."""
+    with open_regular(src, cap, what, where) as fin, writing(dst), open(dst, "wb") as fout:
+        shutil.copyfileobj(fin, fout, 1 << 24)
+    shutil.copystat(src, dst)
+
+
 SHORT_HASH = 16  # hex digits of a content id (a layout's, a data set's, a teacher cache's inputs)
 
 
@@ -228,8 +240,8 @@ def short_sha256(data: bytes | Any) -> str:
 
 
 def file_sha256(path: str | Path) -> str:
-    """The SHA-256 of a file's bytes, read in chunks (hashlib.file_digest)."""
-    with open(path, "rb") as f:
+    """The SHA-256 of a regular file's bytes, read in chunks (hashlib.file_digest)."""
+    with open_regular(path, ANY_SIZE) as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
@@ -244,7 +256,7 @@ def files_id(paths: list[Path]) -> str:
     h = hashlib.sha256()
     for p in sorted(paths):
         h.update(p.name.encode() + b"\0")
-        with open(p, "rb") as f:
+        with open_regular(p, ANY_SIZE) as f:
             for chunk in iter(lambda: f.read(1 << 24), b""):
                 h.update(chunk)
     return short_sha256(h)

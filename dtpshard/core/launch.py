@@ -31,8 +31,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtpshard.core.ending import die_with_parent, end_rank, exit_code, flush, rank_failed
 from dtpshard.core.errors import UserError, explain
+from dtpshard.core.forkserver import STARTED_BY
 from dtpshard.core.launch_checks import check_nproc, check_threads, check_timeout, cores, env_int, world_from_env
+from dtpshard.core.reading import read_text
 from dtpshard.core.shape import FAMILY
 
 __all__ = ["RankExit", "RankFailure", "at_shutdown", "cause", "check_threads", "cores", "end_group", "free_port",
@@ -117,9 +120,7 @@ def leave(code: int) -> None:
     no group returns: nothing of torch.distributed is left to tear down."""
     if not _ended:
         return
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    flush()
     os._exit(code)
 
 
@@ -132,8 +133,7 @@ def _die(line: str | None, code: int) -> None:
     a process group that cannot be ended): its one line first."""
     if line:
         print(line, file=sys.stderr, flush=True)
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
+    flush()
     os._exit(code)
 
 
@@ -176,7 +176,7 @@ def process_group(timeout: float, backend: str = "gloo", who: str = "dtpshard ru
 def _said(e: BaseException, who: str) -> tuple[str | None, int]:
     """(the line, the exit code) the CLI would give for `e` (which cannot reach it now)."""
     if isinstance(e, SystemExit):  # SIGTERM in io.exit_on_sigterm: quiet, as SIGTERM is
-        return None, _exit_code(e)
+        return None, exit_code(e)
     if isinstance(e, KeyboardInterrupt):
         return f"{who}: interrupted", 130
     line = explain(e) if isinstance(e, Exception) else None
@@ -185,8 +185,6 @@ def _said(e: BaseException, who: str) -> tuple[str | None, int]:
     return f"{who}: error: {line}", 2
 
 
-def _exit_code(e: SystemExit) -> int:
-    return 0 if e.code is None else e.code if isinstance(e.code, int) else 1
 
 # -- the local launcher --------------------------------------------------------------------------
 def free_port() -> int:
@@ -195,9 +193,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_PRELOAD = ("dtpshard.runtime.run", "dtpshard.training.loop", "dtpshard.model.generate",
+_PRELOAD = ("dtpshard.core.forkserver", "dtpshard.runtime.run", "dtpshard.training.loop", "dtpshard.model.generate",
             *(f.modeling for f in FAMILY.values()), "transformers.tokenization_utils_fast")
 STOP_GRACE = 3.0  # seconds a stopped rank has between SIGTERM (its temporaries removed) and SIGKILL
+_LAUNCHER = "DTPSHARD_LAUNCHER_PID"  # a rank's environment: the process that started it
+REPORT_BYTES = 1 << 20  # a rank's report to its launcher: one line, or a traceback
 
 
 _STOPS = {signal.SIGINT, signal.SIGTERM}
@@ -217,9 +217,11 @@ def _context() -> Any:
     if threading.current_thread() is threading.main_thread():
         resource_tracker.ensure_running()  # the forkserver's first step, which unblocks both signals
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+        os.environ[STARTED_BY] = str(os.getpid())  # it dies with this process (core/forkserver.py)
         try:
             forkserver.ensure_running()  # a no-op once it runs
         finally:
+            del os.environ[STARTED_BY]
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     return ctx
 
@@ -255,26 +257,15 @@ def _child(stdio: Any, env: dict[str, str], target: Callable[..., Any], args: tu
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops the ranks (if the forkserver did not)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's way to stop a rank
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)  # blocked in the forkserver (`_context`)
+    die_with_parent(int(env[_LAUNCHER]))
     os.environ.clear()  # the launcher's environment now, not the forkserver's from when it started
     os.environ.update(env)
     said = _report = Path(report) / f"rank{env['RANK']}"
     try:
         code = target(*args)
-    except SystemExit as e:  # SIGTERM in io.exit_on_sigterm, after its cleanup: quiet, as SIGTERM is
-        code = _exit_code(e)
-    except Exception as e:  # a user's error (per explain: a full disk too): said once, by the launcher
-        line = explain(e)
-        if line is None:
-            said.with_suffix(".error").write_text(traceback.format_exc())
-            code = 1
-        else:
-            said.with_suffix(".user").write_text(line)
-            code = 2
-    except BaseException:  # the launcher shows the root cause's traceback
-        said.with_suffix(".error").write_text(traceback.format_exc())
-        code = 1
-    sys.stdout.flush()
-    sys.exit(int(code or 0))
+    except BaseException as e:
+        end_rank(rank_failed(e, said))  # here, while `e` still holds the failed run's frames (end_rank)
+    end_rank(int(code or 0))
 
 
 @contextlib.contextmanager
@@ -328,7 +319,7 @@ def launch_local(nproc: int, target: Callable[..., Any], args: tuple = (), grace
         sys.stdout.flush()
         sys.stderr.flush()
         base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
+                "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), _LAUNCHER: str(os.getpid())}
         procs = [ctx.Process(target=_child, args=(_Stdio(), {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, target,
                                                   args, report)) for r in range(nproc)]
         try:
@@ -340,32 +331,17 @@ def launch_local(nproc: int, target: Callable[..., Any], args: tuple = (), grace
             if not caught:  # else the signal's doing (a forkserver stopped with it): said below
                 raise
         started = [r for r, p in enumerate(procs) if p.pid is not None]
-        start, failed_at, stopped = time.monotonic(), None, set()
-        while any(procs[r].is_alive() for r in started):
-            now, alive = time.monotonic(), [r for r in started if procs[r].is_alive() and r not in stopped]
-            why, quiet = None, False
-            if caught:
-                why, quiet = "interrupted", True
-            elif failed_at is None and any(procs[r].exitcode not in (None, 0) for r in started):
-                failed_at = now
-                alive = [r for r in alive if not (Path(report) / f"rank{r}.joined").exists()]
-                why, quiet = "never joined", True
-            elif failed_at is not None and now - failed_at > grace:
-                why = f"still running {grace:g} s after another rank failed"
-            elif deadline is not None and now - start > deadline:
-                why = f"still running after the {deadline:g} s deadline"
-            if why and alive:
-                for r in alive if not quiet else ():
-                    print(f"{who}: error: rank {r} {why}; killed", file=sys.stderr, flush=True)
-                _stop(procs, alive)
-                stopped.update(alive)
-            time.sleep(0.02)
+        stopped: set[int] = set()
+        try:
+            _watch(procs, started, stopped, caught, report, grace, deadline, who)
+        finally:  # whatever ends the wait (an error here, a test's timeout), no rank outlives it
+            _stop(procs, [r for r in started if procs[r].is_alive()])
         for r in started:
             procs[r].join()
 
         def said(r: int, ext: str) -> str | None:
             f = Path(report) / f"rank{r}{ext}"
-            return f.read_text() if f.is_file() else None
+            return read_text(f, REPORT_BYTES, "rank report") if f.is_file() else None
 
         exits = [RankExit(r, p.exitcode, said(r, ".user"), said(r, ".error"), r in stopped or p.pid is None)
                  for r, p in enumerate(procs)]
@@ -374,6 +350,31 @@ def launch_local(nproc: int, target: Callable[..., Any], args: tuple = (), grace
     if caught:  # the CLI says "terminated"
         raise SystemExit(128 + caught[0])
     return exits
+
+
+def _watch(procs: list[Any], started: list[int], stopped: set[int], caught: list[int], report: str, grace: float,
+           deadline: float | None, who: str) -> None:
+    """Wait for the started ranks, stopping them as `launch_local` says (`stopped`: those it stopped)."""
+    start, failed_at = time.monotonic(), None
+    while any(procs[r].is_alive() for r in started):
+        now, alive = time.monotonic(), [r for r in started if procs[r].is_alive() and r not in stopped]
+        why, quiet = None, False
+        if caught:
+            why, quiet = "interrupted", True
+        elif failed_at is None and any(procs[r].exitcode not in (None, 0) for r in started):
+            failed_at = now
+            alive = [r for r in alive if not (Path(report) / f"rank{r}.joined").exists()]
+            why, quiet = "never joined", True
+        elif failed_at is not None and now - failed_at > grace:
+            why = f"still running {grace:g} s after another rank failed"
+        elif deadline is not None and now - start > deadline:
+            why = f"still running after the {deadline:g} s deadline"
+        if why and alive:
+            for r in alive if not quiet else ():
+                print(f"{who}: error: rank {r} {why}; killed", file=sys.stderr, flush=True)
+            _stop(procs, alive)
+            stopped.update(alive)
+        time.sleep(0.02)
 
 
 def root_cause(exits: list[RankExit]) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import atomic_write_text, check_keys, dumps, loads, short_sha256
+from dtpshard.core.io import atomic_write_text, check_keys, dumps, loads, read_bytes, short_sha256
 from dtpshard.core.settings import DEFAULT
 from dtpshard.core.shape import UNIT_FIELDS, UnitShape, check_devices
 
@@ -186,24 +187,20 @@ class Layout:
         it must fit is known (else MAX_BYTES, then the bound of the model it names), no deeper
         nesting or larger integer than io.loads allows, no unknown key."""
         path = Path(path)
-        cap = MAX_BYTES if model is None else max_bytes(model)
+        where = f"layout {path}"
+        if not os.path.lexists(path):
+            raise UserError(f"layout file not found: {path}")
+        # the one reader: a FIFO, a device or a file past the cap is refused, never waited on or read whole
+        data = read_bytes(path, MAX_BYTES if model is None else max_bytes(model), "layout of this model", where)
         try:
-            size = path.stat().st_size
-            if path.is_file() and size > cap:
-                raise UserError(f"layout {path}: {size} bytes, more than a layout of this model can need "
-                                f"({cap} at most)")
-            text = path.read_text()
-        except FileNotFoundError:
-            raise UserError(f"layout file not found: {path}") from None
-        except OSError as e:
-            raise UserError(f"cannot read layout {path}: {e.strerror}") from None
+            text = data.decode("utf-8")
         except UnicodeDecodeError:
-            raise UserError(f"layout {path}: not a text (JSON) file") from None
+            raise UserError(f"{where}: not a text (JSON) file") from None
         try:
-            obj = loads(text, f"layout {path}")
+            obj = loads(text, where)
         except json.JSONDecodeError as e:
-            raise UserError(f"layout {path}: not valid JSON ({e.msg}, line {e.lineno})") from None
-        return cls.from_json(obj, where=f"layout {path}", nbytes=len(text.encode()))
+            raise UserError(f"{where}: not valid JSON ({e.msg}, line {e.lineno})") from None
+        return cls.from_json(obj, where=where, nbytes=len(data))
 
     def check_model(self, model: UnitShape, where: str = "layout", other: str = "the model") -> None:
         """Refuse a layout made for another model shape."""

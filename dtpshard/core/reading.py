@@ -1,7 +1,8 @@
 """Reading what a user gives: only regular files, only up to a cap, parsed within bounds.
 
-Every file a command reads by the user's naming (a --config, a study file, a --text file, a
-tokenizer file, a file `permute` copies, a JSON record) is opened by `open_regular`: opened
+Every file dtpshard reads (a --config, a study file, a --text file, a tokenizer file, a file
+`permute` copies, a layout, a JSON record, metrics.jsonl, weights) is opened by `open_regular`
+(or for safetensors' own reader, checked by it first: `open_safetensors`): opened
 with O_NONBLOCK (opening a FIFO would otherwise wait for a writer), then fstat on that
 descriptor (not a stat before opening, which a rename in between would fool) refuses anything
 but a regular file (a directory, a FIFO, a device, a socket) by name, and a file larger than
@@ -90,6 +91,29 @@ def open_regular(path: str | Path, cap: int, what: str = "file", where: str | No
         yield f
 
 
+ANY_SIZE = 1 << 62  # the cap of a file read in pieces whatever its size (weights hashed, a tensor file mapped)
+
+
+def check_regular(path: str | Path, where: str | None = None) -> bool:
+    """Whether `path` exists, refusing in one line (as `open_regular`) one that is not a regular
+    file: what a command appends to or replaces in a directory of its own (a FIFO would block the
+    write, a link to a device would take it)."""
+    if not os.path.lexists(path):
+        return False
+    with open_regular(path, ANY_SIZE, where=where):
+        return True
+
+
+def open_safetensors(path: str | Path, framework: str = "pt", where: str | None = None) -> Any:
+    """safetensors' own reader (`safe_open`, which maps the file) of `path`, once `open_regular`
+    has seen a regular file there: safetensors would open a FIFO and wait for a writer."""
+    from safetensors import safe_open
+
+    with open_regular(path, ANY_SIZE, "safetensors file", where):
+        pass
+    return safe_open(str(path), framework=framework)  # its errors are the caller's to word
+
+
 def read_bytes(path: str | Path, cap: int, what: str = "file", where: str | None = None) -> bytes:
     """The bytes of regular file `path`, at most `cap` of them (`open_regular` says the rest)."""
     with open_regular(path, cap, what, where) as f:
@@ -122,8 +146,8 @@ class _TooBig(ValueError):
     pass
 
 
-def _bounded_int(text: str) -> int:
-    if len(text.lstrip("-")) > 19 or not -INT_LIMIT < int(text) < INT_LIMIT:
+def _bounded_int(text: str, limit: int = INT_LIMIT) -> int:
+    if len(text.lstrip("-")) > len(str(limit)) or not -limit < int(text) < limit:
         raise _TooBig(text)
     return int(text)
 
@@ -137,21 +161,23 @@ def _nesting(bare: str) -> int:
     return int(np.cumsum(step).max())
 
 
-def loads(text: str, where: str, max_depth: int = MAX_DEPTH) -> Any:
+def loads(text: str, where: str, max_depth: int = MAX_DEPTH, int_limit: int = INT_LIMIT) -> Any:
     """json.loads within bounds: refused in one line naming `where` when nested deeper than
-    `max_depth` or holding an integer of 2**63 or more; malformed JSON as `naming` says."""
+    `max_depth` or holding an integer of `int_limit` (2**63) or more; malformed JSON as `naming`
+    says. (transformers writes a tokenizer's unbounded model_max_length as 10**30: its files pass
+    a larger limit, still far from the 4300 digits that make int() slow.)"""
     bare = _STRING.sub("", text)
     if _nesting(bare) > max_depth:
         raise UserError(f"{where}: nested more than {max_depth} levels deep (not a file dtpshard wrote)")
     # ints of at most 18 digits are all below 2**63: only text with a longer run of digits pays
     # for a Python call per integer
-    bounded = {"parse_int": _bounded_int} if re.search(r"[0-9]{19}", bare) else {}
+    bounded = {"parse_int": functools.partial(_bounded_int, limit=int_limit)} if re.search(r"[0-9]{19}", bare) else {}
     try:
         return json.loads(text, **bounded)  # malformed JSON raises JSONDecodeError: `naming` words it
     except _TooBig as e:
         digits = str(e)
         raise UserError(f"{where}: integer {digits[:20]}{'...' if len(digits) > 20 else ''} is beyond any "
-                        f"count or index (at most 2**63 - 1)") from None
+                        f"count or index (at most {'2**63' if int_limit == INT_LIMIT else int_limit} - 1)") from None
 
 
 def check_tree(obj: Any, where: str, max_depth: int = MAX_DEPTH) -> Any:

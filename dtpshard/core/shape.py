@@ -298,3 +298,12 @@ def check_context(hf_config: Any, prompt_tokens: int, max_new_tokens: int) -> No
     if isinstance(limit, int) and prompt_tokens + max_new_tokens > limit:
         raise UserError(f"--max-new-tokens {max_new_tokens}: the prompt's {prompt_tokens} tokens + {max_new_tokens} "
                         f"new ones exceed the model's context of {limit} positions (max_position_embeddings)")
+
+
+def check_seq_len(hf_config: Any, seq_len: int, flag: str = "--seq-len") -> None:
+    """Refuse blocks longer than the model's context (max_position_embeddings): calibrated,
+    trained or evaluated on positions it was never trained on, a run measures something else."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if isinstance(limit, int) and not isinstance(limit, bool) and seq_len > limit:
+        raise UserError(f"{flag} {seq_len}: beyond the model's context of {limit} positions "
+                        "(max_position_embeddings); use a shorter --seq-len")

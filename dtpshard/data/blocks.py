@@ -43,6 +43,7 @@ and tokenised.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import random
@@ -249,6 +250,10 @@ def _hf_texts(name: str, role: str, field: str) -> Texts:
     split = splits.get(role, "train")
     source = f"dataset:{path}" + (f":{config}" if config else "") + f"/{split} [{role}]"
     offline = offline_reason()  # asked first: no half minute of retries without a network
+    # a hub dataset's own loading script never runs (the datasets versions that still have them ask
+    # on stdin otherwise); later versions have no such scripts, and no such argument
+    no_code = {"trust_remote_code": False} if "trust_remote_code" in inspect.signature(
+        datasets.load_dataset).parameters else {}
 
     def fail(e: BaseException) -> UserError:
         where = (f"; offline ({offline}), so only the local Hugging Face cache was looked in: pass --text FILE, "
@@ -258,7 +263,7 @@ def _hf_texts(name: str, role: str, field: str) -> Texts:
     if by_article:  # small, split-partitioned: load whole, one document per article
         try:
             with hub_offline(offline is not None):
-                rows = datasets.load_dataset(path, config, split=split)[field]
+                rows = datasets.load_dataset(path, config, split=split, **no_code)[field]
         except Exception as e:  # network/hub errors come in many types
             raise fail(e) from None
         docs = _articles(rows)
@@ -269,7 +274,7 @@ def _hf_texts(name: str, role: str, field: str) -> Texts:
     def stream(seed: int) -> Iterator[str]:
         try:
             with hub_offline(offline is not None):
-                ds = datasets.load_dataset(path, config, split=split, streaming=True)
+                ds = datasets.load_dataset(path, config, split=split, streaming=True, **no_code)
                 if seed >= 0:
                     ds = ds.shuffle(seed=seed, buffer_size=STREAM_SHUFFLE_BUFFER)
                 for row in ds:

@@ -30,10 +30,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import cache_dir
+from dtpshard.core.io import cache_dir, read_bytes, read_json
 
 MIN_DOC_CHARS = 40
 CACHE_VERSION = 1
+SOURCE_BYTES = 1 << 24  # one standard-library source file (the largest is ~1 MB)
+CACHE_BYTES = 1 << 28  # the parsed corpus, cached (~20 MB)
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
@@ -67,8 +69,8 @@ def file_docstrings(path: Path) -> list[str]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # SyntaxWarning for odd escapes in old modules
-            tree = ast.parse(path.read_bytes(), filename=str(path))
-    except (SyntaxError, ValueError, OSError, UnicodeDecodeError):
+            tree = ast.parse(read_bytes(path, SOURCE_BYTES, "source file"), filename=str(path))
+    except (SyntaxError, ValueError, OSError, UnicodeDecodeError, UserError):
         return []
     docs = [ast.get_docstring(tree, clean=True) or ""] + list(_walk_docstrings(tree.body))
     return [d.strip() for d in docs if len(d.strip()) >= MIN_DOC_CHARS]
@@ -107,8 +109,10 @@ def stdlib_documents(root: Path | None = None) -> tuple[str, ...]:
     root = stdlib_root() if root is None else root
     cache = _cache_file(root)
     try:
-        docs = json.loads(cache.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        docs = read_json(cache, "corpus cache", CACHE_BYTES)
+        if not (isinstance(docs, list) and all(isinstance(d, str) for d in docs)):
+            raise ValueError(cache)  # not what this function writes: parsed again
+    except (OSError, ValueError, UserError):
         docs = build_documents(root)
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)

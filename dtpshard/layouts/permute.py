@@ -14,11 +14,18 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from dtpshard.core.errors import UserError, explain
 from dtpshard.core.guard import check_outputs, check_replaceable
-from dtpshard.core.io import atomic_dir, check_writable_dir, dumps, exit_on_sigterm, open_regular
+from dtpshard.core.io import (
+    ANY_SIZE,
+    atomic_dir,
+    check_writable_dir,
+    dumps,
+    exit_on_sigterm,
+    open_regular,
+    open_safetensors,
+)
 from dtpshard.core.layout import Layout, is_layout_file
 from dtpshard.core.permutation import layout_indices
 from dtpshard.core.vocab import Count, PermuteCheck, PositiveNumber
@@ -121,7 +128,7 @@ def read_header(file: Path) -> tuple[bytes, list[tuple[str, int, int]]]:
     start, end) byte ranges of the data section, in file order. The file is first opened with
     safetensors itself, which refuses a damaged one."""
     names = tensor_names(file)
-    with open(file, "rb") as f:
+    with open_regular(file, ANY_SIZE, "weight file") as f:
         n = int.from_bytes(f.read(8), "little")  # the format: u64 little-endian length, JSON, data
         head = f.read(n)
     entries = _json.loads(head)
@@ -135,7 +142,7 @@ def permute_file(src: Path, dst: Path, gathers: Gathers) -> tuple[int, int]:
     permuted tensor twice (its source pages and its gathered copy)."""
     head, ranges = read_header(src)
     counts = [0, 0]
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
+    with open_regular(src, ANY_SIZE, "weight file") as fin, open(dst, "wb") as fout:
         fout.write(head)
         for name, start, end in ranges:
             if fout.tell() != len(head) + start:  # safetensors stores tensors back to back
@@ -146,7 +153,7 @@ def permute_file(src: Path, dst: Path, gathers: Gathers) -> tuple[int, int]:
                 _copy_bytes(fin, fout, end - start)
             else:
                 # A handle per tensor: the pages it maps are released when it closes.
-                with safe_open(str(src), framework="pt") as st:
+                with open_safetensors(src) as st:
                     t = st.get_tensor(name).index_select(*gather)
                     fout.write(_as_bytes(t).numpy())
                     del t
@@ -163,7 +170,7 @@ def check_file(src: Path, dst: Path, gathers: Gathers) -> None:
     head, ranges = read_header(src)
     if read_header(dst)[0] != head:
         raise UserError(f"{dst.name}: its header differs from {src}'s; nothing written")
-    with open(src, "rb") as a, open(dst, "rb") as b:
+    with open_regular(src, ANY_SIZE, "weight file") as a, open_regular(dst, ANY_SIZE, "weight file") as b:
         for name, start, end in ranges:
             gather = gathers.get(canonical(name))
             if gather is None:
@@ -171,7 +178,7 @@ def check_file(src: Path, dst: Path, gathers: Gathers) -> None:
                 b.seek(len(head) + start)
                 same = _same_bytes(a, b, end - start)
             else:
-                with safe_open(str(src), framework="pt") as s, safe_open(str(dst), framework="pt") as d:
+                with open_safetensors(src) as s, open_safetensors(dst) as d:
                     want = s.get_tensor(name).index_select(*gather)
                     same = torch.equal(_as_bytes(d.get_tensor(name)), _as_bytes(want))
             if not same:
@@ -253,12 +260,13 @@ def _dense_logits(path: Path, ids: torch.Tensor, what: str) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from dtpshard.model.pretrained import load
+
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # the check's output is its one printed line
     hf_logging.disable_progress_bar()
     try:
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager",
-                                                  local_files_only=True)
+        hf = load(AutoModelForCausalLM, path, dtype=torch.float32, attn_implementation="eager")
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"transformers cannot load {what} ({first})") from None

@@ -11,17 +11,16 @@ import json
 import math
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 
 from dtpshard.core.errors import UserError, naming
-from dtpshard.core.io import SMALL_JSON, dumps, file_hashes, open_regular, read_json, read_json_object
+from dtpshard.core.io import SMALL_JSON, copy_regular, dumps, file_hashes, open_safetensors, read_json, read_json_object
 from dtpshard.core.memory import check_fits
 from dtpshard.core.settings import read_record
 from dtpshard.core.shape import (
@@ -29,9 +28,9 @@ from dtpshard.core.shape import (
     STUDENT_TYPE,
     ModelShape,
     check_numbers,
-    family_config,
     shape_from_hf_config,
 )
+from dtpshard.model.pretrained import load, refused_code
 from dtpshard.model.shards import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX,
@@ -40,13 +39,12 @@ from dtpshard.model.shards import (
     parse_size,
     write_weights,
 )
+from dtpshard.model.tokenizer import TOKENIZER_BYTES, TOKENIZER_FILES, read_tokenizer
+from dtpshard.model.weights import check_dtypes, check_names
 
-# a tokenizer's files (what a teacher cache's tokenizer id hashes); a student gets them and the
-# generation defaults copied beside its weights
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+# a student gets the tokenizer's files and the generation defaults copied beside its weights
 COPIED_FILES = (*TOKENIZER_FILES, "generation_config.json")
-TOKENIZER_BYTES = 1 << 30  # one tokenizer file (the largest real tokenizer.json is some tens of MiB)
+__all__ = ["TOKENIZER_BYTES", "TOKENIZER_FILES"]  # where the tokenizer's are read (model/tokenizer.py)
 
 DTP_JSON = "dtp.json"  # students before the config block recorded their settings only here (still read)
 DTP_KEY = "dtp"  # the block in a student's config.json: family, devices, delay, stage3, layout_sha256
@@ -69,7 +67,7 @@ def load_hf_config(path: str | Path) -> Any:
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"model directory not found: {path}")
-    if not (path / "config.json").is_file():
+    if not os.path.lexists(path / "config.json"):  # anything else there: the reader names it
         raise UserError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
     raw = read_json_object(path / "config.json", "model config")  # within bounds before transformers parses it
     if raw.get("model_type") in (*FAMILIES, STUDENT_TYPE):  # any other model is refused by name below
@@ -85,8 +83,11 @@ def load_hf_config(path: str | Path) -> Any:
         if raw.get("model_type") in FAMILIES:  # what AutoConfig does with the file's dict for these
             return CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
         # any other model is refused by name (core.shape), after transformers has read it its own way
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        return load(AutoConfig, path)
     except (ValueError, TypeError, KeyError, OSError, json.JSONDecodeError) as e:  # TypeError: its field checks
+        if refused_code(e):
+            raise UserError(f"{path}/config.json: model_type {raw.get('model_type')!r} names Python of its own "
+                            "(auto_map), which dtpshard never runs") from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{path}/config.json: {first}") from None
 
@@ -120,7 +121,7 @@ class TensorFiles:
 
     def __init__(self, path: Path):
         self.index: Path | None = path / INDEX
-        if self.index.is_file():
+        if os.path.lexists(self.index):  # a FIFO or a device: refused by name as it is read
             index = read_json(self.index, "safetensors index", 4 * SMALL_JSON)  # ~100 KB for a 405B model
             try:
                 weight_map = index["weight_map"]
@@ -130,10 +131,10 @@ class TensorFiles:
             outside = sorted({str(v) for v in weight_map.values() if Path(str(v)).name != str(v) or str(v) == ".."})
             if outside:  # Hugging Face reads shards from the checkpoint directory itself
                 raise UserError(f"{self.index}: weight file {outside[0]!r} is not a file of {path}")
-            if (path / SINGLE).is_file():  # transformers reads the single file first, we the index
+            if os.path.lexists(path / SINGLE):  # transformers reads the single file first, we the index
                 raise UserError(f"{path}: holds both {SINGLE} and {INDEX}, which transformers and dtpshard would "
                                 "read differently; remove the one that is not the model")
-        elif (path / SINGLE).is_file():
+        elif os.path.lexists(path / SINGLE):
             self.index = None
             self.where = {k: path / SINGLE for k in tensor_names(path / SINGLE)}
         else:
@@ -141,20 +142,21 @@ class TensorFiles:
             why = (f"{', '.join(others)} {'is' if len(others) == 1 else 'are'} not model weights" if others
                    else "convert .bin checkpoints with transformers first")
             raise UserError(f"{path}: no {SINGLE} or {INDEX} ({why})")
-        missing = sorted({str(f.name) for f in self.where.values() if not f.is_file()})
+        missing = sorted({str(f.name) for f in self.where.values() if not os.path.lexists(f)})
         if missing:
             raise UserError(f"{path}: missing weight file {missing[0]}")
-        self.alias = {canonical(k): k for k in self.where}
+        self.alias = check_names(self.where, canonical)  # two stored names of one parameter: refused
         self.shapes: dict[str, list[int]] = {}  # every header read now: a damaged file is refused before any work
         self.dtypes: dict[str, str] = {}  # safetensors' names: F32, BF16, ...
         for f in self.files:
-            with naming(f), safe_open(str(f), framework="pt") as st:
+            with naming(f), open_safetensors(f) as st:
                 for k in st.keys():
                     sl = st.get_slice(k)
                     self.shapes[k], self.dtypes[k] = list(sl.get_shape()), sl.get_dtype()
         absent = [k for k in self.where if k not in self.shapes]
         if absent:
             raise UserError(f"{self.where[absent[0]]}: has no tensor {absent[0]!r} (named in {INDEX})")
+        check_dtypes(self.dtypes, self.where)  # weights are numbers: no integer, bool or unscaled float8 tensor
 
     @property
     def files(self) -> list[Path]:
@@ -178,7 +180,7 @@ class TensorFiles:
         breaks = np.flatnonzero(np.diff(idx) != 1) + 1
         runs = [slice(int(r[0]), int(r[-1]) + 1) for r in np.split(idx, breaks)]
         key = self.alias[name]
-        with naming(self.where[key]), safe_open(str(self.where[key]), framework="pt") as st:
+        with naming(self.where[key]), open_safetensors(self.where[key]) as st:
             sl = st.get_slice(key)
             return _finite(torch.cat([sl[r] if axis == 0 else sl[:, r] for r in runs], axis), key, self.where[key])
 
@@ -187,7 +189,7 @@ class TensorFiles:
         calibration reads the embedding in blocks without holding all of it)."""
         key = self.alias[name]
         try:
-            with safe_open(str(self.where[key]), framework="pt") as st:
+            with open_safetensors(self.where[key]) as st:
                 t = st.get_tensor(key) if rows is None else st.get_slice(key)[rows]
         except SafetensorError as e:
             raise UserError(f"{self.where[key]}: cannot read tensor {key} ({str(e).splitlines()[0]})") from None
@@ -207,7 +209,7 @@ def _finite(t: torch.Tensor, name: str, file: Path) -> torch.Tensor:
 def tensor_names(file: Path) -> list[str]:
     """The tensors a safetensors file holds (its header only); a damaged file is one line."""
     try:
-        with safe_open(str(file), framework="pt") as st:
+        with open_safetensors(file) as st:
             return list(st.keys())
     except SafetensorError as e:
         raise UserError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
@@ -286,7 +288,7 @@ class Checkpoint:
 
     def tokenizer(self, directory: str | Path | None = None) -> Any:
         """The tokenizer in `directory`, else the checkpoint's own, picked by this config (not read again)."""
-        return _tokenizer(Path(directory or self.path), self.hf_config)
+        return read_tokenizer(Path(directory or self.path), self.hf_config)
 
     def weight_hashes(self) -> dict[str, str]:
         """sha256 of every weight file, by name (the model card's and a study's provenance)."""
@@ -332,24 +334,7 @@ def load_tokenizer(path: str | Path | Checkpoint) -> Any:
     if isinstance(path, Checkpoint):
         return path.tokenizer()
     path = Path(path)
-    return _tokenizer(path, load_hf_config(path) if (path / "config.json").is_file() else None)
-
-
-def _tokenizer(path: Path, hf_config: Any) -> Any:
-    from transformers import AutoTokenizer
-
-    # the config given, transformers does not read config.json again to pick the tokenizer class;
-    # a student's is its family's, so transformers does not ask to run its remote code for that
-    kw = {} if hf_config is None else {"config": family_config(hf_config)}
-    for name in TOKENIZER_FILES:  # transformers opens them itself: first each is checked to be a sane regular file
-        if os.path.lexists(path / name):
-            with open_regular(path / name, TOKENIZER_BYTES, "tokenizer file"):
-                pass
-    try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kw)
-    except (OSError, ValueError) as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(f"{path}: no usable tokenizer ({why})") from None
+    return read_tokenizer(path, load_hf_config(path) if (path / "config.json").is_file() else None)
 
 
 def save_checkpoint(out_dir: Path, hf_config: Any, weights: Weights, source: Path | None = None,
@@ -368,8 +353,8 @@ def save_checkpoint(out_dir: Path, hf_config: Any, weights: Weights, source: Pat
     write_weights(out_dir, weights.specs, weights.produce, parse_size(max_shard_size))
     if source is not None:
         for name in COPIED_FILES:
-            if (source / name).is_file():
-                shutil.copy2(source / name, out_dir / name)
+            if (source / name).is_file():  # read as every input is (core/reading.py)
+                copy_regular(source / name, out_dir / name, TOKENIZER_BYTES, "tokenizer file")
     for name, obj in (extra_json or {}).items():
         (out_dir / name).write_text(dumps(obj, indent=1) + "\n", encoding="utf-8")
 

@@ -56,7 +56,6 @@ run resumes from its last checkpoint).
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import sys
 from pathlib import Path
 from typing import Any, Unpack
@@ -80,14 +79,24 @@ from dtpshard.studies.config import (  # noqa: F401
     record,
     resolve_model,
 )
-from dtpshard.studies.provenance import LAYOUT_DIR, PROVENANCE, RUNS, SCORES, TIMINGS, ZEROSHOT, write_provenance
+from dtpshard.studies.provenance import (
+    LAYOUT_DIR,
+    PROVENANCE,
+    RUNS,
+    SCORES,
+    TEACHER_CACHE,
+    TIMINGS,
+    ZEROSHOT,
+    write_provenance,
+)
 from dtpshard.studies.provenance import timed as _timed
 from dtpshard.studies.report import write_report
 from dtpshard.studies.smollm2 import MODEL_KEY
+from dtpshard.studies.study import CLEARABLE
 from dtpshard.training.distill import DistillConfig, distill
 from dtpshard.training.settings import Recipe, compared_fields
 
-AFFINITY, TEACHER_CACHE = "affinity.safetensors", "teacher-cache"
+AFFINITY = "affinity.safetensors"
 
 
 def affinity_name(cfg: Experiment, proxy: str) -> str:
@@ -146,9 +155,10 @@ def _prepare_dir(out: Path, cfg: Experiment, force: bool) -> None:
             diff = [k for k in sorted(set(new) | set(old)) if old.get(k) != new.get(k)]
             raise UserError(f"--out {out}: an experiment with other settings ({', '.join(diff)}) is there "
                             "(use --force to start it over)")
-        for p in [out / name for name in (LAYOUT_DIR, ZEROSHOT, RUNS, TEACHER_CACHE, SCORES, TIMINGS, PROVENANCE,
-                                          "report.md", "figures")] + list(out.glob("affinity*.safetensors")):
-            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        from dtpshard.training.rundir import start_over
+
+        start_over(out, (LAYOUT_DIR, ZEROSHOT, RUNS, TEACHER_CACHE, SCORES, TIMINGS, PROVENANCE, "report.md", "figures",
+                         *(p.name for p in out.glob("affinity*.safetensors"))), CLEARABLE)
     elif out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)

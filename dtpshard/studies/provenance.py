@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 # an experiment directory's files (experiment.py writes them, study.py reads them)
 TIMINGS, PROVENANCE, SCORES, ZEROSHOT = "timings.json", "provenance.json", "scores.json", "zeroshot.json"
-LAYOUT_DIR, RUNS = "layouts", "runs"
+LAYOUT_DIR, RUNS, TEACHER_CACHE = "layouts", "runs", "teacher-cache"
 
 
 class timed:
@@ -67,6 +67,12 @@ def _version(package: str) -> str | None:
         return None
 
 
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def write_provenance(cfg: Experiment, model: Path, out: Path) -> None:
     """DIR/provenance.json, written once: versions, the model files' sha256, the data and token counts,
     and for the SmolLM2 key what the model directory was made from."""
@@ -82,6 +88,7 @@ def write_provenance(cfg: Experiment, model: Path, out: Path) -> None:
         "versions": {p: _version(p) for p in ("dtpshard", "torch", "transformers", "numpy", "scipy")},
         "dtpshard_commit": _commit(),
         "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "threads": _threads(),  # a parallel sum's order: results are bit for bit the same only with as many
         "model": str(model), "model_files": open_checkpoint(model).weight_hashes(), "model_source": source,
         "data": {"calibration": cal.text or cal.dataset or "offline",
                  "evaluation": ev.text or ev.dataset or "offline",

@@ -64,10 +64,12 @@ def smollm2_checkpoint(cache: Path | None = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dtpshard.model.pretrained import load
+
     print(f"dequantising {source.name} into {target} (once)", file=sys.stderr, flush=True)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-        model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+        tokenizer = load(AutoTokenizer, source.parent, gguf_file=source.name)
+        model = load(AutoModelForCausalLM, source.parent, gguf_file=source.name, dtype=torch.float32)
     except Exception as e:  # transformers' GGUF reader raises many types
         msg = str(e).strip().splitlines()
         raise UserError(f"cannot read {source}: {type(e).__name__}: {msg[0] if msg else ''}") from None

@@ -11,10 +11,10 @@ from typing import Any
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import read_json_object
-from dtpshard.core.layout import Layout
+from dtpshard.core.layout import Layout, is_layout_file
 from dtpshard.core.vocab import LAYOUT_KINDS
 from dtpshard.studies.config import Experiment, read_record
-from dtpshard.studies.provenance import LAYOUT_DIR, PROVENANCE, RUNS, SCORES, TIMINGS, ZEROSHOT
+from dtpshard.studies.provenance import LAYOUT_DIR, PROVENANCE, RUNS, SCORES, TEACHER_CACHE, TIMINGS, ZEROSHOT
 from dtpshard.studies.stats import Curve, make_curve
 
 
@@ -244,3 +244,34 @@ def layout_kl(info: LayoutInfo, step: int) -> float | None:
     if vals:
         return sum(vals) / len(vals)
     return info.zero_kl if step == 0 else None
+
+
+# -- what --force may clear ----------------------------------------------------------------------
+def _every(check: Any) -> Any:
+    """A directory's marker: every entry but a temporary passes `check` (one that cannot be read fails)."""
+    def marked(d: Path) -> bool:
+        try:
+            return all(check(p) for p in d.iterdir() if ".tmp-" not in p.name)
+        except (OSError, UserError):
+            return False
+    return marked
+
+
+def _is_cache(d: Path) -> bool:
+    from dtpshard.training.teacher_cache import is_cache
+
+    try:
+        return not any(d.iterdir()) or is_cache(d)
+    except (OSError, UserError):
+        return False
+
+
+def _is_run(p: Path) -> bool:
+    from dtpshard.training.rundir import made_by_dtpshard
+
+    return p.is_dir() and made_by_dtpshard(p)
+
+
+# the directories `experiment --force` may clear, each by what the experiment writes into it
+CLEARABLE = {LAYOUT_DIR: _every(is_layout_file), RUNS: _every(_is_run), TEACHER_CACHE: _is_cache,
+             "figures": _every(lambda p: p.suffix == ".png")}

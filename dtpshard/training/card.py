@@ -47,10 +47,11 @@ class TeacherHashes:
     """sha256 of every weight file of the teacher, computed in a thread started now; `result()`
     waits for it. An experiment's run takes them from the experiment's provenance.json."""
 
-    def __init__(self, teacher: Path, run: Path):
-        self.teacher, self.hashes, self.error = Path(teacher), None, None
+    def __init__(self, teacher: Path, run: Path, known: dict[str, str] | None = None):
+        """known: the hashes already taken (a run records its teacher's: training/inputs.py)."""
+        self.teacher, self.hashes, self.error = Path(teacher), known or None, None
         exp = experiment_of(run)
-        if exp is not None:
+        if exp is not None and self.hashes is None:
             self.hashes = self._recorded(exp)
         self.thread = None
         if self.hashes is None:

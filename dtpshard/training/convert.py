@@ -14,12 +14,14 @@ library's stages in a row, each published atomically in DIR:
 
 A rerun does the stages whose output is missing, stage 3 from its last checkpoint. A setting of a
 stage that has begun (its output, or the run's config.json, exists) must be the same, or the
-rerun is refused naming it; --force starts over, removing only convert's own files.
+rerun is refused naming it; a stage is skipped only over output checked to be what it made
+(training/convert_state.py); --force starts over, removing only convert's own files. Everything
+the flags, the teacher's config.json and headers and the evaluation text can tell is checked
+before stage 1 (`preflight`).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import signal
@@ -35,95 +37,26 @@ from cyclopts import Parameter
 from dtpshard.affinity.calibrate import CalibrationData, PassSettings
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, local_paths
-from dtpshard.core.io import atomic_dir, atomic_write_text, dumps, read_json, read_json_object
+from dtpshard.core.io import (
+    atomic_dir,
+    atomic_write_text,
+    copy_regular,
+    dumps,
+    read_json,
+    read_json_object,
+    read_text,
+)
 from dtpshard.model.student import serving_commands
-from dtpshard.training.settings import DistillConfig, check_config, compared_fields
+from dtpshard.training import convert_state as state
+from dtpshard.training.convert_state import AFFINITY, OWNED, STAGES, Paths, check_record  # noqa: F401 (importable here)
+from dtpshard.training.settings import DistillConfig, check_config
 
-FORMAT = "dtpshard.convert/1"
-RECORD, AFFINITY, LAYOUT, RUN, STUDENT, TIMINGS = ("convert.json", "affinity.safetensors", "layout.json", "run",
-                                                   "student", "timings.json")
-OWNED = (RECORD, AFFINITY, LAYOUT, RUN, STUDENT, TIMINGS)
-STAGES = ("calibration", "layout", "distillation", "student")
 PROXY = "first-order"  # the paper's affinity: the layout optimises J under it
-WHAT = "a dtpshard convert directory"
+CARD_BYTES = 16 << 20  # the run's model card, read to extend it
 
 
 def _say(msg: str) -> None:  # progress on stderr; stdout is the result
     print(f"[convert] {msg}", file=sys.stderr, flush=True)
-
-
-class Paths:
-    """DIR's files."""
-
-    def __init__(self, out: Path):
-        self.out = Path(out)
-        self.record, self.affinity, self.layout, self.run, self.student, self.timings = (self.out / n for n in OWNED)
-
-    def begun(self) -> int:
-        """How many stages have begun (their output, or for the distillation its config.json, exists)."""
-        marks = [self.affinity, self.layout, self.run / "config.json", self.student]
-        return max((i + 1 for i, p in enumerate(marks) if os.path.lexists(p)), default=0)
-
-
-# -- the settings record ----------------------------------------------------------------------
-def _absolute(p: Any) -> str | None:
-    return None if p is None else str(Path(p).absolute())
-
-
-def _absolutes(paths: list[str] | None) -> list[str] | None:
-    return None if paths is None else [str(_absolute(t)) for t in paths]
-
-
-def record(cfg: DistillConfig, data: CalibrationData, run: PassSettings) -> dict[str, Any]:
-    """Every compared setting, in the section of the first stage whose result it changes (cfg
-    resolved: L and δ given). A setting shared by stages (--seq-len, --seed, the data) is in the first."""
-    calibration = {"teacher": _absolute(cfg.teacher), "delay": cfg.delay, "proxy": PROXY, "dtype": run.dtype,
-                   **dataclasses.asdict(data), "text": _absolutes(data.text), "tokenizer": _absolute(data.tokenizer)}
-    layout = {"devices": cfg.devices}
-    earlier = set(calibration) | set(layout)
-    distillation = {k: getattr(cfg, k) for k in compared_fields(DistillConfig) if k not in earlier}
-    distillation.update(save_dtype=cfg.save_dtype, max_shard_size=cfg.max_shard_size,
-                        eval_text=_absolutes(cfg.eval_text))
-    return json.loads(dumps({"format": FORMAT, "calibration": calibration, "layout": layout,
-                             "distillation": distillation}))
-
-
-def check_record(p: Paths, new: dict[str, Any]) -> None:
-    """Refuse, in one line naming the settings, a rerun whose settings differ in a stage that has begun."""
-    from dtpshard.training.rundir import config_differences
-
-    begun = p.begun()
-    if not begun:
-        return
-    if not p.record.is_file():
-        raise UserError(f"--out {p.out}: has convert's files but no {RECORD} (use --force to start it over)")
-    try:
-        old = read_json_object(p.record, "convert record")
-    except UserError as e:
-        raise UserError(f"{e}; use --force to start over") from None
-    if old.get("format") != FORMAT:
-        raise UserError(f"{p.record}: format {old.get('format')!r}, not {FORMAT!r}; use --force to start over")
-    sections = ("calibration", "layout", "distillation")[:begun]  # the student stage has no settings of its own
-
-    def flat(r: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for s in sections if isinstance(r.get(s), dict) for k, v in r[s].items()}
-
-    diff = config_differences(flat(old), flat(new), list(flat(new)))
-    if diff:
-        raise UserError(f"--out {p.out} was made with different settings: {'; '.join(diff)} "
-                        "(use --force to start it over, or another --out)")
-
-
-def _check_dir(out: Path, force: bool) -> None:
-    """DIR is new, empty or convert's own; another command's directory is never taken for one."""
-    from dtpshard.training.rundir import refuse_foreign, refuse_unrelated
-
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out}: exists and is not a directory")
-    refuse_foreign(out, FORMAT.split("/")[0] + "/", WHAT)  # a model's, a run's or an experiment's config.json
-    if (out / "config.json").exists():
-        raise UserError(f"--out {out}: holds a config.json, so it is not {WHAT}; choose another --out")
-    refuse_unrelated(out, force, OWNED, WHAT, record=RECORD)
 
 
 # -- the stages -------------------------------------------------------------------------------
@@ -187,14 +120,17 @@ def _place(src: Path, dst: Path) -> None:
     try:
         os.link(src, dst)
     except OSError:
-        shutil.copy2(src, dst)
+        copy_regular(src, dst)
 
 
 def student_stage(p: Paths, cfg: DistillConfig) -> None:
+    """DIR/student/: the run's final/ (checked whole first: rundir.check_finished), hard-linked,
+    with its card extended by the layout's J and the serving commands."""
     from dtpshard.core.layout import Layout
-    from dtpshard.training.rundir import FINAL
+    from dtpshard.training.rundir import FINAL, check_finished
 
     final = p.run / FINAL
+    check_finished(p.run)  # nothing is published that is not whole
     with _stage(p, 4, f"{p.student}"), atomic_dir(p.student) as tmp:
         for f in sorted(final.iterdir()):
             if f.name == "README.md":
@@ -204,7 +140,7 @@ def student_stage(p: Paths, cfg: DistillConfig) -> None:
             else:
                 _place(f, tmp / f.name)
         score = Layout.load(p.layout).score
-        card = (final / "README.md").read_text(encoding="utf-8") if (final / "README.md").is_file() else ""
+        card = read_text(final / "README.md", CARD_BYTES, "model card") if (final / "README.md").is_file() else ""
         (tmp / "README.md").write_text(card + _card_section(score, final), encoding="utf-8")
 
 
@@ -258,6 +194,24 @@ def resolved(teacher: Path, cfg: DistillConfig) -> DistillConfig:
     return dataclasses.replace(cfg, devices=dtp.devices, delay=dtp.delay, stage3=dtp.stage3)
 
 
+def preflight(cfg: DistillConfig) -> None:
+    """What stages 1 to 3 would refuse, refused before stage 1 (cfg resolved): the teacher's
+    weights as data (their headers), --seq-len within its context, its tokenizer, the evaluation
+    blocks (an empty --eval-text), the teacher cache and its fit to this teacher."""
+    from dtpshard.core.shape import check_seq_len
+    from dtpshard.model.checkpoint import open_checkpoint
+    from dtpshard.training.evaluate import eval_blocks_for
+
+    ckpt = open_checkpoint(cfg.teacher)
+    check_seq_len(ckpt.hf_config, cfg.seq_len)
+    tok = ckpt.tokenizer(cfg.tokenizer)
+    eval_blocks_for(ckpt, cfg.eval_text, cfg.eval_dataset, cfg.eval_blocks, cfg.seq_len, tok, cfg.text_field)
+    if cfg.teacher_cache is not None:
+        from dtpshard.training.teacher_cache import TeacherCache
+
+        TeacherCache(cfg.teacher_cache).check_for(cfg.teacher, cfg.seq_len, cfg.tokenizer)
+
+
 def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = None,
             run: PassSettings | None = None) -> Paths:
     """Every stage not done yet into cfg.out (DIR); returns its paths. Under torchrun every rank
@@ -275,7 +229,7 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
                   {"the teacher directory": cfg.teacher, "the tokenizer directory": cfg.tokenizer,
                    "the teacher cache": cfg.teacher_cache, "the training text": cfg.text,
                    "the evaluation text": cfg.eval_text, "the dataset": local_paths([cfg.dataset, cfg.eval_dataset])})
-    _check_dir(p.out, cfg.force)
+    state.check_dir(p.out, cfg.force)
     convert_plan.refuse_unless_fits(convert_plan.plan_convert(cfg, data, run, timed=False))
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: the layout comes from rank 0
         while not p.layout.is_file():
@@ -284,24 +238,27 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
 
         distill(run_config(p, cfg))
         return p
-    new = record(cfg, data, run)
-    with locked(p.out), _signals_end_in_one_line():
+    preflight(cfg)
+    settings = state.record(cfg, data, run, PROXY)
+    with locked(p.out):
         if cfg.force:
             start_over(p.out, OWNED)
-        check_record(p, new)
+        trust = state.trusted(p, check_record(p, settings), cfg.teacher)  # every file a skip relies on, checked
         pass_ = None if p.affinity.is_file() else plan_calibration(cfg.teacher, p.affinity, data, delay=cfg.delay,
                                                                     run=run)  # every input checked, then written
-        atomic_write_text(p.record, dumps(new, indent=1) + "\n")
-        distilled = p.student.is_dir() or (p.run / "DONE").is_file()
-        stages = [(pass_ is None, lambda: calibrate_stage(p, pass_, cfg.progress)),
-                  (p.layout.is_file(), lambda: layout_stage(p, cfg, cfg.progress)),
-                  (distilled, lambda: distill_stage(p, cfg)),
-                  (p.student.is_dir(), lambda: student_stage(p, cfg))]
-        for k, (done, run_stage) in enumerate(stages, 1):
+        state.save(p, settings, trust)
+        distilled = state.distilled(p, cfg.teacher)
+        stages = [(pass_ is None, lambda: calibrate_stage(p, pass_, cfg.progress), state.AFFINITY),
+                  (p.layout.is_file(), lambda: layout_stage(p, cfg, cfg.progress), state.LAYOUT),
+                  (distilled, lambda: distill_stage(p, cfg), None),
+                  (state.student_done(p, distilled), lambda: student_stage(p, cfg), None)]
+        for k, (done, run_stage, made) in enumerate(stages, 1):
             if done:
                 _say(f"stage {k}/4 {STAGES[k - 1]}: done before")
-            else:
-                run_stage()
+                continue
+            run_stage()
+            if made is not None:  # what a rerun will skip this stage over, recorded by content
+                state.save(p, settings, trust, made)
     return p
 
 
@@ -372,29 +329,30 @@ def convert_cmd(cfg: Annotated[DistillConfig, Parameter(name="*")],
     """
     from dtpshard.training import convert_plan
 
-    teacher = cfg.teacher
-    data, run = calibration_settings(cfg, calibration)
-    if cfg.plan:
-        full = resolved(teacher, cfg)
-        plans = convert_plan.plan_convert(full, data, run, timed=True)
-        print(dumps([s.to_json() for s in plans]) if json else "\n".join(s.describe() for s in plans))
-        convert_plan.refuse_unless_fits(plans)
+    with _signals_end_in_one_line():  # the whole command: one signal, one line, whenever it comes
+        teacher = cfg.teacher
+        data, run = calibration_settings(cfg, calibration)
+        if cfg.plan:
+            full = resolved(teacher, cfg)
+            plans = convert_plan.plan_convert(full, data, run, timed=True)
+            print(dumps([s.to_json() for s in plans]) if json else "\n".join(s.describe() for s in plans))
+            convert_plan.refuse_unless_fits(plans)
+            return 0
+        p = convert(teacher, cfg, data, run)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 0
+        result = summary(p, resolved(teacher, cfg))
+        if json:
+            print(dumps(result))
+            return 0
+        j, kl, serve = result["J"], result["kl"], result["serve"]
+        print(f"student: {p.student}\n"
+              f"J = {j['optimised']:.4f} optimised, {j['contiguous']:.4f} contiguous, {j['random']:.4f} random; "
+              f"held-out KL {kl['step_0']:.4f} at step 0, {kl['final']:.4f} at step {kl['final_step']}\n\n"
+              f"serve it:\n"
+              f"  vLLM, tensor parallel over L = {result['devices']} GPUs (needs dtpshard installed beside vllm):\n"
+              f"    {serve['vllm']}\n"
+              f"  vLLM's CPU build, L = {result['devices']} processes on this machine:\n    {serve['vllm_cpu']}\n"
+              f"  transformers, one device:\n    {serve['transformers']}\n"
+              f"  dtpshard's runtime, one process per device:\n    {serve['dtpshard']}")
         return 0
-    p = convert(teacher, cfg, data, run)
-    if int(os.environ.get("RANK", "0")) != 0:
-        return 0
-    result = summary(p, resolved(teacher, cfg))
-    if json:
-        print(dumps(result))
-        return 0
-    j, kl, serve = result["J"], result["kl"], result["serve"]
-    print(f"student: {p.student}\n"
-          f"J = {j['optimised']:.4f} optimised, {j['contiguous']:.4f} contiguous, {j['random']:.4f} random; "
-          f"held-out KL {kl['step_0']:.4f} at step 0, {kl['final']:.4f} at step {kl['final_step']}\n\n"
-          f"serve it:\n"
-          f"  vLLM, tensor parallel over L = {result['devices']} GPUs (needs dtpshard installed beside vllm):\n"
-          f"    {serve['vllm']}\n"
-          f"  vLLM's CPU build, L = {result['devices']} processes on this machine:\n    {serve['vllm_cpu']}\n"
-          f"  transformers, one device:\n    {serve['transformers']}\n"
-          f"  dtpshard's runtime, one process per device:\n    {serve['dtpshard']}")
-    return 0

@@ -117,7 +117,7 @@ def layout_plan(s: ModelShape, dtp: DTPSettings, available: int, rate: float | N
 def distill_plan(cfg: DistillConfig, s: ModelShape, world: int, local: int | None, device: str,
                  rate: float | None) -> StagePlan:
     """cfg: resolved (L and δ given)."""
-    from dtpshard.training.loop import plan_for
+    from dtpshard.training.memory import plan_for
 
     mem = plan_for(cfg, world, device, local)
     P = s.params()
@@ -133,7 +133,9 @@ def distill_plan(cfg: DistillConfig, s: ModelShape, world: int, local: int | Non
 
 
 def student_plan(cfg: DistillConfig, hf_config: Any, s: ModelShape) -> StagePlan:
-    dtype = cfg.save_dtype if cfg.save_dtype != "auto" else str(getattr(hf_config, "torch_dtype", None) or "float32")
+    from dtpshard.model.hf import resolve_dtype
+
+    dtype = cfg.save_dtype if cfg.save_dtype != "auto" else str(resolve_dtype("auto", hf_config, None))
     size = 2 if "16" in dtype else 4
     return StagePlan("student", 0, 0, 0.0, f"{_size(s.params() * size)} on disk ({dtype.removeprefix('torch.')}), "
                      "hard links to the run's final/ (no copy)")

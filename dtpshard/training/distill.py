@@ -57,8 +57,7 @@ def distill(cfg: DistillConfig) -> Path:
     under_torchrun = "WORLD_SIZE" in os.environ  # each process is a rank already (ddp.setup checks --nproc)
     if cfg.nproc > 1 and not under_torchrun:  # refused here, before any rank starts (each rank checks again)
         from dtpshard.core.devices import pick_device
-        from dtpshard.training.loop import plan_for
-        from dtpshard.training.memory import refuse_unless_fits
+        from dtpshard.training.memory import plan_for, refuse_unless_fits
         from dtpshard.training.recipe import resolve
 
         refuse_unless_fits(plan_for(resolve(cfg), cfg.nproc, pick_device(cfg.device), cfg.nproc))
@@ -107,8 +106,7 @@ def _print_plan(cfg: DistillConfig, as_json: bool) -> int:
     """--plan: the memory plan per process, read from config.json alone; exit 2 (one line) if the
     run cannot fit."""
     from dtpshard.core.devices import pick_device
-    from dtpshard.training.loop import plan_for
-    from dtpshard.training.memory import refuse_unless_fits
+    from dtpshard.training.memory import plan_for, refuse_unless_fits
     from dtpshard.training.recipe import resolve
 
     check_config(cfg)

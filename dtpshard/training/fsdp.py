@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import atomic_path, atomic_write_text
+from dtpshard.core.io import SMALL_JSON, atomic_path, atomic_write_text, read_text
 from dtpshard.training.rundir import SHARDED_CHECKPOINT as DIR
 
 LATEST = "LATEST"
@@ -118,12 +118,14 @@ def latest(run: Path) -> Path | None:
     p = run / DIR / LATEST
     if not p.is_file():
         return None
-    return run / DIR / p.read_text().strip()
+    return run / DIR / read_text(p, SMALL_JSON, "checkpoint pointer").strip()
 
 
 def clean(run: Path) -> None:
     """Rank 0, before training: drop temporaries and every step directory LATEST does not name."""
     root = run / DIR
+    if root.is_symlink():  # its files are someone else's: never cleared
+        raise UserError(f"{root}: is a symbolic link, which dtpshard did not make; remove it or use another --out")
     if not root.is_dir():
         return
     keep = latest(run)

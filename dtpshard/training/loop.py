@@ -31,11 +31,11 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_dir, atomic_write_text, dumps
 from dtpshard.core.layout import as_layout
 from dtpshard.core.memory import return_freed_memory
-from dtpshard.core.shape import family_config, shape_from_hf_config
+from dtpshard.core.shape import check_seq_len, family_config, shape_from_hf_config
 from dtpshard.model.checkpoint import load_hf_config, open_checkpoint
 from dtpshard.model.hf import dtype_name
-from dtpshard.model.shards import Weights, parse_size
-from dtpshard.training import memory, rundir
+from dtpshard.model.shards import Weights
+from dtpshard.training import inputs, memory, rundir
 from dtpshard.training.card import TeacherHashes, student_card
 from dtpshard.training.ddp import Dist
 from dtpshard.training.evaluate import eval_blocks_for, summarise
@@ -116,21 +116,6 @@ def _evaluate(student, teacher, ev: torch.Tensor, cfg: DistillConfig, d: Dist, s
         student.train(was)
         strategy.after_eval(student)
     return summarise(d.sum(sums), True)
-
-
-def plan_for(cfg: DistillConfig, world: int, device: str, local: int | None = None,
-             hf_config: Any = None) -> memory.MemoryPlan:
-    """The memory plan of this run per process, from config.json alone (cfg resolved; `hf_config`:
-    the teacher's, when it is read already); `local` processes share this machine's RAM (default:
-    torchrun's LOCAL_WORLD_SIZE)."""
-    hf_config = load_hf_config(cfg.teacher) if hf_config is None else hf_config
-    precision = resolve_precision(cfg.precision, device)
-    setup = memory.Setup(world, cfg.fsdp and world > 1, precision, cfg.grad_checkpointing, cfg.micro_batch,
-                         cfg.seq_len, torch.device(device).type)
-    given = None if cfg.plan_memory is None else parse_size(cfg.plan_memory, "--plan-memory")
-    return memory.plan_memory(shape_from_hf_config(hf_config), hf_config, setup, settings=cfg.dtp,
-                              available=memory.available_bytes(device, local or memory.local_ranks(), given),
-                              runtime=memory.process_bytes(device))
 
 
 @dataclass
@@ -214,8 +199,9 @@ def _setup(cfg: DistillConfig, d: Dist) -> _Run | None:
     restored: the run ready for its first step, or None when it finished already."""
     precision = resolve_precision(cfg.precision, d.device)
     hf_config, layout = load_hf_config(cfg.teacher), as_layout(cfg.layout)  # each read once, passed along
+    check_seq_len(hf_config, cfg.seq_len)
     cfg = dataclasses.replace(resolve(cfg, shape_from_hf_config(hf_config), layout), precision=precision)
-    plan = plan_for(cfg, d.world, d.device, hf_config=hf_config)  # config.json records what ran
+    plan = memory.plan_for(cfg, d.world, d.device, hf_config=hf_config)  # config.json records what ran
     memory.refuse_unless_fits(plan)  # every rank alike, before anything is loaded
     if torch.device(d.device).type == "cpu":
         return_freed_memory()  # so that the resident set is what the tensors hold (core/memory.py)
@@ -255,6 +241,7 @@ def _open_run_dir(r: _Run) -> bool:
     # every rank refuses alike; runs from before --fsdp (--precision) existed were not sharded (the default)
     resuming = rundir.check_run(run, r.config, compared_keys(), r.cfg.force,
                                 added={"fsdp": False, "precision": r.cfg.precision})
+    r.config[inputs.KEY] = inputs.run_inputs(run, resuming, r.cfg.teacher, r.cfg.layout, d.main)  # trusted if checked
     d.barrier()
     if d.main:
         if not resuming:
@@ -275,7 +262,7 @@ def _open_run_dir(r: _Run) -> bool:
 def _build(r: _Run) -> None:
     """The teacher and the student where the strategy keeps them, and the student's optimizer."""
     if r.d.main:  # the card's sha256 of the teacher's weights, hashed while the student trains (card.py)
-        r.hashes = TeacherHashes(r.cfg.teacher, r.dir)
+        r.hashes = TeacherHashes(r.cfg.teacher, r.dir, inputs.hashes(r.config[inputs.KEY] or {}))
     r.teacher, r.net0 = r.strategy.build(r.cfg, r.ckpt, r.layout)
     r.net0.model.source_path = Path(r.cfg.teacher)
     r.named, r.opt, r.sched = _optimizer(r.cfg, r.net0.model)

@@ -26,12 +26,15 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.reading import read_text
 from dtpshard.core.settings import DTPSettings
-from dtpshard.core.shape import ModelShape
+from dtpshard.core.shape import ModelShape, shape_from_hf_config
+from dtpshard.model.checkpoint import load_hf_config
 from dtpshard.model.dtp import DTPModel
+from dtpshard.model.shards import parse_size
 from dtpshard.training.losses import chunk_tokens
-from dtpshard.training.precision import param_dtype
-from dtpshard.training.recipe import FROZEN
+from dtpshard.training.precision import param_dtype, resolve_precision
+from dtpshard.training.recipe import FROZEN, DistillConfig
 
 GiB = 1 << 30
 CUDA_RUNTIME = 1 << 30  # the CUDA context and the allocator's slack, not in any tensor
@@ -222,10 +225,10 @@ _STATUS, _CLEAR = Path("/proc/self/status"), Path("/proc/self/clear_refs")
 
 def _hwm() -> int | None:
     try:
-        for line in _STATUS.read_text().splitlines():
+        for line in read_text(_STATUS, 1 << 20, "process status").splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, UserError):  # no /proc: no measurement
         pass
     return None
 
@@ -268,6 +271,20 @@ class PhasePeaks:
 
 def local_ranks() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def plan_for(cfg: DistillConfig, world: int, device: str, local: int | None = None,
+             hf_config: Any = None) -> MemoryPlan:
+    """The memory plan of this run per process, from config.json alone (cfg resolved; `hf_config`:
+    the teacher's, when it is read already); `local` processes share this machine's RAM (default:
+    torchrun's LOCAL_WORLD_SIZE)."""
+    hf_config = load_hf_config(cfg.teacher) if hf_config is None else hf_config
+    precision = resolve_precision(cfg.precision, device)
+    setup = Setup(world, cfg.fsdp and world > 1, precision, cfg.grad_checkpointing, cfg.micro_batch, cfg.seq_len,
+                  torch.device(device).type)
+    given = None if cfg.plan_memory is None else parse_size(cfg.plan_memory, "--plan-memory")
+    return plan_memory(shape_from_hf_config(hf_config), hf_config, setup, settings=cfg.dtp,
+                       available=available_bytes(device, local or local_ranks(), given), runtime=process_bytes(device))
 
 
 def refuse_unless_fits(plan: MemoryPlan) -> None:

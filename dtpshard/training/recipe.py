@@ -154,7 +154,7 @@ def run_config(cfg: DistillConfig, shape: Any, layout: Any, world: int, device: 
         train_data=train_src, train_blocks=int(train.shape[0]), train_data_sha256=_sha(train.numpy().tobytes()),
         eval_data=eval_src, eval_data_sha256=_sha(ev.numpy().tobytes()),
         teacher_cache_id=None if cache is None else cache.identity(),
-        torch=torch.__version__)))
+        torch=torch.__version__, threads=torch.get_num_threads())))
     return json.loads(dumps(out))  # compared with a config.json read back: same types (and nulls)
 
 

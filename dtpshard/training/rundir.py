@@ -22,14 +22,24 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dtpshard.core.errors import UserError, naming
-from dtpshard.core.io import atomic_path, atomic_write_text, check_writable_dir, dumps, loads, read_json, writing
+from dtpshard.core.io import (
+    atomic_path,
+    atomic_write_text,
+    check_regular,
+    check_writable_dir,
+    dumps,
+    loads,
+    read_bytes,
+    read_json,
+    writing,
+)
 from dtpshard.training.settings import FORMAT, require_tensorboard
 
 CONFIG = "config.json"
@@ -41,6 +51,7 @@ DONE = "DONE"
 MEMORY = "memory.json"
 LOCK = ".lock"
 _ROW_BYTES = 1 << 16  # a metrics row is ~200 bytes
+METRICS_BYTES = 1 << 31  # metrics.jsonl: millions of rows
 OWNED = (CONFIG, METRICS, CHECKPOINT, SHARDED_CHECKPOINT, FINAL, MEMORY, DONE)
 
 
@@ -187,13 +198,40 @@ def check_run(run: Path, config: dict[str, Any], compared: list[str], force: boo
     return not diff
 
 
-def start_over(run: Path, owned: tuple[str, ...] = OWNED) -> None:
-    """Remove this run's own files, `owned` (never anything else in the directory)."""
+def made_by_dtpshard(d: Path) -> bool:
+    """Whether directory `d` carries dtpshard's own marker, so that --force may clear it: empty, a
+    dtpshard directory or student (its config.json's format, or a `dtp` block), or a sharded
+    checkpoint (its LATEST pointer and step directories)."""
+    names = [p.name for p in d.iterdir()]
+    if not names or set(names) <= {"LATEST"} | {n for n in names if n.startswith(("step-", ".step-"))}:
+        return True
+    try:
+        config = read_json(d / CONFIG, "config") if (d / CONFIG).is_file() else None
+    except UserError:
+        return False
+    return isinstance(config, dict) and (str(config.get("format", "")).startswith("dtpshard.")
+                                         or isinstance(config.get("dtp"), dict))
+
+
+def start_over(run: Path, owned: tuple[str, ...] = OWNED,
+               marks: dict[str, Callable[[Path], bool]] | None = None) -> None:
+    """Remove this run's own files, `owned` (never anything else in the directory). Nothing is
+    removed when one of them is not what the command makes: a symbolic link (it points at
+    someone else's files), or a directory without dtpshard's marker (`marks[name]`, default
+    `made_by_dtpshard`); that one is named instead."""
+    for name in owned:
+        p = run / name
+        if p.is_symlink():
+            raise UserError(f"{p}: is a symbolic link (to {os.readlink(p)}), which dtpshard did not make; nothing "
+                            "was removed (remove or move it yourself, or choose another --out)")
+        if p.is_dir() and not (marks or {}).get(name, made_by_dtpshard)(p):
+            raise UserError(f"{p}: is not a directory dtpshard made (no dtpshard config.json in it); nothing was "
+                            "removed (move it away, or choose another --out)")
     for name in owned:
         p = run / name
         if p.is_dir():
             shutil.rmtree(p)
-        elif p.exists():
+        elif os.path.lexists(p):
             p.unlink()
     clean_temporaries(run, owned)
 
@@ -216,12 +254,18 @@ def is_done(run: Path) -> bool:
     return (run / DONE).is_file() and (run / FINAL).is_dir()
 
 
-def check_finished(run: Path) -> None:
-    """A finished run is reported as finished only if its student has weights (and they open)."""
-    from dtpshard.model.checkpoint import TensorFiles
+def verify_student(path: Path) -> None:
+    """A student (or any checkpoint dtpshard wrote) as a stage may skip or publish it: its
+    config.json parses as a model's, its weights are all there and their headers read."""
+    from dtpshard.model.checkpoint import open_checkpoint
 
+    open_checkpoint(path)
+
+
+def check_finished(run: Path) -> None:
+    """A finished run is reported as finished only if its student is whole (`verify_student`)."""
     try:
-        TensorFiles(run / FINAL)
+        verify_student(run / FINAL)
     except UserError as e:
         raise UserError(f"{run}: marked finished ({DONE}), but its student is damaged ({str(e)[:200]}); "
                         "use --force to train it again") from None
@@ -251,11 +295,13 @@ class Metrics:
             self.writer = SummaryWriter(str(tensorboard), purge_step=start + 1 if start else None)
 
     def size(self) -> int:
-        return self.path.stat().st_size if self.path.exists() else 0
+        return self.path.stat().st_size if check_regular(self.path) else 0
 
     def truncate(self, size: int) -> None:
+        """Rewind to a checkpoint's length (the first thing a run does with its metrics): a
+        metrics.jsonl that is not a regular file (a FIFO would block the appends) is refused."""
         if self.size() > size:
-            data = self.path.read_bytes()[:size]
+            data = read_bytes(self.path, METRICS_BYTES, "metrics file")[:size]
             with atomic_path(self.path) as tmp:
                 tmp.write_bytes(data)
         elif not self.path.exists():
@@ -304,9 +350,9 @@ def read_metrics(run: Path) -> list[dict[str, Any]]:
     that is not a JSON object per line is refused, naming the file and line)."""
     rows = []
     path = Path(run) / METRICS
-    if path.exists():
+    if os.path.lexists(path):
         with naming(path):
-            lines = path.read_bytes().decode("utf-8").split("\n")
+            lines = read_bytes(path, METRICS_BYTES, "metrics file").decode("utf-8").split("\n")
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -332,7 +378,7 @@ def save_checkpoint(run: Path, state: dict[str, Any]) -> None:
 
 def load_checkpoint(run: Path) -> dict[str, Any] | None:
     path = run / CHECKPOINT
-    if not path.is_file():
+    if not os.path.lexists(path):  # anything else there is the reader's to refuse by name
         return None
     from dtpshard.training.trust import load_state
 

@@ -191,6 +191,9 @@ class Derived:
     eval_data_sha256: str
     teacher_cache_id: Any  # a cached teacher is recorded by what it holds, not where
     torch: str = field(metadata=OPERATIONAL)
+    # the intra-op threads each process computed with: the order of a parallel sum, so its rounding
+    # (1e-7 relative), which a long or unstable run can grow; another machine may resume with others
+    threads: int = field(default=0, metadata=OPERATIONAL)
 
 
 def compared_fields(cls: type) -> list[str]:
@@ -199,11 +202,18 @@ def compared_fields(cls: type) -> list[str]:
 
 
 def require_tensorboard() -> None:
-    """--tensorboard's optional dependency, checked with the flags (check_config) and by the writer."""
+    """--tensorboard's optional dependency, checked with the flags (check_config) and by the writer:
+    importable as the writer imports it (a directory named tensorboard in the working directory is
+    found as a namespace package, and fails only when the first event is written)."""
     import importlib.util
 
-    if importlib.util.find_spec("tensorboard") is None:
+    spec = importlib.util.find_spec("tensorboard")
+    if spec is None or spec.origin is None:
         raise UserError("--tensorboard needs the tensorboard package (pip install tensorboard)")
+    try:
+        import torch.utils.tensorboard  # noqa: F401 (the writer's import, done now)
+    except ImportError as e:
+        raise UserError(f"--tensorboard: the tensorboard package does not load ({e}); reinstall it") from None
 
 
 def check_config(cfg: Recipe) -> None:

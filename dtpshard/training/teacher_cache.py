@@ -27,16 +27,23 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from dtpshard.core.devices import pick_device
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, check_replaceable, local_paths
-from dtpshard.core.io import atomic_path, atomic_write_text, dumps, files_id, read_json_object, short_sha256
+from dtpshard.core.io import (
+    atomic_path,
+    atomic_write_text,
+    dumps,
+    files_id,
+    open_safetensors,
+    read_json_object,
+    short_sha256,
+)
 from dtpshard.core.vocab import Count, Device, Seed
-from dtpshard.model.checkpoint import TOKENIZER_FILES, load_tokenizer
+from dtpshard.model.checkpoint import TOKENIZER_FILES, load_tokenizer, open_checkpoint
 from dtpshard.model.dtp import DTPModel
 from dtpshard.training.losses import chunk_tokens, teacher_topk
 from dtpshard.training.precision import autocast_for
@@ -94,6 +101,7 @@ def build_cache(teacher_dir: Path, blocks: torch.Tensor, out: Path, k: int = 64,
         raise UserError(f"--k {k}: must be at least 1")
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: must be float16 or bfloat16")
+    open_checkpoint(teacher_dir)  # its weights checked as data (headers) before the plan is written
     out, blocks = Path(out), unique_blocks(blocks.to(torch.int64))
     plan = {"format": FORMAT, "k": k, "dtype": dtype, "seq_len": int(blocks.shape[1]) - 1,
             "blocks": int(blocks.shape[0]), **teacher_hashes(teacher_dir, tokenizer),
@@ -172,7 +180,7 @@ class TeacherCache:
         if m.get("format") != FORMAT:
             raise UserError(f"--teacher-cache {self.path}: format {m.get('format')!r}, expected {FORMAT}")
         self.k, self.seq_len = m["k"], m["seq_len"]
-        self._files = [safe_open(str(self.path / s["file"]), framework="pt") for s in m["shards"]]
+        self._files = [open_safetensors(self.path / s["file"]) for s in m["shards"]]
         self.index: dict[bytes, tuple[int, int]] = {}
         for f, st in enumerate(self._files):
             for r, b in enumerate(st.get_tensor("blocks")):
@@ -182,16 +190,21 @@ class TeacherCache:
         """What a run directory records (and a resumed run must match)."""
         return {key: self.manifest[key] for key in ("k", "dtype", "teacher_sha256", "tokenizer_sha256")}
 
-    def check(self, teacher: Path, blocks: torch.Tensor, tokenizer: Path | None = None) -> None:
-        """Refuse a cache of another teacher or tokenizer, seq_len, or one that lacks a block of the run."""
+    def check_for(self, teacher: Path, seq_len: int, tokenizer: Path | None = None) -> None:
+        """Refuse a cache of another teacher, tokenizer or seq_len (what the flags tell, before any work)."""
         where = f"--teacher-cache {self.path}"
-        if blocks.shape[1] - 1 != self.seq_len:
-            raise UserError(f"{where}: built for seq_len {self.seq_len}, the run uses {blocks.shape[1] - 1}")
+        if seq_len != self.seq_len:
+            raise UserError(f"{where}: built for seq_len {self.seq_len}, the run uses {seq_len}")
         now = teacher_hashes(teacher, tokenizer)
         for key, what in (("teacher_sha256", "weights"), ("tokenizer_sha256", "tokenizer")):
             if now[key] != self.manifest[key]:
                 raise UserError(f"{where}: built for another teacher ({what} hash {self.manifest[key]}, "
                                 f"{teacher} has {now[key]})")
+
+    def check(self, teacher: Path, blocks: torch.Tensor, tokenizer: Path | None = None) -> None:
+        """Refuse a cache of another teacher or tokenizer, seq_len, or one that lacks a block of the run."""
+        where = f"--teacher-cache {self.path}"
+        self.check_for(teacher, blocks.shape[1] - 1, tokenizer)
         for i, b in enumerate(blocks):
             if block_key(b) not in self.index:
                 raise UserError(f"{where}: built for other training blocks (block {i} of this run is not in it; "

@@ -28,12 +28,16 @@ from typing import Any
 import torch
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.reading import ANY_SIZE, open_regular
 
 
 def load_state(path: Path, what: str) -> dict[str, Any]:
     """A torch.save'd dict of tensors and plain values, loaded without running code."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with open_regular(path, ANY_SIZE, what) as f:  # the one reader: a FIFO or a device is refused by name
+            state = torch.load(f, map_location="cpu", weights_only=True)
+    except UserError:
+        raise
     except pickle.UnpicklingError as e:  # weights_only names the global it refused
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
         raise UserError(f"{path}: refused {what}: it holds more than tensors and plain values ({first}); "

@@ -15,6 +15,12 @@ and, for `convert`, by a real SIGKILL, once in each stage:
   DTPSHARD_TEST_CRASH=checkpointed:K       right after checkpoint K is published
   DTPSHARD_TEST_CRASH=final                right after the run's final/ (the student) is published, before DONE
   DTPSHARD_TEST_CRASH=student              halfway through publishing convert's DIR/student (one file placed)
+
+and, so that a test signals a process at a known moment instead of after a guessed delay:
+
+  DTPSHARD_TEST_PAUSE=calibration          convert's stage 1 prints "paused" on stderr and waits (up to
+                                           two minutes) for a signal, whose handler ends the wait
+  DTPSHARD_TEST_PAUSE=summary              likewise once every stage is done, before convert's summary
 """
 import importlib.abc
 import importlib.util
@@ -115,9 +121,28 @@ def _patch_convert(mod):
             _sigkill("student")
 
     mod._place = dying
+    mod.summary = _pausing("summary", mod.summary)
 
 
-PATCHES = {"dtpshard.training.loop": _patch_loop, "dtpshard.training.rundir": _patch_rundir,
+def _pausing(point, fn):
+    def paused(*args, **kwargs):
+        if os.environ.get("DTPSHARD_TEST_PAUSE") == point:
+            import time
+
+            print("paused", file=sys.stderr, flush=True)
+            for _ in range(2400):  # a signal's handler raises out of the sleep (no race, as pause() has)
+                time.sleep(0.05)
+        return fn(*args, **kwargs)
+
+    return paused
+
+
+def _patch_calibrate(mod):
+    mod.run_calibration = _pausing("calibration", mod.run_calibration)
+
+
+PATCHES = {"dtpshard.affinity.calibrate": _patch_calibrate,
+           "dtpshard.training.loop": _patch_loop, "dtpshard.training.rundir": _patch_rundir,
            "dtpshard.training.fsdp": _patch_fsdp, "dtpshard.runtime.ranks": _patch_ranks,
            "dtpshard.core.io": _patch_io, "dtpshard.training.convert": _patch_convert}
 

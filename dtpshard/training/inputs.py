@@ -1,0 +1,110 @@
+"""What a resume trusts: the files a run was made from, recorded by content and checked again.
+
+A distillation (`distill`, `convert`'s stage 3) records the sha256 of the teacher's weight files
+and of its layout file when it starts, and a rerun compares them before it trusts anything it
+made: a teacher whose weights were replaced, or a layout edited by hand (units swapped, its J
+rewritten), is refused in one line naming the file. `convert` records its own published outputs
+(the affinity file, the layout) the same way, so a stage is skipped only over what it wrote.
+
+Hashing a 70B teacher takes minutes, so each record also keeps the file's identity (size, times,
+inode): a file with the same identity as recorded is not hashed again. Any write changes its
+ctime, which no user can set back, so an identical identity means identical bytes.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from dtpshard.core.errors import UserError
+from dtpshard.core.io import file_sha256
+
+TEACHER = "teacher"  # the key prefix of the teacher's weight files: teacher/NAME
+LAYOUT = "layout"
+
+
+def _identity(path: Path) -> list[int]:
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+_hashed: dict[tuple[str, tuple[int, ...]], str] = {}  # this process's hashes, by file and identity
+
+
+def _sha256(path: Path) -> str:
+    """file_sha256, once per process for a file that has not changed (convert records the teacher
+    in convert.json and again, as its distillation begins, in RUN/config.json)."""
+    key = (os.path.realpath(path), tuple(_identity(path)))
+    if key not in _hashed:
+        _hashed[key] = file_sha256(path)
+    return _hashed[key]
+
+
+def run_files(teacher: Path, layout: Path | None) -> dict[str, Path]:
+    """{key: path} of what a distillation is made from: teacher/NAME per weight file, and the layout."""
+    from dtpshard.model.checkpoint import TensorFiles
+
+    files = {f"{TEACHER}/{f.name}": f for f in TensorFiles(Path(teacher)).files}
+    if layout is not None:
+        files[LAYOUT] = Path(layout)
+    return files
+
+
+def record(files: dict[str, Path]) -> dict[str, dict[str, Any]]:
+    """{key: {sha256, identity}} of each file."""
+    return {key: {"sha256": _sha256(p), "identity": _identity(p)} for key, p in files.items()}
+
+
+def _what(key: str, path: Path) -> str:
+    return f"the teacher's weight file {path}" if key.startswith(f"{TEACHER}/") else f"{path}"
+
+
+def check_unchanged(recorded: Any, files: dict[str, Path], where: str) -> None:
+    """Refuse, in one line naming the file, a file of `files` whose content is not what `recorded`
+    (a `record`) says; `where`: the directory whose record it is."""
+    if not isinstance(recorded, dict):
+        raise UserError(f"{where}: records no hashes of its inputs (made by an older dtpshard); use --force to "
+                        "start it over")
+    now = sorted(k for k in files if k.startswith(f"{TEACHER}/"))
+    then = sorted(str(k) for k in recorded if str(k).startswith(f"{TEACHER}/"))
+    if now != then:
+        names = ", ".join(k.split("/", 1)[1] for k in then)
+        raise UserError(f"{where}: the teacher's weight files are not those it was made from (then {names}); "
+                        "use --force to start over with this teacher")
+    for key, path in files.items():
+        entry = recorded.get(key)
+        sha = entry.get("sha256") if isinstance(entry, dict) else None
+        if not isinstance(sha, str):
+            raise UserError(f"{where}: records no hash of {_what(key, path)}; use --force to start over")
+        if entry.get("identity") == _identity(path):
+            continue
+        current = _sha256(path)
+        if current != sha:
+            raise UserError(f"{_what(key, path)} changed since {where} recorded it (sha256 {sha[:16]}, now "
+                            f"{current[:16]}); restore it, or use --force to start over")
+
+
+def hashes(recorded: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """{weight file name: sha256} of the teacher, as a model card gives them."""
+    return {k.split("/", 1)[1]: v["sha256"] for k, v in recorded.items() if k.startswith(f"{TEACHER}/")}
+
+
+KEY = "inputs"  # where a run's config.json keeps its record
+
+
+def run_inputs(run: Path, resuming: bool, teacher: Path, layout: Path | None, main: bool) -> dict[str, Any] | None:
+    """The record of a distillation's inputs: on a resume the one RUN/config.json holds, checked
+    against the files now (on every rank alike); on a new run made now (by rank 0, which writes
+    config.json; None on the others). A finished run of an older dtpshard, with no record, is left
+    as it is (nothing of it is trained again)."""
+    from dtpshard.core.io import read_json_object
+    from dtpshard.training.rundir import CONFIG, is_done
+
+    files = run_files(teacher, layout)
+    if not resuming:
+        return record(files) if main else None
+    old = read_json_object(run / CONFIG, "run config").get(KEY)
+    if old is None and is_done(run):
+        return None
+    check_unchanged(old, files, str(run))
+    return old
