@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dtpshard.core.family import FAMILY
 from dtpshard.core.layout import Layout
 from dtpshard.core.shape import ModelShape
 
@@ -46,10 +47,29 @@ def layout_indices(shape: ModelShape, layout: Layout) -> dict[str, tuple[int, to
     return out
 
 
+def stored_indices(shape: ModelShape, layout: Layout, fused: bool = True) -> dict[str, tuple[int, torch.Tensor]]:
+    """layout_indices for the tensors as a checkpoint stores them: a fused tensor (Phi-3's
+    qkv_proj, gate_up_proj; fused=False: none, a student's canonical names) is gathered along rows
+    by its parts' indices, each shifted to where its part starts."""
+    canonical = layout_indices(shape, layout)
+    if not fused:
+        return canonical
+    fam, out = FAMILY[shape.family], dict(canonical)
+    rows = fam.rows(shape)
+    for i in range(shape.layers):
+        pre = f"model.layers.{i}."
+        for stored, parts in fam.fused.items():
+            out[pre + stored] = (0, torch.cat([canonical[pre + p][1] + rows[p][1] for p in parts]))
+            for p in parts:
+                del out[pre + p]
+    return out
+
+
 def apply_layout(state_dict: dict[str, torch.Tensor], shape: ModelShape, layout: Layout) -> dict[str, torch.Tensor]:
-    """A new state dict with every layer's KV groups and neurons permuted as the layout says."""
+    """A new state dict with every layer's KV groups and neurons permuted as the layout says; the
+    state dict in its family's format (fused tensors gathered whole) or the canonical one."""
     out = dict(state_dict)
-    for name, (axis, index) in layout_indices(shape, layout).items():
+    for name, (axis, index) in {**layout_indices(shape, layout), **stored_indices(shape, layout)}.items():
         if name in out:
             out[name] = out[name].index_select(axis, index.to(out[name].device))
     return out

@@ -27,9 +27,9 @@ from dtpshard.core.io import (
     open_safetensors,
 )
 from dtpshard.core.layout import Layout, is_layout_file
-from dtpshard.core.permutation import layout_indices
+from dtpshard.core.permutation import stored_indices
 from dtpshard.core.vocab import Count, PermuteCheck, PositiveNumber
-from dtpshard.model.checkpoint import canonical, open_checkpoint, tensor_names
+from dtpshard.model.checkpoint import canonical, is_student, open_checkpoint, tensor_names
 
 LAYOUT_JSON = "layout.json"  # the applied layout, saved next to the permuted weights
 CHECK_TOL = 1e-4  # --check logits: max |Δlogits| relative to max |logit|, fp32 (docs/design.md §3)
@@ -82,7 +82,7 @@ def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False,
     lay = Layout.load(layout_path, ckpt.shape)
     lay.check_model(ckpt.shape, where=f"layout {layout_path} (model {model})")
     check_writable_dir(out, create=False)
-    gathers = layout_indices(ckpt.shape, lay)
+    gathers = stored_indices(ckpt.shape, lay, fused=not is_student(ckpt.hf_config))
     weights = ckpt.files.files
     said: list[str] = []  # printed once the output is in place: a refused publish reports no success
     say = said.append

@@ -10,7 +10,6 @@ import functools
 import json
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 
 from dtpshard.core.errors import UserError, naming
+from dtpshard.core.family import FAMILY, stored_shapes
 from dtpshard.core.io import SMALL_JSON, copy_regular, dumps, file_hashes, open_safetensors, read_json, read_json_object
 from dtpshard.core.memory import check_fits
 from dtpshard.core.settings import read_record
@@ -48,17 +48,6 @@ __all__ = ["TOKENIZER_BYTES", "TOKENIZER_FILES"]  # where the tokenizer's are re
 
 DTP_JSON = "dtp.json"  # students before the config block recorded their settings only here (still read)
 DTP_KEY = "dtp"  # the block in a student's config.json: family, devices, delay, stage3, layout_sha256
-
-_LAYER_KEYS = {
-    "input_layernorm.weight", "post_attention_layernorm.weight",
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-    "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
-    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-}
-_TOP_KEYS = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
-_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
-
 
 def load_hf_config(path: str | Path) -> Any:
     """The checkpoint's transformers config, config.json read once; a DTP student's (model_type
@@ -157,6 +146,15 @@ class TensorFiles:
         if absent:
             raise UserError(f"{self.where[absent[0]]}: has no tensor {absent[0]!r} (named in {INDEX})")
         check_dtypes(self.dtypes, self.where)  # weights are numbers: no integer, bool or unscaled float8 tensor
+        self.parts: dict[str, tuple[str, int, int]] = {}  # canonical name -> (stored name, first row, end row)
+
+    def unfuse(self, shape: ModelShape) -> None:
+        """Read the family's fused tensors (Phi-3's qkv_proj, gate_up_proj) as their canonical parts
+        (core/family.py): `keys`, `shape`, `get` and `get_units` then speak of q/k/v and gate/up."""
+        for part, (stored, a, b) in FAMILY[shape.family].rows(shape).items():
+            for i in range(shape.layers):
+                if stored in FAMILY[shape.family].fused and f"model.layers.{i}.{stored}" in self.alias:
+                    self.parts[f"model.layers.{i}.{part}"] = (f"model.layers.{i}.{stored}", a, b)
 
     @property
     def files(self) -> list[Path]:
@@ -169,14 +167,31 @@ class TensorFiles:
         return next((names[d] for d in self.dtypes.values() if d in names), None)
 
     def keys(self) -> list[str]:
+        """The canonical names (a fused tensor's parts in its place), in the files' order."""
+        fused: dict[str, list[str]] = {}
+        for part, (stored, _, _) in self.parts.items():
+            fused.setdefault(stored, []).append(part)
+        return [k for name in self.alias for k in fused.get(name, [name])]
+
+    def stored_keys(self) -> list[str]:
+        """The names as the files hold them ("model." prefixed)."""
         return list(self.alias)
 
+    def dtype(self, name: str) -> str:
+        return self.dtypes[self.alias[self.parts[name][0] if name in self.parts else name]]
+
     def shape(self, name: str) -> list[int]:
+        if name in self.parts:
+            stored, a, b = self.parts[name]
+            return [b - a, *self.shapes[self.alias[stored]][1:]]
         return self.shapes[self.alias[name]]
 
     def get_units(self, name: str, idx: np.ndarray, axis: int) -> torch.Tensor:
         """Rows (axis 0) or columns (axis 1) `idx` of tensor `name`, read run by run from the file
         (a run of consecutive indices is one slice), so only those are read."""
+        if name in self.parts:  # a part of a fused tensor: its rows, shifted to where it starts
+            name, a, _ = self.parts[name]
+            idx = np.asarray(idx) + (a if axis == 0 else 0)
         breaks = np.flatnonzero(np.diff(idx) != 1) + 1
         runs = [slice(int(r[0]), int(r[-1]) + 1) for r in np.split(idx, breaks)]
         key = self.alias[name]
@@ -187,6 +202,9 @@ class TensorFiles:
     def get(self, name: str, rows: slice | None = None) -> torch.Tensor:
         """Tensor `name` (canonical HF name), or only its `rows` (a slice of dim 0: the streamed
         calibration reads the embedding in blocks without holding all of it)."""
+        if name in self.parts:  # a part of a fused tensor: its rows of the stored one
+            name, a, b = self.parts[name]
+            rows = slice(a, b) if rows is None else slice(a + (rows.start or 0), a + min(rows.stop or b - a, b - a))
         key = self.alias[name]
         try:
             with open_safetensors(self.where[key]) as st:
@@ -215,21 +233,6 @@ def tensor_names(file: Path) -> list[str]:
         raise UserError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
 
 
-def expected_shapes(shape: ModelShape) -> dict[str, list[int]]:
-    """The shape config.json implies for every tensor name the DTP forward reads."""
-    D, q, kv, N = shape.hidden, shape.heads * shape.head_dim, shape.kv_groups * shape.head_dim, shape.neurons
-    out = {"model.embed_tokens.weight": [shape.vocab, D], "model.norm.weight": [D], "lm_head.weight": [shape.vocab, D]}
-    per = {"input_layernorm.weight": [D], "post_attention_layernorm.weight": [D],
-           "self_attn.q_proj.weight": [q, D], "self_attn.k_proj.weight": [kv, D], "self_attn.v_proj.weight": [kv, D],
-           "self_attn.o_proj.weight": [D, q], "self_attn.q_proj.bias": [q], "self_attn.k_proj.bias": [kv],
-           "self_attn.v_proj.bias": [kv], "self_attn.q_norm.weight": [shape.head_dim],
-           "self_attn.k_norm.weight": [shape.head_dim], "mlp.gate_proj.weight": [N, D], "mlp.up_proj.weight": [N, D],
-           "mlp.down_proj.weight": [D, N]}
-    for i in range(shape.layers):
-        out.update({f"model.layers.{i}.{k}": v for k, v in per.items()})
-    return out
-
-
 def canonical(key: str) -> str:
     """The Hugging Face name of a stored tensor name (some checkpoints drop the "model." prefix)."""
     if key.startswith(("model.", "lm_head.")):
@@ -237,23 +240,25 @@ def canonical(key: str) -> str:
     return "model." + key
 
 
-def check_keys(keys: list[str], shape: ModelShape) -> None:
-    """Refuse tensors the DTP forward would silently ignore (fused qkv, post-norms, o_proj bias...)."""
-    for k in keys:
-        if k.endswith("rotary_emb.inv_freq"):
+def check_keys(files: TensorFiles, shape: ModelShape, fused: bool, path: Path) -> None:
+    """Every tensor the family's format (fused: its own; else the canonical one, a student's) has,
+    with the shape config.json implies, and no other: the DTP forward would silently ignore one
+    (a post-norm, an o_proj bias, a fused tensor of another family)."""
+    want = stored_shapes(shape, fused)
+    for k in files.stored_keys():
+        if k.endswith("rotary_emb.inv_freq") or (k == "lm_head.weight" and shape.tied):
             continue
-        m = _LAYER_RE.fullmatch(k)
-        ok = (m is not None and m.group(2) in _LAYER_KEYS and int(m.group(1)) < shape.layers) or k in _TOP_KEYS
-        if not ok:
-            raise UserError(f"unsupported tensor {k!r} in checkpoint (fused projections, extra norms and "
-                            "o_proj/MLP biases are not supported)")
-    need = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if shape.tied else ["lm_head.weight"])
-    for i in range(shape.layers):
-        need += [f"model.layers.{i}.{n}" for n in sorted(_LAYER_KEYS)
-                 if (".bias" not in n or shape.qkv_bias) and ("_norm." not in n or shape.qk_norm)]
-    have = set(keys)
-    for k in need:
-        if k not in have:
+        if k not in want:
+            fam = FAMILY[shape.family]
+            per = fam.stored() if fused else fam.canonical(shape.qkv_bias, shape.qk_norm)
+            raise UserError(f"unsupported tensor {k!r} in checkpoint (a {shape.family} "
+                            f"{'checkpoint' if fused else 'student'} holds {', '.join(per)} in each layer; "
+                            "extra norms and o_proj/MLP biases are not supported)")
+        if files.shapes[files.alias[k]] != want[k]:
+            raise UserError(f"{path}: tensor {k} has shape {files.shapes[files.alias[k]]} in the weights but "
+                            f"config.json implies {want[k]} (the config does not match the weights)")
+    for k in want:
+        if k not in files.alias:
             raise UserError(f"checkpoint is missing tensor {k!r}")
 
 
@@ -300,7 +305,7 @@ class Checkpoint:
         dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
         stored = {name: t.itemsize for t, name in SAFETENSORS_DTYPES.items()}
         need = sum(math.prod(self.files.shape(k)) * (dtype.itemsize if isinstance(dtype, torch.dtype)
-                                                     else stored.get(self.files.dtypes[k], 4))
+                                                     else stored.get(self.files.dtype(k), 4))
                    for k in self.files.keys())
         check_fits(need, f"{self.path}: loading its weights")
 
@@ -320,12 +325,10 @@ def open_checkpoint(path: str | Path, hf_config: Any = None) -> Checkpoint:
     cfg = load_hf_config(path) if hf_config is None else hf_config
     shape = shape_from_hf_config(cfg)
     files = TensorFiles(path)
-    check_keys(files.keys(), shape)
-    want = expected_shapes(shape)
-    for k in files.keys():
-        if k in want and files.shape(k) != want[k]:
-            raise UserError(f"{path}: tensor {k} has shape {files.shape(k)} in the weights but config.json implies "
-                            f"{want[k]} (the config does not match the weights)")
+    fused = not is_student(cfg)  # a student keeps the canonical names (its DTPForCausalLM's); a dense model its own
+    check_keys(files, shape, fused, path)
+    if fused:
+        files.unfuse(shape)
     return Checkpoint(path, cfg, shape, files)
 
 

@@ -17,12 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.family import FAMILY, head_weight
+from dtpshard.core.family import FAMILY, head_weight, logits
 from dtpshard.core.shape import ModelShape, family_config
 from dtpshard.model.attention import KVCache
 from dtpshard.model.exchange import Exchange
@@ -84,7 +83,7 @@ class Decoder(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head: h [..., D] (head_input's) -> logits [..., V]."""
-        return F.linear(h, self.head_weight)
+        return logits(h, self.lm_head_weight, self.shape.logits_scaling)
 
     def new_cache(self) -> KVCache:
         return KVCache(self.shape.layers)

@@ -14,7 +14,8 @@ Per position t, with z = h W^T, p = softmax(z):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from dtpshard.core.family import logits
 
 CHUNK_ELEMENTS = 1 << 25  # [chunk, V] fp32 buffers of ~128 MB each
 
@@ -24,8 +25,9 @@ def chunk_tokens(vocab: int, elements: int = CHUNK_ELEMENTS) -> int:
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    # Under CUDA autocast this matmul runs in bf16; the softmaxes below are always fp32.
-    return F.linear(h, w).float()
+    """w: the LM head with its logit transform (a model's head_weight). Under CUDA autocast this
+    matmul runs in bf16; the softmaxes below are always fp32."""
+    return logits(h, w).float()
 
 
 def _chunked(ctx, h_s: torch.Tensor, w_s: torch.Tensor, ce_weight: float, chunk: int, body):

@@ -74,7 +74,7 @@ class Student(torch.nn.Module):
         """-> (loss, kl, ce) sums; `top`: a teacher cache's (top_ids, top_logp, tail_logp) of these
         blocks instead of the teacher's h_t: the top-k KL + tail (losses.topk_kl_ce_sums).
         evaluate: no gradient, [kl, ce, top-1 agreement] sums instead (losses.eval_sums)."""
-        w = self.model.lm_head_weight
+        w = self.model.head_weight  # the LM head with its logit transform (core/family.py)
         if evaluate:
             return eval_sums(self.model.hidden(ids), w, h_t, None if h_t is None else w, targets)
         if top is not None:

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from dtpshard.core.devices import pick_device
 from dtpshard.core.errors import UserError
+from dtpshard.core.family import logits
 from dtpshard.core.guard import check_outputs, check_replaceable, local_paths
 from dtpshard.core.io import (
     atomic_path,
@@ -85,9 +86,9 @@ def unique_blocks(blocks: torch.Tensor) -> torch.Tensor:
 def teacher_targets(teacher: Any, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The cached quantities for ids [B, T] (the blocks without their last token)."""
     h = teacher.hidden(ids)
-    flat, w = h.reshape(-1, h.shape[-1]), teacher.lm_head_weight
+    flat, w = h.reshape(-1, h.shape[-1]), teacher.head_weight
     c = chunk_tokens(w.shape[0])  # never all [B, T, V] logits at once
-    parts = [teacher_topk(torch.nn.functional.linear(flat[a:a + c], w), k) for a in range(0, flat.shape[0], c)]
+    parts = [teacher_topk(logits(flat[a:a + c], w), k) for a in range(0, flat.shape[0], c)]
     B, T = ids.shape
     return (torch.cat([x[0] for x in parts]).view(B, T, -1), torch.cat([x[1] for x in parts]).view(B, T, -1),
             torch.cat([x[2] for x in parts]).view(B, T))
