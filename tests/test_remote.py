@@ -31,7 +31,7 @@ from dtpshard.training import rundir
 from test_distill import random_docs
 
 HERE = Path(__file__).parent
-CASES = [("llama", 2, 1), ("llama", 4, 2), ("qwen3", 2, 2), ("qwen3", 4, 1)]
+CASES = [("llama", 2, 1), ("llama", 4, 2), ("qwen3", 2, 2), ("qwen3", 4, 1), ("phi3", 2, 1), ("granite", 2, 1.5)]
 PROMPT = "import torch"
 
 
@@ -53,7 +53,7 @@ def root(tiny_dirs, tmp_path_factory):
     """Teachers with a Hub-style README (a license in its front matter), a scored layout, text."""
     root = tmp_path_factory.mktemp("remote")
     (root / "docs.txt").write_text("\n\n".join(random_docs(120, 4)))
-    for family in ("llama", "qwen3"):
+    for family in sorted({c[0] for c in CASES}):
         shutil.copytree(tiny_dirs[family], root / family)
         (root / family / "README.md").write_text("---\nlicense: apache-2.0\nlanguage: [en]\n---\n# tiny\n")
     layout = Layout.random(DTPModel.from_pretrained(root / "llama", 1, 0).shape, devices=2, delay=1, seed=3)

@@ -27,12 +27,14 @@ DEADLINE = 240  # seconds for a whole launch, generous for a loaded 2-core machi
 
 @pytest.fixture(scope="module")
 def ckpt_dirs(tmp_path_factory):
-    """World size -> a tiny checkpoint it divides: qwen2 (q/k/v biases) for 2, qwen3 (q/k norms,
-    3 KV groups of 2 heads) for 3."""
+    """World size (or family) -> a tiny checkpoint it divides: qwen2 (q/k/v biases) for 2, qwen3 (q/k
+    norms, 3 KV groups of 2 heads) for 3; Phi-3 (fused tensors read as their parts, a window shorter
+    than the texts) and Granite (its multipliers) for 2."""
     root = tmp_path_factory.mktemp("runtime")
     return {2: save_tiny(root / "qwen2", "qwen2", seed=1),
             3: save_tiny(root / "qwen3", "qwen3", seed=2, num_key_value_heads=3, num_attention_heads=6,
-                         intermediate_size=96)}
+                         intermediate_size=96),
+            "phi3": save_tiny(root / "phi3", "phi3", seed=3), "granite": save_tiny(root / "granite", "granite", seed=4)}
 
 
 def _ids(T, seed, vocab=384):
@@ -66,9 +68,9 @@ def _equivalence_worker(model_dir, layout_path, out_dir):
     return 0
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ranks_equal_single_process_model(world, ckpt_dirs, tmp_path):
-    path = ckpt_dirs[world]
+@pytest.mark.parametrize("world, which", [(2, 2), (3, 3), (2, "phi3"), (2, "granite")])
+def test_ranks_equal_single_process_model(world, which, ckpt_dirs, tmp_path):
+    path = ckpt_dirs[which]
     shape = open_checkpoint(path).shape
     layout = Layout.random(shape, world, seed=world)
     assert not layout.is_identity()
