@@ -26,7 +26,7 @@ from dtpshard.core.typed import Invalid, check, choices, is_bool, is_list, wants
 
 # name -> (module:function, its summary in the root --help, which imports no command)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("dtpshard.model.generate:generate_cmd", "print a continuation of a prompt from the DTP model"),
+    "generate": ("dtpshard.commands.generate:generate_cmd", "print a continuation of a prompt from the DTP model"),
     "layout": ("dtpshard.layouts.make:layout_cmd", "make a layout (contiguous, random, optimised, ...)"),
     "permute": ("dtpshard.layouts.permute:permute_cmd", "write a permuted Hugging Face checkpoint"),
     "score": ("dtpshard.layouts.score:score_cmd", "co-located score J of a layout"),
@@ -39,7 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("dtpshard.studies.report:report_cmd", "Markdown report with figures for an experiment directory"),
     "demo": ("dtpshard.studies.demo:demo_cmd", "the whole pipeline on SmolLM2-135M, offline, on a CPU"),
     "study": ("dtpshard.studies.demo:study_cmd", "the SmolLM2 study: does J predict the KL after training?"),
-    "run": ("dtpshard.runtime.run:run_cmd", "DTP across processes (use under torchrun)"),
+    "run": ("dtpshard.commands.generate:run_cmd", "DTP across processes (use under torchrun)"),
 }
 SPAWNS = {"run", "distill", "convert"}  # the commands whose --nproc K starts K local processes
 # the help of a flag several commands share, written once (a command's own docstring line wins)

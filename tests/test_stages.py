@@ -11,6 +11,7 @@ ORDER = ["core", "model", "data", "affinity", "layouts", "training", "studies"]
 ALLOWED = {p: set(ORDER[:i + 1]) for i, p in enumerate(ORDER)}
 ALLOWED["runtime"] = {"core", "model", "runtime"}
 ALLOWED["serve"] = {"core", "model", "serve"}  # the vLLM model: the student format and the schedule only
+ALLOWED["commands"] = {*ORDER, "runtime", "serve", "commands"}  # the command layer sits on top of them all
 OPTIONAL = {"dtpshard.serve.vllm_model": "vllm"}  # modules that need an optional package, and which
 PKG = Path(dtpshard.__file__).parent
 

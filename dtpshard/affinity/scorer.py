@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 from dtpshard.affinity.file import edges_for_delay
 from dtpshard.affinity.offload import DiskArray, HiddenStates, MemoryArray
-from dtpshard.core.family import ACTIVATIONS
+from dtpshard.core.family import activation
 from dtpshard.core.settings import DEFAULT
 from dtpshard.core.shape import ModelShape
 from dtpshard.core.vocab import PROXIES
@@ -114,7 +114,7 @@ class EdgeScorer:
                  chunk: int | None = None):
         """w_src: module a's output weight (o_proj or down_proj, [D, cols]); tgt: module b's layer."""
         self.shape, self.opts, self.a, self.b = s, opts, a, b
-        self.act, self.act_grad = ACTIVATIONS[s.act]  # the family's gate activation and its derivative
+        self.act, self.act_grad = activation(s.act)  # the family's gate activation and its derivative
         self.heads, self.to_ffn = a % 2 == 0, b % 2 == 1
         self.w_src = w_src
         gamma = tgt.ln2 if self.to_ffn else tgt.ln1

@@ -24,24 +24,28 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING, Any
 
 from dtpshard.core.errors import UserError, quote
+
+if TYPE_CHECKING:  # torch is imported where it runs: `dtpshard --help` imports no torch
+    import torch
 
 
 def silu_grad(g: torch.Tensor) -> torch.Tensor:
     """silu'(g) = σ(g)(1 + g(1 − σ(g)))."""
-    s = torch.sigmoid(g)
+    s = g.sigmoid()
     return s * (1 + g * (1 - s))
 
 
-# hidden_act -> (the activation of the gate, its derivative: the first-order affinity needs it)
-ACTIVATIONS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
-    "silu": (F.silu, silu_grad),
-}
+ACTIVATIONS = ("silu",)  # the gate activations a family's hidden_act may name
+
+
+def activation(name: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+    """hidden_act -> (the gate's activation, its derivative: the first-order affinity needs it)."""
+    import torch.nn.functional as F
+
+    return {"silu": (F.silu, silu_grad)}[name]
 
 # a decoder layer's parameters inside dtpshard, under Llama's names (row-stacked parts of a fused tensor)
 CANONICAL = ("input_layernorm.weight", "post_attention_layernorm.weight",
@@ -202,6 +206,8 @@ def join_fused(sd: dict[str, torch.Tensor], shape: Any) -> dict[str, torch.Tenso
         if where is None or where[1] not in parts:
             out[name] = t
         elif fam.parts(parts[where[1]])[0] == where[1]:
+            import torch
+
             out[where[0] + parts[where[1]]] = torch.cat([sd[where[0] + p] for p in fam.parts(parts[where[1]])])
     return out
 
@@ -231,4 +237,6 @@ def head_weight(weight: torch.Tensor, scaling: float = 1.0) -> torch.Tensor:
 
 def logits(h: torch.Tensor, weight: torch.Tensor, scaling: float = 1.0) -> torch.Tensor:
     """The LM head: h [..., D] -> logits [..., V]."""
+    import torch.nn.functional as F
+
     return F.linear(h, head_weight(weight, scaling))

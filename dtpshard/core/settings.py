@@ -18,7 +18,7 @@ from typing import Any
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.shape import FAMILIES, MAX_UNITS, UnitShape, check_delay, check_devices
-from dtpshard.core.vocab import STAGE3
+from dtpshard.core.vocab import STAGE3, Count, Delay, Stage3
 
 log = logging.getLogger("dtpshard")
 
@@ -54,6 +54,29 @@ class DTPSettings:
 
 DEFAULT = DTPSettings(devices=4, delay=1, stage3="sqrt")
 DENSE = DTPSettings(devices=1, delay=0, stage3=DEFAULT.stage3)  # the dense model (stage 3 is empty at δ = 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DTPFlags:
+    devices: Count | None = None
+    delay: Delay | None = None
+    stage3: Stage3 | None = None
+
+
+NO_FLAGS = DTPFlags()  # none given: every setting resolve_dtp's
+
+
+# the commands' help of the three flags, from DEFAULT and resolve_dtp's order (cyclopts reads it)
+DTPFlags.__doc__ = f"""L, δ and the stage-3 scale as a command's flags: each one not given is resolve_dtp's (a
+student's record, else the layout's, else the default).
+
+Args:
+    devices: L, the number of devices; default a student's recorded L, else the layout's, else {DEFAULT.devices}
+    delay: δ in modules (fractional allowed; 0 is tensor parallelism); default a student's recorded δ, else the
+        layout's, else {DEFAULT.delay}
+    stage3: own-partial scale of the last δ modules: sqrt (√L, the paper's) or one; default a student's recorded one,
+        else {DEFAULT.stage3}
+"""
 
 
 def check_stage3(stage3: Any, where: str = "stage3") -> str:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtpshard.core.family import ACTIVATIONS
+from dtpshard.core.family import activation
 from dtpshard.core.shape import ModelShape
 from dtpshard.model.attention import attend
 from dtpshard.model.ops import Norm, Proj, device_matmul, rotary
@@ -75,7 +75,7 @@ class Attention(nn.Module):
 class FFN(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
-        self.act = ACTIVATIONS[s.act][0]
+        self.act = activation(s.act)[0]
         self.gate_proj = Proj(s.neurons, s.hidden)
         self.up_proj = Proj(s.neurons, s.hidden)
         self.down_proj = Proj(s.hidden, s.neurons)

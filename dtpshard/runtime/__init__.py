@@ -2,4 +2,4 @@
 posting partials asynchronously and adding them δ modules later. Imports core and model."""
 from dtpshard.core.lazy import lazy_exports
 
-__getattr__, __all__ = lazy_exports(__name__, {"RankModel": "ranks", "run_cmd": "run"})
+__getattr__, __all__ = lazy_exports(__name__, {"RankModel": "ranks", "run": "run"})

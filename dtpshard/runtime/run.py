@@ -6,7 +6,8 @@ itself. A rank (`serve_rank`) never goes back through the command: it joins the 
 loads its shard (runtime/ranks.py) and generates; rank 0 prints.
 
 Start: `torchrun --nproc-per-node L -m dtpshard run MODEL --prompt TEXT --delay D`, or
-`dtpshard run MODEL ... --nproc L`, which spawns L local gloo processes itself.
+`dtpshard run MODEL ... --nproc L`, which spawns L local gloo processes itself (the command:
+dtpshard/commands/generate.py).
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from dtpshard.core.io import dumps
 from dtpshard.core.launch import (
     RankExit,
     RankFailure,
-    check_threads,
     launch_local,
     process_group,
     root_cause,
@@ -29,10 +29,8 @@ from dtpshard.core.launch import (
 )
 from dtpshard.core.launch_checks import RANK_BYTES, check_nproc, check_timeout
 from dtpshard.core.settings import DTPSettings, resolve_dtp, warn_if_other_settings
-from dtpshard.core.shape import check_context
-from dtpshard.core.vocab import Count, Delay, Device, DType, NonNegativeInt, NonNegativeNumber, Seconds, Stage3
-from dtpshard.model.checkpoint import Checkpoint
 from dtpshard.model.decode import generate_ids
+from dtpshard.model.generate import prompt_ids
 from dtpshard.runtime.graphs import GraphDecoder
 from dtpshard.runtime.ranks import RankModel, check_world
 
@@ -54,18 +52,6 @@ class RunJob:
     tokenizer: Path | None
     json: bool
     cuda_graphs: bool
-
-
-def prompt_ids(ckpt: Checkpoint, prompt: str, tokenizer: Path | None, max_new_tokens: int) -> tuple:
-    """(tokenizer, ids [1, T]) of the prompt; refuses one that encodes to nothing or would run past the
-    model's context."""
-    hf_config = ckpt.hf_config
-    tok = ckpt.tokenizer(tokenizer)
-    ids = tok(prompt, return_tensors="pt").input_ids
-    if ids.shape[1] == 0:
-        raise UserError("the prompt encodes to no tokens")
-    check_context(hf_config, ids.shape[1], max_new_tokens)
-    return tok, ids
 
 
 def plan_run(model: Path, prompt: str, world: int, *, delay: float | None, stage3: str | None, layout: Path | None,
@@ -123,42 +109,12 @@ def serve_rank(job: RunJob) -> int:
     return 0
 
 
-def run_cmd(model: Path, *, prompt: str, delay: Delay | None = None, layout: Path | None = None,
-            max_new_tokens: Count = 40, timeout: Seconds = 600, stage3: Stage3 | None = None,
-            latency_ms: NonNegativeNumber = 0, dtype: DType = "float32", device: Device = "auto", nproc: Count = 1,
-            threads: NonNegativeInt = 0, tokenizer: Path | None = None, json: bool = False,
-            cuda_graphs: bool = False) -> int:
-    """Greedy continuation of PROMPT with MODEL run as DTP across processes, one rank per device
-    (start it with torchrun --nproc-per-node L, or pass --nproc L). Rank 0 prints the text.
-
-    Args:
-        model: Hugging Face checkpoint directory (the world size L must divide its KV groups and neurons)
-        prompt: the text to continue
-        delay: δ in modules (fractional allowed); 0 is tensor parallelism with a blocking all-reduce; default a
-            student's recorded δ, else the layout's, else 1
-        layout: a layout JSON made for L devices, applied while each rank reads its slices
-        max_new_tokens: how many tokens to generate
-        timeout: seconds to wait for the ranks to join and for any one transfer before giving up
-        stage3: own-partial scale for the last δ modules: sqrt (√L, the paper's) or one; default a student's, else sqrt
-        latency_ms: extra latency per transfer, emulating a slower link
-        dtype: weights and activations
-        device: auto (cuda if available, else cpu), cpu (gloo) or cuda (NCCL, one GPU per rank: cuda:LOCAL_RANK)
-        nproc: spawn this many local ranks; 1: this process is one rank of a torchrun
-        threads: torch threads per rank (0: the cores divided by the local ranks, less two for the transfers)
-        tokenizer: tokenizer directory, where MODEL has no tokenizer files
-        json: rank 0 prints one JSON object {text, completion, new_token_ids, ...} instead of the text
-        cuda_graphs: decode each token as one CUDA-graph replay (device cuda; runtime/graphs.py)
-    """
-    check_threads(threads)  # before any rank starts
-    if nproc > 1 and "RANK" in os.environ:
-        raise UserError(f"--nproc {nproc} under torchrun: torchrun has started the ranks already; drop --nproc")
-    world = nproc if nproc > 1 else world_from_env()[1]
-    job = plan_run(model, prompt, world, delay=delay, stage3=stage3, layout=layout, max_new_tokens=max_new_tokens,
-                   timeout=timeout, latency_ms=latency_ms, dtype=dtype, device=device, threads=threads,
-                   tokenizer=tokenizer, json=json, cuda_graphs=cuda_graphs)
+def run(job: RunJob, nproc: int) -> int:
+    """The run: this process as one rank (nproc 1: under torchrun, or alone), or `nproc` local ranks
+    started here; a rank's failure is one RankFailure naming it."""
     if nproc == 1:
         return serve_rank(job)
-    exits = launch_local(nproc, serve_rank, (job,), grace=timeout, who="dtpshard run")
+    exits = launch_local(nproc, serve_rank, (job,), grace=job.timeout, who="dtpshard run")
     if any(e.said or e.traceback for e in exits):  # a rank raised: say that one (ranks that lost a
         # collective have already said so themselves)
         raise RankFailure(root_cause([e if e.said or e.traceback else RankExit(e.rank, 0) for e in exits]))
