@@ -180,3 +180,20 @@ def test_help_says_what_each_flag_takes_in_words(capsys):
         for span in spans:
             assert not re.search(r"\w\[|<", span), (name, span)  # no list[...], Optional[...], <class ...>
             assert not python_names & set(re.findall(r"\w+", span)), (name, span)
+
+
+def test_each_command_has_its_own_help(capsys, tmp_path):
+    """convert's help is convert's: no --layout (it makes its own), its --out is its directory, and
+    no default is said to come from a layout; the three DTP flags read alike in every command."""
+    assert cli.main(["convert", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--layout" not in out and "the convert directory DIR" in out and "the run directory" not in out
+    assert "layout's, else" not in out
+    for name in ("generate", "eval", "distill"):
+        assert cli.main([name, "--help"]) == 0
+        said = " ".join(re.sub("[│─╭╮╰╯]", " ", capsys.readouterr().out).split())  # the help's box
+        assert "default a student's recorded L, else the layout's, else 4" in said, name
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert cli.main(["convert", str(gguf), "--out", str(tmp_path / "o")]) == 2
+    assert "is a GGUF file" in capsys.readouterr().err

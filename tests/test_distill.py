@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from dtpshard.cli import main
+from dtpshard.commands.training import distill_cmd
 from dtpshard.core.layout import Layout
 from dtpshard.core.shape import UnitShape
 from dtpshard.model.dtp import DTPModel
 from dtpshard.training import rundir
-from dtpshard.training.distill import DistillConfig, distill_cmd, lr_factor, resolve, train_blocks_for
+from dtpshard.training.distill import DistillConfig, lr_factor, resolve, train_blocks_for
 from dtpshard.training.evaluate import eval_blocks_for, evaluate
 from tiny import command_line
 

@@ -27,8 +27,9 @@ def _refusal(capsys, path, *flags):
     (lambda: __import__("transformers").GemmaConfig(), "model_type='gemma'"),
     (lambda: __import__("transformers").Gemma2Config(), "model_type='gemma2'"),  # post-norms
     (lambda: __import__("transformers").Qwen2MoeConfig(), "model_type='qwen2_moe'"),
-    (lambda: __import__("transformers").Phi3Config(), "model_type='phi3'"),  # fused qkv
-    (lambda: tiny_config("mistral", sliding_window=4096), "sliding_window=4096"),
+    (lambda: __import__("transformers").Olmo2Config(), "model_type='olmo2'"),  # norms after the modules
+    (lambda: tiny_config("granite", residual_multiplier=0.0), "residual_multiplier=0.0 must be"),
+    (lambda: tiny_config("phi3", partial_rotary_factor=0.375), "partial_rotary_factor=0.375 rotates 3"),
     (lambda: tiny_config("qwen2", use_sliding_window=True, sliding_window=64), "sliding_window=64"),
     (lambda: tiny_config("llama", num_local_experts=4), "num_local_experts=4"),
     (lambda: tiny_config("llama", attention_bias=True), "attention_bias=True"),

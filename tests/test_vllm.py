@@ -190,7 +190,7 @@ def test_vllm_server_completions(tmp_path_factory):
     port = free_port()
     command = serving_commands(student, SERVED[1], SERVED[3], python=sys.executable)["vllm_cpu"]
     log = (root / "server.log").open("w")
-    server = subprocess.Popen(["bash", "-c", f"exec {command} --host 127.0.0.1 --port {port} --max-model-len 256"],
+    server = subprocess.Popen(["bash", "-c", f"exec env {command} --host 127.0.0.1 --port {port} --max-model-len 256"],
                               stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 1200

@@ -5,5 +5,5 @@ from dtpshard.core.lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
     "Affinity": "file", "edges_for_delay": "file", "ScoreOptions": "scorer", "compute_affinity": "scorer",
-    "calibrate": "calibrate", "affinity_cmd": "calibrate",
+    "calibrate": "calibrate",
 })

@@ -67,16 +67,22 @@ NO_FLAGS = DTPFlags()  # none given: every setting resolve_dtp's
 
 
 # the commands' help of the three flags, from DEFAULT and resolve_dtp's order (cyclopts reads it)
-DTPFlags.__doc__ = f"""L, δ and the stage-3 scale as a command's flags: each one not given is resolve_dtp's (a
-student's record, else the layout's, else the default).
+DTP_HELP = {
+    "devices": f"L, the number of devices; default a student's recorded L, else the layout's, else {DEFAULT.devices}",
+    "delay": "δ in modules (fractional allowed; 0 is tensor parallelism); default a student's recorded δ, else the "
+             f"layout's, else {DEFAULT.delay}",
+    "stage3": "own-partial scale of the last δ modules: sqrt (√L, the paper's) or one; default a student's recorded "
+              f"one, else {DEFAULT.stage3}",
+}
 
-Args:
-    devices: L, the number of devices; default a student's recorded L, else the layout's, else {DEFAULT.devices}
-    delay: δ in modules (fractional allowed; 0 is tensor parallelism); default a student's recorded δ, else the
-        layout's, else {DEFAULT.delay}
-    stage3: own-partial scale of the last δ modules: sqrt (√L, the paper's) or one; default a student's recorded one,
-        else {DEFAULT.stage3}
-"""
+
+def args_doc(summary: str, helps: dict[str, str]) -> str:
+    """A settings dataclass's docstring with an Args: section (what cyclopts reads a flag's help from)."""
+    return summary + "\n\nArgs:\n" + "".join(f"    {k}: {v}\n" for k, v in helps.items())
+
+
+DTPFlags.__doc__ = args_doc("L, δ and the stage-3 scale as a command's flags: each one not given is resolve_dtp's "
+                            "(a student's record, else the layout's, else the default).", DTP_HELP)
 
 
 def check_stage3(stage3: Any, where: str = "stage3") -> str:

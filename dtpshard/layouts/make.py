@@ -1,4 +1,5 @@
-"""`dtpshard layout`: make a layout of any family from a model directory or an affinity file.
+"""`dtpshard layout`'s work (the command: dtpshard/commands/layouts.py): a layout of any family
+from a model directory or an affinity file.
 
 Either source gives the model shape. Contiguous and random layouts need no affinity, so they
 can be made from a model directory (unscored); every other family optimises the co-located
@@ -13,11 +14,11 @@ from typing import Any
 from dtpshard.affinity.file import Affinity, edges_for_delay
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, check_replaceable
-from dtpshard.core.io import check_output_file, dumps
-from dtpshard.core.layout import HASH_KEY, Layout, is_layout_file
+from dtpshard.core.io import check_output_file
+from dtpshard.core.layout import Layout, is_layout_file
 from dtpshard.core.settings import DEFAULT, DTPSettings, plain_delay
 from dtpshard.core.shape import UnitShape, check_delay, check_devices
-from dtpshard.core.vocab import FIXED_KINDS, LAYOUT_KINDS, OPTIMISING_KINDS, Count, Delay, KvSearch, LayoutKind, Seed
+from dtpshard.core.vocab import FIXED_KINDS, LAYOUT_KINDS, OPTIMISING_KINDS
 from dtpshard.layouts.optimise import Problem, optimise_layout, score_record
 from dtpshard.layouts.score import layout_devices
 
@@ -26,17 +27,6 @@ def _shape_of_model_dir(path: Path) -> UnitShape:
     from dtpshard.model.checkpoint import read_shape
 
     return read_shape(path)
-
-
-def _describe(layout: Layout) -> str:
-    s = layout.score
-    if "J" not in s:
-        return f"{layout.kind} layout, L = {layout.devices}, delay {layout.delay}: not scored (no affinity file)"
-    ratio = f" ({s['ratio_to_random']:.3f}x)" if s.get("ratio_to_random") is not None else ""
-    sweeps = f", {s['sweeps']} sweeps" if s.get("sweeps") else ""
-    return (f"{layout.kind} layout, L = {layout.devices}, delay {layout.delay}: J = {s['J']:.6f}{ratio}, "
-            f"random expectation {s['random_expectation']:.4f} ({s['n_edges']} edges), "
-            f"{s['seconds']:.2f} s{sweeps}")
 
 
 def make_layout(model: UnitShape, settings: DTPSettings, kind: str, *, affinity: Any = None,
@@ -67,24 +57,11 @@ def make_layout(model: UnitShape, settings: DTPSettings, kind: str, *, affinity:
     return layout
 
 
-def layout_cmd(source: Path, *, out: Path, devices: Count = DEFAULT.devices, delay: Delay = DEFAULT.delay,
-               kind: LayoutKind = "optimised", layers: Count | None = None, restarts: Count = 1, seed: Seed = 0,
-               kv_search: KvSearch = "assignment", max_sweeps: Count = 20, json: bool = False) -> int:
-    """Make a layout (docs/design.md §3) and write it as JSON; prints J, its random expectation and the time.
-
-    Args:
-        source: a model directory (contiguous and random only) or an affinity file
-        out: the layout file to write
-        devices: number of devices L (must divide the KV groups and the neurons)
-        delay: the delay δ the layout is for; the affinity must hold every edge it needs
-        kind: layout family; anti minimises J, heads-only/neurons-only leave the other side contiguous
-        layers: optimise only k evenly spaced layers round(j·n/k), j < k; the rest stay contiguous
-        restarts: keep the best of this many starts (the first contiguous, the rest random)
-        seed: seed of the random layout, or of the random restarts
-        kv_search: KV-group block update: exact assignment, or the paper's exhaustive search over labelled partitions
-        max_sweeps: stop after this many sweeps even if J still grows by more than 1e-9
-        json: print one JSON object {out, kind, devices, delay, seed, layout_sha256, score: {J, ...}} instead of text
-    """
+def write_layout(source: Path, out: Path, devices: int = DEFAULT.devices, delay: float = DEFAULT.delay,
+                 kind: str = "optimised", layers: int | None = None, restarts: int = 1, seed: int = 0,
+                 kv_search: str = "assignment", max_sweeps: int = 20) -> Layout:
+    """`dtpshard layout`: a layout of `kind` from a model directory (contiguous, random: unscored)
+    or an affinity file (every kind, scored), checked, made and saved to `out`; returned."""
     check_delay(None, delay)
     delay = plain_delay(delay)
     source = Path(source)
@@ -112,9 +89,16 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = DEFAULT.devices, del
     if affinity is not None:
         layout.score["affinity"] = str(source)
     layout.save(out)
-    if json:
-        print(dumps({"out": str(out), "kind": layout.kind, "devices": layout.devices, "delay": layout.delay,
-                     "seed": layout.seed, HASH_KEY: layout.content_sha256(), "score": layout.score}))
-    else:
-        print(f"{_describe(layout)} -> {out}")
-    return 0
+    return layout
+
+
+def describe(layout: Layout) -> str:
+    """One line: the layout, its J and what it took."""
+    s = layout.score
+    if "J" not in s:
+        return f"{layout.kind} layout, L = {layout.devices}, delay {layout.delay}: not scored (no affinity file)"
+    ratio = f" ({s['ratio_to_random']:.3f}x)" if s.get("ratio_to_random") is not None else ""
+    sweeps = f", {s['sweeps']} sweeps" if s.get("sweeps") else ""
+    return (f"{layout.kind} layout, L = {layout.devices}, delay {layout.delay}: J = {s['J']:.6f}{ratio}, "
+            f"random expectation {s['random_expectation']:.4f} ({s['n_edges']} edges), "
+            f"{s['seconds']:.2f} s{sweeps}")

@@ -28,7 +28,6 @@ from dtpshard.core.io import (
 )
 from dtpshard.core.layout import Layout, is_layout_file
 from dtpshard.core.permutation import stored_indices
-from dtpshard.core.vocab import Count, PermuteCheck, PositiveNumber
 from dtpshard.model.checkpoint import canonical, is_student, open_checkpoint, tensor_names
 
 LAYOUT_JSON = "layout.json"  # the applied layout, saved next to the permuted weights
@@ -45,30 +44,11 @@ def is_permuted_checkpoint(path: Path) -> bool:
     return Path(path).is_dir() and is_layout_file(Path(path) / LAYOUT_JSON)
 
 
-def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False,
-                check: PermuteCheck = "construction", check_tokens: Count = 256,
-                tolerance: PositiveNumber = CHECK_TOL, json: bool = False) -> int:
-    """Write a permuted Hugging Face checkpoint that any tensor-parallel engine loads as is.
-
-    Device d of an L-way contiguous split of the output holds the units the layout gives it.
-    Weights are streamed one tensor at a time into shards mirroring the input's (same files,
-    index, dtypes and metadata); every other file is copied byte for byte. Nothing is renamed
-    into place before the check passes. The default check reads every written tensor back and
-    compares it bit for bit with the source gathered by the layout's indices (no forward pass,
-    any model size). `--check logits` instead compares transformers' fp32 logits of both
-    checkpoints: the permutation is exact, the difference is fp32 rounding of reordered sums
-    (grows with depth), while a wrong permutation differs by the logits' own scale.
-
-    Args:
-        model: the source Hugging Face checkpoint directory (safetensors)
-        layout: the layout file (dtpshard.layout/1), made for this model
-        out: the directory to write (weights, index, every other source file, layout.json)
-        force: replace --out if it is a permuted checkpoint (one this command wrote)
-        check: construction (tensors read back, compared exactly), logits (fp32 forward of both), or none
-        check_tokens: sequence length of --check logits (random token ids, seeded)
-        tolerance: --check logits: largest max |Δlogits| / max |logit| accepted
-        json: print one JSON object {out, check: {kind, passed, ...}} instead of text
-    """
+def permute(model: Path, layout: Path, out: Path, force: bool = False, check: str = "construction",
+            check_tokens: int = 256, tolerance: float = CHECK_TOL) -> dict:
+    """`dtpshard permute`: write the permuted checkpoint of `model` under `layout` into `out`,
+    checked as `check` says before it is renamed into place -> {model, layout, out, kind, devices,
+    layout_sha256, weight_files, bytes, check: {kind, passed, ...}, said: [lines to print]}."""
     model, layout_path, out = Path(model), Path(layout), Path(out)
     if check_tokens < 1:
         raise UserError(f"--check-tokens {check_tokens}: must be at least 1")
@@ -111,15 +91,11 @@ def permute_cmd(model: Path, layout: Path, *, out: Path, force: bool = False,
     except OSError as e:
         raise UserError(explain(e) or f"cannot write {out}: {e}") from None
     size = sum(f.stat().st_size for f in weights)
-    if json:  # stdout holds the one JSON object only
-        print(dumps({"model": str(model), "layout": str(layout_path), "out": str(out), "kind": lay.kind,
-                     "devices": lay.devices, "layout_sha256": lay.content_sha256(), "weight_files": len(weights),
-                     "bytes": size, "check": {**summary, "passed": True}}))
-    else:
-        print("\n".join(said))
-        print(f"{lay.kind} layout (L = {lay.devices}) applied to {model} -> {out} "
-              f"({len(weights)} weight file(s), {size / 2**30:.2f} GiB)")
-    return 0
+    said.append(f"{lay.kind} layout (L = {lay.devices}) applied to {model} -> {out} "
+                f"({len(weights)} weight file(s), {size / 2**30:.2f} GiB)")
+    return {"model": str(model), "layout": str(layout_path), "out": str(out), "kind": lay.kind,
+            "devices": lay.devices, "layout_sha256": lay.content_sha256(), "weight_files": len(weights),
+            "bytes": size, "check": {**summary, "passed": True}, "said": said}
 
 
 # -- the weights, one tensor at a time ----------------------------------------------------------

@@ -19,7 +19,6 @@ from threadpoolctl import threadpool_limits
 
 from dtpshard.affinity.file import Affinity
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import dumps
 from dtpshard.core.layout import Layout
 
 
@@ -158,16 +157,8 @@ def format_score(score: dict) -> str:
     return "\n".join(lines)
 
 
-def score_cmd(affinity: Path, layout: Path, *, json: bool = False) -> int:
-    """Co-located score J of a layout under an affinity file (docs/design.md §3).
-
-    Args:
-        affinity: affinity file (safetensors) from `dtpshard affinity`
-        layout: layout file (JSON) from `dtpshard layout`
-        json: print the score and its parts (per edge, per layer up/down) as JSON
-    """
+def score_file(affinity: Path, layout: Path) -> dict:
+    """`dtpshard score`: J of the layout file under the affinity file, with its parts."""
     chosen = Layout.load(layout)
-    score = colocated_score(Affinity.load(affinity, delay=chosen.delay), chosen, where=f"layout {layout}",
-                            other=f"the affinity file {affinity}")
-    print(dumps(score) if json else format_score(score))
-    return 0
+    return colocated_score(Affinity.load(affinity, delay=chosen.delay), chosen, where=f"layout {layout}",
+                           other=f"the affinity file {affinity}")

@@ -55,6 +55,12 @@ def load_hf_config(path: str | Path) -> Any:
     dtpshard is that code."""
     path = Path(path)
     if not path.is_dir():
+        if path.suffix.lower() == ".gguf" and os.path.lexists(path):
+            raise UserError(f"{path} is a GGUF file: dtpshard reads Hugging Face checkpoint directories (config.json "
+                            "and safetensors); convert it with transformers first (from_pretrained(..., gguf_file=...) "
+                            "then save_pretrained)")
+        if os.path.lexists(path):
+            raise UserError(f"{path} is not a directory: give a Hugging Face checkpoint directory")
         raise UserError(f"model directory not found: {path}")
     if not os.path.lexists(path / "config.json"):  # anything else there: the reader names it
         raise UserError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")

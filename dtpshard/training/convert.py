@@ -1,5 +1,5 @@
-"""`dtpshard convert`: one command from a dense checkpoint to a DTP student ready to serve, as the
-library's stages in a row, each published atomically in DIR:
+"""`dtpshard convert`'s work (the command: dtpshard/commands/convert.py): from a dense checkpoint
+to a DTP student ready to serve, as the library's stages in a row, each published atomically in DIR:
 
     DIR/convert.json          the settings of every stage (a rerun must match those of the stages begun)
     DIR/affinity.safetensors  1. the calibration pass (affinity/calibrate.py; one layer at a time when the
@@ -30,11 +30,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from cyclopts import Parameter
-
-from dtpshard.affinity.calibrate import CalibrationData, PassSettings
+from dtpshard.affinity.settings import CalibrationData, PassSettings
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, local_paths
 from dtpshard.core.io import (
@@ -221,7 +219,7 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
     from dtpshard.training import convert_plan
     from dtpshard.training.rundir import locked, start_over
 
-    default_data, default_run = calibration_settings(cfg, CALIBRATION_OWN)
+    default_data, default_run = calibration_settings(cfg)
     data, run = data or default_data, run or default_run
     cfg = resolved(teacher, cfg)
     p = Paths(cfg.out)
@@ -280,79 +278,16 @@ def summary(p: Paths, cfg: DistillConfig) -> dict[str, Any]:
             "seconds": {s: times.get(s) for s in STAGES}, "serve": serving(p.student)}
 
 
-def _own_fields(name: str, *classes: type, shared: type) -> type:
-    """A frozen dataclass of the fields of `classes` that `shared` lacks, with their types, defaults
-    and help as those classes define them: each setting the stages share is `shared`'s one flag."""
-    import typing
+def calibration_settings(cfg: DistillConfig,
+                         own: dict[str, Any] | None = None) -> tuple[CalibrationData, PassSettings]:
+    """The calibration stage's CalibrationData and PassSettings: the pass's own settings from `own`
+    (by name; default theirs), the ones it shares with the distillation (data, --seq-len, --seed,
+    --micro-batch, --device) from cfg."""
+    own = own or {}
 
-    import docstring_parser
-
-    have = {f.name for f in dataclasses.fields(shared)}
-    own = [(c, f) for c in classes for f in dataclasses.fields(c) if f.name not in have]
-    helps = {a.arg_name: a.description for c in classes for a in docstring_parser.parse(c.__doc__ or "").params}
-    hints = [(f.name, typing.get_type_hints(c, include_extras=True)[f.name], dataclasses.field(default=f.default))
-             for c, f in own]
-    cls = dataclasses.make_dataclass(name, hints, frozen=True, kw_only=True, namespace={"__module__": __name__})
-    cls.__doc__ = "The calibration pass's own settings.\n\nArgs:\n" + "".join(
-        f"    {f.name}: {' '.join(helps.get(f.name, '').split())}\n" for _, f in own)
-    return cls
-
-
-# the calibration pass's own settings (--blocks, --chunk, --dtype, ...); the data flags, --seq-len,
-# --seed, --micro-batch and --device are the distillation's, and set the pass's too
-CalibrationOwn = _own_fields("CalibrationOwn", CalibrationData, PassSettings, shared=DistillConfig)
-CALIBRATION_OWN = CalibrationOwn()
-
-
-def calibration_settings(cfg: DistillConfig, own: Any) -> tuple[CalibrationData, PassSettings]:
-    """The calibration stage's CalibrationData and PassSettings: its own fields, the rest cfg's."""
     def build(cls: type) -> Any:
-        return cls(**{f.name: getattr(own if hasattr(own, f.name) else cfg, f.name) for f in dataclasses.fields(cls)})
+        shared = {f.name for f in dataclasses.fields(DistillConfig)}
+        return cls(**{f.name: own[f.name] if f.name in own else getattr(cfg, f.name)
+                      for f in dataclasses.fields(cls) if f.name in own or f.name in shared})
 
     return build(CalibrationData), build(PassSettings)
-
-
-def convert_cmd(cfg: Annotated[DistillConfig, Parameter(name="*")],
-                calibration: Annotated[CalibrationOwn, Parameter(name="*")] = CALIBRATION_OWN, *,  # type: ignore[valid-type]
-                json: bool = False) -> int:
-    """Turn the dense checkpoint TEACHER into a DTP student ready to serve, in DIR (--out): the
-    calibration pass (--blocks blocks of --seq-len tokens of the training data), the optimised
-    layout for L = --devices and δ = --delay (with J of the contiguous and a random layout beside
-    it), the distillation under it (every distill flag: --steps, --lr, --nproc K, --fsdp, or
-    `torchrun --nproc-per-node K -m dtpshard convert ...`; --layout is refused, convert makes its
-    own), then DIR/student/ with its card. Ends by printing the commands that serve the student.
-    Rerun the same command to resume where it stopped; --plan prints each stage's memory and
-    expected time from config.json alone.
-
-    Args:
-        json: print one JSON object {out, student, J, kl, seconds, serve, ...} instead of text
-    """
-    from dtpshard.training import convert_plan
-
-    with _signals_end_in_one_line():  # the whole command: one signal, one line, whenever it comes
-        teacher = cfg.teacher
-        data, run = calibration_settings(cfg, calibration)
-        if cfg.plan:
-            full = resolved(teacher, cfg)
-            plans = convert_plan.plan_convert(full, data, run, timed=True)
-            print(dumps([s.to_json() for s in plans]) if json else "\n".join(s.describe() for s in plans))
-            convert_plan.refuse_unless_fits(plans)
-            return 0
-        p = convert(teacher, cfg, data, run)
-        if int(os.environ.get("RANK", "0")) != 0:
-            return 0
-        result = summary(p, resolved(teacher, cfg))
-        if json:
-            print(dumps(result))
-            return 0
-        j, kl, serve = result["J"], result["kl"], result["serve"]
-        print(f"student: {p.student}\n"
-              f"J = {j['optimised']:.4f} optimised, {j['contiguous']:.4f} contiguous, {j['random']:.4f} random; "
-              f"held-out KL {kl['step_0']:.4f} at step 0, {kl['final']:.4f} at step {kl['final_step']}\n\n"
-              f"serve it:\n"
-              f"  vLLM, tensor parallel over L = {result['devices']} GPUs (needs dtpshard installed beside vllm):\n"
-              f"    {serve['vllm']}\n"
-              f"  vLLM's CPU build, L = {result['devices']} processes on this machine:\n    {serve['vllm_cpu']}\n"
-              f"  transformers, one device:\n    {serve['transformers']}\n"
-              f"  dtpshard's runtime, one process per device:\n    {serve['dtpshard']}")
-        return 0

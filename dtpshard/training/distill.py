@@ -1,19 +1,16 @@
-"""`dtpshard distill` (docs/design.md §4): train the DTP student to match the frozen dense teacher,
-in one process, under torchrun, or in --nproc local processes started by the one local launcher
-(dtpshard.core.launch). The recipe is DistillConfig (settings.py), the run recipe.py, the loop loop.py.
+"""`dtpshard distill`'s work (docs/design.md §4; the command is dtpshard/commands/training.py):
+train the DTP student to match the frozen dense teacher, in one process, under torchrun, or in
+--nproc local processes started by the one local launcher (dtpshard.core.launch). The recipe is
+DistillConfig (settings.py), the run recipe.py, the loop loop.py.
 """
 from __future__ import annotations
 
 import os
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Annotated
-
-from cyclopts import Parameter
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, local_paths
-from dtpshard.core.io import dumps, read_json_object
 from dtpshard.core.lazy import lazy_exports
 from dtpshard.training.settings import DistillConfig, Recipe, check_config
 
@@ -21,7 +18,7 @@ from dtpshard.training.settings import DistillConfig, Recipe, check_config
 # which `dtpshard distill --help` does not load (dtpshard/__init__.py)
 __getattr__, _ = lazy_exports("dtpshard.training", dict.fromkeys(
     ("FROZEN", "Student", "Teacher", "lr_factor", "resolve", "train_blocks_for"), "recipe"))
-__all__ = ["DistillConfig", "Recipe", "check_config", "distill", "distill_cmd", "train_rank"]
+__all__ = ["DistillConfig", "Recipe", "check_config", "distill", "memory_plan", "train_rank"]
 
 
 def train_rank(cfg: DistillConfig) -> int:
@@ -75,44 +72,13 @@ def distill(cfg: DistillConfig) -> Path:
         return run_distributed(cfg, train)
 
 
-# -- `dtpshard distill` --------------------------------------------------------------------------
-def distill_cmd(cfg: Annotated[DistillConfig, Parameter(name="*")], *, json: bool = False) -> int:
-    """Distil the DTP student of TEACHER (L devices, delay δ, permuted by --layout) into the run
-    directory --out: config.json, metrics.jsonl, checkpoints, final/ (the student) and DONE.
-    Rerunning the same command on an interrupted run resumes it. Data-parallel: --nproc K, or
-    `torchrun --nproc-per-node K -m dtpshard distill ...` (global batch = micro × accum × K); with
-    --fsdp the processes share out the weights, gradients and optimizer state instead of each
-    holding all of them.
-
-    Args:
-        json: print one JSON object {student, metrics, steps, eval_kl, eval_ppl} instead of text
-    """
-    as_json = json
-    if cfg.plan:
-        return _print_plan(cfg, as_json)
-    run = distill(cfg)
-    if int(os.environ.get("RANK", "0")) == 0:
-        from dtpshard.training.rundir import DONE
-
-        if as_json:
-            summary = read_json_object(run / DONE, "run summary")
-            print(dumps({"student": str(run / "final"), "metrics": str(run / "metrics.jsonl"), **summary}))
-        else:
-            print(f"student: {run / 'final'}  metrics: {run / 'metrics.jsonl'}")
-    return 0
-
-
-def _print_plan(cfg: DistillConfig, as_json: bool) -> int:
-    """--plan: the memory plan per process, read from config.json alone; exit 2 (one line) if the
-    run cannot fit."""
+def memory_plan(cfg: DistillConfig):  # noqa: ANN201 - training.memory's MemoryPlan (torch)
+    """`distill --plan`: the memory plan per process, from config.json alone."""
     from dtpshard.core.devices import pick_device
-    from dtpshard.training.memory import plan_for, refuse_unless_fits
+    from dtpshard.training.memory import plan_for
     from dtpshard.training.recipe import resolve
 
     check_config(cfg)
     world = cfg.plan_world or (cfg.nproc if cfg.nproc > 1 else int(os.environ.get("WORLD_SIZE", "1")))
     local = cfg.nproc if cfg.nproc > 1 and cfg.plan_world is None else None
-    plan = plan_for(resolve(cfg), world, pick_device(cfg.device), local)
-    print(dumps(plan.to_json()) if as_json else plan.describe())
-    refuse_unless_fits(plan)
-    return 0
+    return plan_for(resolve(cfg), world, pick_device(cfg.device), local)

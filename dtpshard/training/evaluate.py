@@ -15,14 +15,13 @@ import torch
 from dtpshard.core.devices import pick_device
 from dtpshard.core.errors import UserError, check_result
 from dtpshard.core.family import head_weight
-from dtpshard.core.io import dumps
+from dtpshard.core.settings import NO_FLAGS, DTPFlags
 from dtpshard.core.shape import shape_from_hf_config
-from dtpshard.core.vocab import Count, Delay, Device, Stage3
 from dtpshard.data.blocks import load_texts, make_blocks
 from dtpshard.model.checkpoint import Checkpoint, check_token_ids, load_tokenizer, read_shape
 from dtpshard.model.dtp import DTPModel
 from dtpshard.training import losses
-from dtpshard.training.precision import Precision, autocast_for
+from dtpshard.training.precision import autocast_for
 
 
 def hidden_and_head(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,42 +98,21 @@ def eval_blocks_for(model: Path | Checkpoint, text: list[str] | None = None, dat
     return ev, source
 
 
-# -- `dtpshard eval` ---------------------------------------------------------------------------
-def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None = None, layout: Path | None = None,
-             teacher: Path | None = None, text: list[str] | None = None, dataset: str | None = None,
-             text_field: str = "text", tokenizer: Path | None = None, blocks: Count = 16, seq_len: Count = 1024,
-             micro_batch: Count = 4, stage3: Stage3 | None = None, device: Device = "auto",
-             precision: Precision = "auto", compile: bool = False, json: bool = False) -> int:
-    """Perplexity of MODEL run as L devices with delay δ and, with --teacher, KL(teacher ‖ model) in
-    nats per token, on held-out evaluation blocks (never the calibration or training blocks).
-
-    Args:
-        model: a Hugging Face checkpoint directory or a distilled student (RUN/final)
-        devices: L, the number of (simulated) devices; default a student's recorded one (config.json's dtp block), else
-            4
-        delay: δ in modules (fractional allowed, 0 is tensor parallelism); default a student's recorded one, else 1
-        layout: a layout JSON applied to MODEL's weights before sharding
-        teacher: the dense teacher checkpoint; without it kl is null
-        text: local .txt/.jsonl/.json/.parquet files to evaluate on (their held-out share)
-        dataset: a save_to_disk directory, a parquet file or directory, or a hub name (wikitext-2, ...); default the
-            offline corpus
-        text_field: the column or JSON field that holds the text
-        tokenizer: tokenizer directory, where MODEL has no tokenizer files
-        blocks: number of evaluation blocks of seq_len + 1 tokens
-        seq_len: positions per block (the models read seq_len tokens)
-        micro_batch: blocks per forward pass
-        precision: fp32, or bf16-mixed (bf16 autocast); auto: bf16-mixed on CUDA, fp32 on the CPU
-        compile: torch.compile the models' forward passes (pays a compile; worth it for many blocks)
-        json: print one JSON object {kl, ppl, tokens, ...} instead of text
-    """
+# -- `dtpshard eval`'s work (the command: dtpshard/commands/training.py) ---------------------------
+def evaluate_model(model: Path, dtp: DTPFlags = NO_FLAGS, *, layout: Path | None = None, teacher: Path | None = None,
+                   text: list[str] | None = None, dataset: str | None = None, text_field: str = "text",
+                   tokenizer: Path | None = None, blocks: int = 16, seq_len: int = 1024, micro_batch: int = 4,
+                   device: str = "auto", precision: str = "auto", compile: bool = False) -> dict[str, Any]:
+    """Perplexity of MODEL as L devices with delay δ and, with a teacher, KL(teacher ‖ model) and
+    top-1 agreement, on held-out blocks -> {ppl, kl, top1, tokens, devices, delay, stage3, ...}."""
     if blocks < 1 or seq_len < 1 or micro_batch < 1:
         raise UserError(f"--blocks {blocks}, --seq-len {seq_len}, --micro-batch {micro_batch}: each must be >= 1")
     if layout is not None and (Path(model) / "distill.json").is_file():
         raise UserError(f"{model} is a distilled student whose weights are already permuted: drop --layout")
     dev = pick_device(device)
     # fp32 weights whatever the checkpoint's dtype: bf16-mixed runs under autocast
-    student = DTPModel.from_pretrained(model, devices, delay, dtype=torch.float32, layout=layout, stage3=stage3,
-                                       device=dev)
+    student = DTPModel.from_pretrained(model, dtp.devices, dtp.delay, dtype=torch.float32, layout=layout,
+                                       stage3=dtp.stage3, device=dev)
     dense = None
     if teacher is not None:
         dense = DTPModel.from_pretrained(teacher, devices=1, delay=0, dtype=torch.float32, device=dev)
@@ -152,12 +130,4 @@ def eval_cmd(model: Path, *, devices: Count | None = None, delay: Delay | None =
     result.update({"model": str(model), **student.dtp_settings(), "layout": None if layout is None else str(layout),
                    "teacher": None if teacher is None else str(teacher), "blocks": int(ev.shape[0]),
                    "seq_len": int(ev.shape[1] - 1), "data": source})
-    if json:
-        print(dumps(result))
-    else:
-        kl = ("n/a (no --teacher)" if result["kl"] is None else
-              f"{result['kl']:.5f} nats/token".replace("-0.00000", "0.00000"))
-        top1 = "" if result["top1"] is None else f", top-1 agreement {result['top1']:.4f}"
-        print(f"{model}: L = {result['devices']}, delay {result['delay']}: ppl {result['ppl']:.4f}, KL {kl}{top1}, "
-              f"{result['tokens']} tokens ({source})")
-    return 0
+    return result

@@ -27,7 +27,15 @@ import torch
 from dtpshard.core.io import dumps, short_sha256
 from dtpshard.core.layout import Layout
 from dtpshard.core.settings import resolve_dtp
-from dtpshard.model.checkpoint import Checkpoint, check_token_ids, read_shape
+from dtpshard.core.shape import shape_from_hf_config
+from dtpshard.model.checkpoint import (
+    Checkpoint,
+    check_token_ids,
+    is_student,
+    load_hf_config,
+    read_shape,
+    student_record,
+)
 from dtpshard.model.hf import DTYPE_NAMES, resolve_dtype
 from dtpshard.training.evaluate import source_blocks
 from dtpshard.training.losses import eval_sums, kl_ce_sums, topk_kl_ce_sums
@@ -115,14 +123,17 @@ def train_blocks_for(cfg: DistillConfig, world: int, tokenizer: Any,
 
 def resolve(cfg: DistillConfig, shape: Any = None, layout: Layout | None = None) -> DistillConfig:
     """Defaults that depend on inputs (L, δ and stage3 by core.settings.resolve_dtp: the flags,
-    else the layout's, else the defaults), absolute paths. `shape` and `layout`: the teacher's
-    shape and the layout when they are read already (else config.json alone, and the layout file)."""
-    shape = read_shape(cfg.teacher) if shape is None else shape
+    else a student teacher's record, else the layout's, else the defaults), absolute paths. `shape`
+    and `layout`: the teacher's shape and the layout when they are read already (else config.json
+    alone, and the layout file)."""
+    hf_config = load_hf_config(cfg.teacher)
+    shape = shape_from_hf_config(hf_config) if shape is None else shape
+    record = student_record(Path(cfg.teacher), hf_config) if is_student(hf_config) else None
     if layout is None and cfg.layout is not None:
         layout = Layout.load(cfg.layout)
     if layout is not None:
         layout.check_model(shape, where=f"layout {cfg.layout}")
-    dtp = resolve_dtp(shape, devices=cfg.devices, delay=cfg.delay, stage3=cfg.stage3, layout=layout,
+    dtp = resolve_dtp(shape, devices=cfg.devices, delay=cfg.delay, stage3=cfg.stage3, record=record, layout=layout,
                       where=f"layout {cfg.layout}")
 
     def absolute(p: str | Path) -> str:

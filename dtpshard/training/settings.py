@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.settings import DEFAULT, DTPSettings
+from dtpshard.core.settings import DTP_HELP, DTPSettings
 from dtpshard.core.typed import Invalid, check
 from dtpshard.core.vocab import (
     Beta,
@@ -118,8 +118,6 @@ class DistillConfig(Recipe, _Teacher):
         teacher: the dense Hugging Face checkpoint directory
         out: the run directory (created; an existing one is resumed if its settings match)
         layout: layout JSON (dtpshard.layout/1) to permute the student by; none: contiguous
-        devices: L; default the layout's, else 4
-        delay: δ in modules; default the layout's, else 1
         eval_blocks: held-out evaluation blocks of seq_len + 1 tokens
         eval_micro_batch: blocks per evaluation forward pass (default: --micro-batch)
         eval_text: local evaluation files (their held-out share is used)
@@ -142,9 +140,9 @@ class DistillConfig(Recipe, _Teacher):
 
     out: Path = field(metadata=OPERATIONAL)
     layout: Path | None = field(default=None, metadata=OPERATIONAL)  # its content is compared: Derived.layout_sha256
-    devices: Count | None = None  # None: the layout's, else core.settings.DEFAULT's
-    delay: Delay | None = None  # None: the layout's, else core.settings.DEFAULT's
-    stage3: Stage3 = DEFAULT.stage3
+    devices: Count | None = None  # None: resolve_dtp's (the teacher's record, the layout's, the default)
+    delay: Delay | None = None
+    stage3: Stage3 | None = None
     eval_blocks: Count = 16
     eval_micro_batch: Count | None = field(default=None, metadata=OPERATIONAL)
     eval_text: list[str] | None = field(default=None, metadata=OPERATIONAL)
@@ -169,6 +167,11 @@ class DistillConfig(Recipe, _Teacher):
         if self.devices is None or self.delay is None:
             raise ValueError("DistillConfig.dtp: resolve the config first (training.recipe.resolve)")
         return DTPSettings(self.devices, self.delay, self.stage3)
+
+
+# devices, delay and stage3 are helped as every command helps them (core/settings.py DTP_HELP)
+DistillConfig.__doc__ = (DistillConfig.__doc__ or "").rstrip() + "\n" + "".join(
+    f"        {k}: {v}\n" for k, v in DTP_HELP.items()) + "    "
 
 
 @dataclass(kw_only=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -43,7 +43,6 @@ from dtpshard.core.io import (
     read_json_object,
     short_sha256,
 )
-from dtpshard.core.vocab import Count, Device, Seed
 from dtpshard.model.checkpoint import TOKENIZER_FILES, load_tokenizer, open_checkpoint
 from dtpshard.model.dtp import DTPModel
 from dtpshard.training.losses import chunk_tokens, teacher_topk
@@ -221,33 +220,14 @@ class TeacherCache:
         return get("top_ids").long(), get("top_logp"), get("tail_logp")
 
 
-# -- `dtpshard teacher-cache` ------------------------------------------------------------------------
-def teacher_cache_cmd(teacher: Path, *, out: Path, k: Count = 64, dtype: Literal["float16", "bfloat16"] = "float16",
-                      seeds: list[Seed] | None = None, steps: Count = 1000, seq_len: Count = 1024,
-                      micro_batch: Count = 4, grad_accum: Count = 4, nproc: Count = 1, text: list[str] | None = None,
-                      dataset: str | None = None, text_field: str = "text", tokenizer: Path | None = None,
-                      device: Device = "auto", progress: bool = True, force: bool = False) -> int:
-    """Cache TEACHER's top-k next-token log-probabilities of the training blocks of `distill` runs
-    with these settings (one per seed), for `distill --teacher-cache DIR`. Rerun to resume.
-
-    Args:
-        teacher: the dense Hugging Face checkpoint directory (the distillation teacher)
-        out: the cache directory (created; an unfinished one with the same settings is resumed)
-        k: teacher tokens kept per position (the rest is one tail bucket)
-        dtype: storage precision of the top-k log-probabilities
-        seeds: the runs' data-order seeds (default: 0); the cache holds every seed's blocks
-        steps: the runs' optimizer steps
-        seq_len: the runs' tokens per sequence
-        micro_batch: the runs' sequences per forward pass (also this command's batch)
-        grad_accum: the runs' micro-batches per step
-        nproc: the runs' data-parallel processes (the global batch is micro × accum × nproc)
-        text: the runs' local training files
-        dataset: the runs' training dataset (as distill --dataset)
-        text_field: the runs' text column or JSON field
-        tokenizer: the runs' tokenizer directory, where TEACHER has no tokenizer files
-        progress: show a progress bar
-        force: rebuild a cache directory that holds something else
-    """
+# -- `dtpshard teacher-cache`'s work (the command: dtpshard/commands/training.py) ------------------
+def cache_teacher(teacher: Path, out: Path, k: int = 64, dtype: str = "float16", seeds: list[int] | None = None,
+                  steps: int = 1000, seq_len: int = 1024, micro_batch: int = 4, grad_accum: int = 4, nproc: int = 1,
+                  text: list[str] | None = None, dataset: str | None = None, text_field: str = "text",
+                  tokenizer: Path | None = None, device: str = "auto", progress: bool = True,
+                  force: bool = False) -> tuple[Path, int]:
+    """The teacher's top-k cache of the training blocks of distill runs with these settings, built
+    or resumed in `out` -> (its path, the blocks it holds)."""
     check_outputs({"--out": out}, {"the teacher directory": teacher, "the tokenizer directory": tokenizer,
                                    "the training text": text, "the dataset": local_paths([dataset])})
     if Path(out).is_dir() and any(Path(out).iterdir()) and force:  # --force rebuilds only a teacher cache
@@ -256,8 +236,7 @@ def teacher_cache_cmd(teacher: Path, *, out: Path, k: Count = 64, dtype: Literal
                           text_field, tokenizer)
     path = build_cache(Path(teacher), blocks, Path(out), k, dtype, micro_batch, pick_device(device), "auto", progress,
                        force, tokenizer)
-    print(f"teacher cache: {path} ({len(unique_blocks(blocks))} blocks, k={k})")
-    return 0
+    return path, len(unique_blocks(blocks))
 
 
 def cache_blocks(teacher: Path, seeds: list[int], steps: int, seq_len: int, micro_batch: int, grad_accum: int,

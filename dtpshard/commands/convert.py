@@ -1,0 +1,76 @@
+"""`dtpshard convert`, over dtpshard/training/convert.py. Its flags are the distillation's but
+--layout (convert makes its own), with convert's own help where the words differ, and the
+calibration pass's own settings (the ones it shares with the distillation are the distillation's
+flags and set both)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Annotated, Any
+
+from cyclopts import Parameter
+
+from dtpshard.affinity.settings import CalibrationData, PassSettings
+from dtpshard.commands.schema import values, view
+from dtpshard.core.io import dumps
+from dtpshard.core.settings import DEFAULT
+from dtpshard.training.settings import DistillConfig
+
+ConvertFlags = view("ConvertFlags", DistillConfig, drop={"layout"}, positional=("teacher",),
+                    doc="What convert takes of a distillation's flags.",
+                    helps={"teacher": "the dense Hugging Face checkpoint directory to convert",
+                           "out": "the convert directory DIR (created; rerun the same command to resume)",
+                           "devices": f"L, the devices the layout and the student are for; default {DEFAULT.devices}",
+                           "delay": f"δ in modules; default {DEFAULT.delay}",
+                           "force": "start DIR over (only what convert made in it is removed)"})
+# the calibration pass's own settings (--blocks, --chunk, --dtype, ...)
+CalibrationFlags = view("CalibrationFlags", CalibrationData, PassSettings,
+                        drop={f.name for f in dataclasses.fields(DistillConfig)},
+                        doc="The calibration pass's own settings.")
+CALIBRATION_FLAGS = CalibrationFlags()
+
+
+def convert_cmd(flags: Annotated[ConvertFlags, Parameter(name="*")],  # type: ignore[valid-type]
+                calibration: Annotated[CalibrationFlags, Parameter(name="*")] = CALIBRATION_FLAGS, *,  # type: ignore[valid-type]
+                json: bool = False) -> int:
+    """Turn the dense checkpoint TEACHER into a DTP student ready to serve, in DIR (--out): the
+    calibration pass (--blocks blocks of --seq-len tokens of the training data), the optimised
+    layout for L = --devices and δ = --delay (with J of the contiguous and a random layout beside
+    it), the distillation under it (every distill flag: --steps, --lr, --nproc K, --fsdp, or
+    `torchrun --nproc-per-node K -m dtpshard convert ...`), then DIR/student/ with its card. Ends by
+    printing the commands that serve the student. Rerun the same command to resume where it stopped; --plan prints each
+    stage's memory and expected time from config.json alone.
+
+    Args:
+        json: print one JSON object {out, student, J, kl, seconds, serve, ...} instead of text
+    """
+    from dtpshard.training import convert_plan
+    from dtpshard.training.convert import _signals_end_in_one_line, calibration_settings, convert, resolved, summary
+
+    cfg = DistillConfig(**values(flags))
+    with _signals_end_in_one_line():  # the whole command: one signal, one line, whenever it comes
+        teacher = cfg.teacher
+        data, run = calibration_settings(cfg, values(calibration))
+        if cfg.plan:
+            plans = convert_plan.plan_convert(resolved(teacher, cfg), data, run, timed=True)
+            print(dumps([s.to_json() for s in plans]) if json else "\n".join(s.describe() for s in plans))
+            convert_plan.refuse_unless_fits(plans)
+            return 0
+        p = convert(teacher, cfg, data, run)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 0
+        result = summary(p, resolved(teacher, cfg))
+        print(dumps(result) if json else describe(result))
+        return 0
+
+
+def describe(result: dict[str, Any]) -> str:
+    j, kl, serve, L = result["J"], result["kl"], result["serve"], result["devices"]
+    return (f"student: {result['student']}\n"
+            f"J = {j['optimised']:.4f} optimised, {j['contiguous']:.4f} contiguous, {j['random']:.4f} random; "
+            f"held-out KL {kl['step_0']:.4f} at step 0, {kl['final']:.4f} at step {kl['final_step']}\n\n"
+            f"serve it:\n"
+            f"  vLLM, tensor parallel over L = {L} GPUs (needs dtpshard installed beside vllm):\n    {serve['vllm']}\n"
+            f"  vLLM's CPU build, L = {L} processes on this machine:\n    {serve['vllm_cpu']}\n"
+            f"  transformers, one device:\n    {serve['transformers']}\n"
+            f"  dtpshard's runtime, one process per device:\n    {serve['dtpshard']}")
