@@ -19,10 +19,11 @@ from cyclopts import App, CycloptsError, Group, Parameter
 from cyclopts.config import Dict
 from cyclopts.help import DefaultFormatter
 
-from dtpshard.core.errors import UserError, explain, quote
+from dtpshard.commands.text import HINTS, columns, flag, not_utf8, one_line, positional, words_of
+from dtpshard.core.errors import UserError, explain
 from dtpshard.core.io import exit_on_sigterm, read_options
 from dtpshard.core.launch_checks import check_launch
-from dtpshard.core.typed import Invalid, check, choices, is_bool, is_list, wants, words
+from dtpshard.core.typed import Invalid, check, choices, is_bool, is_list
 
 # name -> (module:function, its summary in the root --help, which imports no command)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -35,16 +36,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "distill": ("dtpshard.commands.training:distill_cmd", "distil the DTP student from the dense teacher (resumable)"),
     "convert": ("dtpshard.commands.convert:convert_cmd", "a dense checkpoint to a served DTP student (resumable)"),
     "teacher-cache": ("dtpshard.commands.training:teacher_cache_cmd", "the teacher's top-k, for distill"),
-    "experiment": ("dtpshard.studies.experiment:experiment_cmd", "run a whole study from a config file (resumable)"),
-    "report": ("dtpshard.studies.report:report_cmd", "Markdown report with figures for an experiment directory"),
-    "demo": ("dtpshard.studies.demo:demo_cmd", "the whole pipeline on SmolLM2-135M, offline, on a CPU"),
-    "study": ("dtpshard.studies.demo:study_cmd", "the SmolLM2 study: does J predict the KL after training?"),
+    "experiment": ("dtpshard.commands.studies:experiment_cmd", "run a whole study from a config file (resumable)"),
+    "report": ("dtpshard.commands.studies:report_cmd", "Markdown report with figures for an experiment directory"),
+    "demo": ("dtpshard.commands.studies:demo_cmd", "the whole pipeline on SmolLM2-135M, offline, on a CPU"),
+    "study": ("dtpshard.commands.studies:study_cmd", "the SmolLM2 study: does J predict the KL after training?"),
     "run": ("dtpshard.commands.generate:run_cmd", "DTP across processes (use under torchrun)"),
 }
 SPAWNS = {"run", "distill", "convert"}  # the commands whose --nproc K starts K local processes
-# the help of a flag several commands share, written once (a command's own docstring line wins)
-SHARED_HELP = {"--device": "auto (cuda if available, else cpu), cpu, cuda or cuda:N",
-               "--stage3": "own-partial scale of the last δ modules: sqrt (√L, the paper's) or one"}
 CONFIG_HELP = ("YAML or JSON file of this command's options (keys as the flags' names, tables for the "
                "dotted ones); the flags given override it")
 
@@ -52,21 +50,6 @@ CONFIG_HELP = ("YAML or JSON file of this command's options (keys as the flags' 
 Refused = UserError  # a command line that does not parse: the one line to print
 # a flag or positional argument: the key it sets (`seq_len`, `training.lr`) and its full type
 Option = namedtuple("Option", "key hint default positional")
-HINTS: dict[str, Any] = {}  # flag -> full type, of the command chosen (load_command)
-help_type = words  # what --help says a flag takes: `list[Path] | None` -> `list of path, or null`
-
-
-def _positional(argument: Any) -> bool:
-    kind = argument.field_info.kind
-    return kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD) and argument.required
-
-
-def _flag(argument: Any) -> str:
-    return argument.field_info.name.upper() if _positional(argument) else argument.name
-
-
-def _words(argument: Any) -> str:
-    return quote(" ".join(t.value for t in argument.tokens if t.implicit_value is not None) or "null", repr_=False)
 
 
 def _convert(hint: Any, tokens: Any) -> Any:
@@ -82,60 +65,12 @@ def _constrained(arguments: Any) -> None:
             try:
                 check(a.field_info.annotation, a.value)
             except Invalid as e:
-                raise ValueError(f"{_flag(a)} {_words(a)}: must be {e.wants}") from None
-
-
-def _one_line(e: CycloptsError) -> str:
-    """The error boundary: cyclopts' error as the one line of a refusal, from its parts."""
-    from cyclopts import exceptions as x
-
-    a, token = getattr(e, "argument", None), getattr(e, "token", None)
-    if isinstance(e, x.ValidationError) and isinstance(e.__cause__, ValueError):  # _constrained's line
-        return str(e.__cause__)
-    if isinstance(e, x.MissingArgumentError) and a is not None:
-        given = e.keyword or (a.tokens and a.tokens[-1].keyword)
-        return f"{given}: needs a value" if given else f"missing {_flag(a)}"
-    if isinstance(e, x.UnknownOptionError) and token is not None:
-        if token.source not in ("", "cli"):  # a key of a --config file: [training][lr]
-            key = quote(token.keyword.strip("[]").replace("][", "."))
-            return f"--config {token.source}: unknown key {key} (see --help)"
-        return f"unknown argument {quote((token.keyword or token.value).partition('=')[0], False)} (see --help)"
-    if isinstance(e, x.UnusedCliTokensError) and e.unused_tokens:
-        return f"unknown argument {quote(e.unused_tokens[0], False)} (see --help)"
-    if isinstance(e, x.CoercionError) and a is not None:
-        said = quote(token.value, False) if token is not None else _words(a)
-        return f"{_flag(a)} {said}: must be {wants(a.field_info.annotation)}"
-    return " ".join(str(e).split())  # anything else cyclopts refuses, in its words
-
-
-def _columns(console: Any, options: Any, entries: Any) -> Any:
-    """--help's table: a flag named by its key (`--seq-len SEQ_LEN`), its docstring line (or the
-    shared one), what it takes in words, then its default and [required] on lines of their own."""
-    from attrs import evolve
-    from cyclopts.help.inline_text import InlineText
-    from cyclopts.help.specs import DescriptionRenderer, get_default_parameter_columns
-    from rich.text import Text
-
-    def name(entry: Any) -> Any:
-        flag = next(iter(entry.positive_names), "")
-        key = flag.lstrip("-").rpartition(".")[2].replace("-", "_").upper()
-        return names.renderer(evolve(entry, metavar=entry.metavar and (entry.metavar if flag == "--config" else key)))
-
-    def describe(entry: Any) -> Any:
-        flag = next(iter(entry.positive_names), "")
-        said = (entry.description.primary_renderable.plain if entry.description else "") or SHARED_HELP.get(flag, "")
-        text = InlineText(Text(" ".join(said.split())))  # a docstring line and its continuation, one paragraph
-        if entry.type is not None:
-            text.append(Text(f"(type: {help_type(HINTS.get(flag, HINTS.get(entry.positional_label, entry.type)))})"))
-        return DescriptionRenderer(newline_metadata=True)(evolve(entry, description=InlineText(text)))
-
-    *marks, names, text = get_default_parameter_columns(console, options, entries)
-    return (*marks, names.copy(renderer=name), text.copy(renderer=describe))
+                raise ValueError(f"{flag(a)} {words_of(a)}: must be {e.wants}") from None
 
 
 APP = App(name="dtpshard", help="Delayed tensor parallelism: affinity, layouts, distillation, serving.",
           version=lambda: f"dtpshard {version()}", version_flags=["--version", "-V"], help_format="plaintext",
-          help_formatter=DefaultFormatter(column_specs=_columns),  # every flag's words: _convert, _constrained
+          help_formatter=DefaultFormatter(column_specs=columns),  # every flag's words: _convert, _constrained
           default_parameter=Parameter(converter=_convert, show_choices=False, negative_iterable=(),
                                       consume_multiple=True, allow_repeating=True),
           group_arguments=Group("Arguments", validator=_constrained),
@@ -189,8 +124,8 @@ def options(fn: Any) -> list[Option]:
     """Every option of a command function as cyclopts assembles them (a dataclass's fields)."""
     app = App(default_parameter=Parameter(converter=_convert))
     app.default(fn)
-    return [Option(a.field_info.name if _positional(a) else a.name[2:].replace("-", "_"), a.field_info.annotation,
-                   a.field_info.default, _positional(a))
+    return [Option(a.field_info.name if positional(a) else a.name[2:].replace("-", "_"), a.field_info.annotation,
+                   a.field_info.default, positional(a))
             for a in app.assemble_argument_collection() if not a.children and a.parse and a.show]
 
 
@@ -201,7 +136,7 @@ def _parse(argv: list[str]) -> Any:
     try:
         parsed = APP.meta(argv, exit_on_error=False, print_error=False, result_action="return_value")
     except CycloptsError as e:
-        raise Refused(_one_line(e)) from None
+        raise Refused(one_line(e)) from None
     return parsed if isinstance(parsed, tuple) else None
 
 
@@ -221,30 +156,10 @@ def version() -> str:
         return "unknown"
 
 
-def _not_utf8(argv: list[str]) -> str | None:
-    """The refusal of the first word that is not UTF-8 (Python decodes the command line with
-    surrogateescape, so such bytes arrive as lone surrogates, which no reader of text accepts),
-    naming the flag it is the value of; None when every word is UTF-8."""
-    for i, word in enumerate(argv):
-        try:
-            word.encode("utf-8")
-        except UnicodeEncodeError:
-            flag, eq, value = word.partition("=")
-            if eq and flag.startswith("--") and flag.isascii():
-                what, word = flag, value
-            elif i and argv[i - 1].startswith("-") and "=" not in argv[i - 1] and argv[i - 1].isascii():
-                what = argv[i - 1]
-            else:
-                what = f"argument {i + 1}"
-            raw = word.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-            return f"{what}: {quote(raw, False)} is not UTF-8 text (write the command line in UTF-8)"
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     name = argv[0] if argv else ""
-    bad = _not_utf8(argv)
+    bad = not_utf8(argv)
     if bad is not None:  # before anything reads a word: a lone surrogate fails wherever text is encoded
         print(f"dtpshard{' ' + name if name in COMMANDS else ''}: error: {bad}", file=sys.stderr)
         return 2

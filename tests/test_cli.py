@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from dtpshard import cli
+from dtpshard.commands.text import help_type
 from dtpshard.core.vocab import Beta, Count, Device, Fraction, NonNegativeInt, NonNegativeNumber, PositiveNumber, Seed
 
 # a value each constrained type refuses
@@ -163,12 +164,12 @@ def test_bad_config_file_is_one_line_naming_it(tmp_path, capsys, content, needle
 
 def test_help_says_what_each_flag_takes_in_words(capsys):
     Optional = typing.Optional  # the old spelling, which help_type reads too (ruff's UP045 would respell it)
-    assert cli.help_type(Optional[list[Path]]) == "list of path, or null"
-    assert cli.help_type(typing.Literal['auto', 'on', 'off']) == "auto | on | off"
-    assert cli.help_type(Count | None) == "int >= 1, or null"
-    assert (cli.help_type(Optional[list[typing.Literal['first-order', 'ablation']]])
+    assert help_type(Optional[list[Path]]) == "list of path, or null"
+    assert help_type(typing.Literal['auto', 'on', 'off']) == "auto | on | off"
+    assert help_type(Count | None) == "int >= 1, or null"
+    assert (help_type(Optional[list[typing.Literal['first-order', 'ablation']]])
             == "list of (first-order | ablation), or null")
-    assert cli.help_type(typing.Literal['str', 'Path']) == "str | Path"  # choices are kept as they are
+    assert help_type(typing.Literal['str', 'Path']) == "str | Path"  # choices are kept as they are
     python_names = {"Count", "Seconds", "Seed", "Beta", "TopP", "Device", "NonNegativeInt", "NonNegativeNumber",
                     "PositiveNumber", "ClosedUnitInterval", "Path", "str", "float", "bool", "Optional", "Union",
                     "Literal", "List", "class"}

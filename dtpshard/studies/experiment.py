@@ -58,7 +58,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any, Unpack
+from typing import Any
 
 from dtpshard.affinity.file import Affinity
 from dtpshard.core.errors import UserError, check_result
@@ -365,22 +365,3 @@ def run_experiment(cfg: Experiment, out: Path, force: bool = False, tensorboard:
         report = write_report(out)
     _say(f"report: {report}")
     return report
-
-
-def experiment_cmd(study: Path, *, out: Path, force: bool = False, tensorboard: Path | None = None,
-                   **overrides: Unpack[Overrides]) -> int:
-    """Run a whole study from STUDY (TOML or YAML): affinity once, every layout once with its J and
-    zero-shot KL, every arm distilled, then the report. Rerun the same command to resume. Any key
-    of the file but the model and the arms can be overridden by a flag: --devices 2,
-    --calibration.blocks 8, --training.lr 1e-4, ...
-
-    Args:
-        study: the study's config file (.toml, or .yaml/.yml); see dtpshard/configs/ for the paper's
-        out: the experiment directory (created; an existing one is resumed if its config matches)
-        force: start the experiment directory over (everything it computed is deleted)
-        tensorboard: also write every arm's metrics as TensorBoard events, to TENSORBOARD/ARM-sSEED
-    """
-    cfg = load_config(study, overrides)
-    report = run_experiment(cfg, out, force, tensorboard, study=Path(study))
-    print(report)  # stdout: the report's path alone, as report, demo and study print it
-    return 0

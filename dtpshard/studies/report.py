@@ -324,15 +324,3 @@ def write_report(directory: Path) -> Path:
     path = Path(directory) / "report.md"
     atomic_write_text(path, markdown(study, {k: f"figures/{v.name}" for k, v in figures.items()}))
     return path
-
-
-def report_cmd(directory: Path) -> int:
-    """Write DIR/report.md with PNG figures under DIR/figures/ for an experiment directory
-    (`dtpshard experiment` runs this at its end; run it yourself on a partial experiment).
-
-    Args:
-        directory: the experiment directory (config.json, layouts/, zeroshot.json, scores.json, runs/, ...)
-    """
-    path = write_report(directory)
-    print(path)  # stdout: the report's path alone (as experiment, demo and study print it)
-    return 0
