@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from dtpshard.affinity.file import Affinity, edges_for_delay
-from dtpshard.affinity.offload import GiB, HiddenStates, plan
+from dtpshard.affinity.offload import HiddenStates, plan
 from dtpshard.affinity.scorer import ScoreOptions, compute_affinity
 from dtpshard.cli import main
+from dtpshard.core.memory import GIB
 from dtpshard.model.checkpoint import open_checkpoint, read_shape
 from dtpshard.model.dense import DenseModel, StreamedDense
 
@@ -65,7 +66,7 @@ def test_streamed_pass_reads_each_layer_once_and_no_head(tiny_dirs):
 
 def test_plan_streams_what_does_not_fit(tiny_dirs):
     shape = read_shape(tiny_dirs["llama"])
-    roomy = plan(shape, tokens=64, delay=1, dtype=torch.float32, budget=GiB)
+    roomy = plan(shape, tokens=64, delay=1, dtype=torch.float32, budget=GIB)
     assert not roomy.offload and roomy.hidden <= roomy.hidden_budget
     tight = plan(shape, tokens=64, delay=1, dtype=torch.float32, budget=roomy.weights)
     assert tight.offload and tight.window < tight.weights and tight.hidden <= tight.hidden_budget

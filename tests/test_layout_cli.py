@@ -142,5 +142,5 @@ def test_only_the_edges_the_delay_needs_are_loaded_and_memory_is_checked(tmp_pat
     assert main(["layout", str(path), "--delay", "1", "--out", str(out)]) == 0 and out.exists()
     capsys.readouterr()
     _one_line_error(capsys, ["layout", str(path), "--delay", "2", "--out", str(tmp_path / "y.json")],
-                    "GiB of memory, more than the")
+                    "of memory, more than the")
     assert not (tmp_path / "y.json").exists()

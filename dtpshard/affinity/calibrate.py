@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from dtpshard.affinity.file import Affinity, edges_for_delay, is_affinity_file
-from dtpshard.affinity.offload import GiB, HiddenStates, Plan, default_budget, plan
+from dtpshard.affinity.offload import HiddenStates, Plan, default_budget, plan
 from dtpshard.affinity.scorer import ScoreOptions, compute_affinity
 from dtpshard.affinity.settings import (  # noqa: F401 - CalibrationData, PassSettings re-exported
     CALIBRATION_DATA,
@@ -26,6 +26,7 @@ from dtpshard.core.devices import pick_device
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, check_replaceable, local_paths
 from dtpshard.core.io import check_output_file, check_writable_dir
+from dtpshard.core.memory import GIB
 from dtpshard.core.settings import DEFAULT
 from dtpshard.core.shape import check_delay, check_seq_len
 from dtpshard.data.blocks import load_texts, make_blocks
@@ -88,7 +89,7 @@ def plan_calibration(model: Path, out: Path, data: CalibrationData = CALIBRATION
     ids = make_blocks(tok, texts, data.seq_len, data.blocks, seed=data.seed)  # [blocks, seq_len]
     check_token_ids(ids, shape.vocab, data.tokenizer or model)
     check_seq_len(ckpt.hf_config, data.seq_len)  # the text's own refusals first: they say more
-    budget = int(run.memory_budget * GiB) if run.memory_budget > 0 else default_budget(device)
+    budget = int(run.memory_budget * GIB) if run.memory_budget > 0 else default_budget(device)
     how = plan(shape, ids.numel(), delay, getattr(torch, run.dtype), budget, run.offload)
     if how.hidden > how.hidden_budget:
         check_writable_dir(spill_dir(run, out) / "spill")

@@ -20,9 +20,9 @@ from pathlib import Path
 import psutil
 import torch
 
+from dtpshard.core.memory import size_text
 from dtpshard.core.shape import ModelShape
 
-GiB = 1 << 30
 DEFAULT_BUDGET_FRACTION = 0.8  # of the memory available when the pass starts
 
 
@@ -121,14 +121,11 @@ class Plan:
     hidden_budget: int  # of which may stay in memory; the rest is spilled to disk
 
     def describe(self) -> str:
-        def gib(n: float) -> str:
-            return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
-
-        how = f"one layer at a time (about {gib(self.window)} of weights)" if self.offload \
-            else f"whole model in memory ({gib(self.weights)})"
+        how = f"one layer at a time (about {size_text(self.window)} of weights)" if self.offload \
+            else f"whole model in memory ({size_text(self.weights)})"
         spill = "in memory" if self.hidden <= self.hidden_budget else \
-            f"{gib(self.hidden - self.hidden_budget)} of {gib(self.hidden)} spilled to disk"
-        return f"{how}; calibration hidden states {spill}; budget {gib(self.budget)}"
+            f"{size_text(self.hidden - self.hidden_budget)} of {size_text(self.hidden)} spilled to disk"
+        return f"{how}; calibration hidden states {spill}; budget {size_text(self.budget)}"
 
 
 def plan(s: ModelShape, tokens: int, delay: float, dtype: torch.dtype, budget: int,

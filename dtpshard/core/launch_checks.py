@@ -11,6 +11,7 @@ from typing import Any
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.memory import available_bytes as available_memory
+from dtpshard.core.memory import size_text
 
 # -- torchrun's environment ----------------------------------------------------------------------
 # variable -> the least value it may take (MASTER_PORT also at most 65535)
@@ -125,12 +126,8 @@ def check_nproc(nproc: int, per_rank: int = RANK_BYTES, flag: str = "--nproc") -
         raise UserError(f"{flag} {nproc}: more than {PROCS_PER_CORE} processes per core ({cores()} cores here, so "
                         f"at most {by_cores})")
     if nproc > by_memory:
-        raise UserError(f"{flag} {nproc}: {nproc} x {_mib(per_rank)} per process is more than the "
-                        f"{_mib(available_memory())} of memory available (at most {by_memory} processes)")
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+        raise UserError(f"{flag} {nproc}: {nproc} x {size_text(per_rank)} per process is more than the "
+                        f"{size_text(available_memory())} of memory available (at most {by_memory} processes)")
 
 
 # -- the command line ----------------------------------------------------------------------------

@@ -11,6 +11,12 @@ import ctypes.util
 from dtpshard.core.errors import UserError
 
 GIB = 2 ** 30
+MIB = 2 ** 20
+
+
+def size_text(n: float) -> str:
+    """A number of bytes as every message and plan says it: GiB from one, else MiB."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
 
 
 def available_bytes() -> int:
@@ -24,7 +30,7 @@ def check_fits(nbytes: int, what: str, hint: str = "") -> None:
     """Raise a one-line UserError if `what` (nbytes) exceeds the available memory."""
     free = available_bytes()
     if nbytes > free:
-        raise UserError(f"{what} needs {nbytes / GIB:.1f} GiB of memory, more than the {free / GIB:.1f} GiB "
+        raise UserError(f"{what} needs {size_text(nbytes)} of memory, more than the {size_text(free)} "
                         f"available{'; ' + hint if hint else ''}")
 
 

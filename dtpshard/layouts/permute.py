@@ -27,6 +27,7 @@ from dtpshard.core.io import (
     open_safetensors,
 )
 from dtpshard.core.layout import Layout, is_layout_file
+from dtpshard.core.memory import size_text
 from dtpshard.core.permutation import stored_indices
 from dtpshard.model.checkpoint import canonical, is_student, open_checkpoint, tensor_names
 
@@ -92,7 +93,7 @@ def permute(model: Path, layout: Path, out: Path, force: bool = False, check: st
         raise UserError(explain(e) or f"cannot write {out}: {e}") from None
     size = sum(f.stat().st_size for f in weights)
     said.append(f"{lay.kind} layout (L = {lay.devices}) applied to {model} -> {out} "
-                f"({len(weights)} weight file(s), {size / 2**30:.2f} GiB)")
+                f"({len(weights)} weight file(s), {size_text(size)})")
     return {"model": str(model), "layout": str(layout_path), "out": str(out), "kind": lay.kind,
             "devices": lay.devices, "layout_sha256": lay.content_sha256(), "weight_files": len(weights),
             "bytes": size, "check": {**summary, "passed": True}, "said": said}

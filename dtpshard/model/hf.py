@@ -8,18 +8,12 @@ from typing import Any, Self
 import torch
 import torch.nn.functional as F
 
+from dtpshard.core.devices import DTYPES, config_dtype, dtype_name
 from dtpshard.core.errors import UserError
 from dtpshard.core.settings import warn_if_other_settings
 from dtpshard.model.checkpoint import open_checkpoint, save_checkpoint
 from dtpshard.model.decode import generate_ids
 from dtpshard.model.shards import DEFAULT_MAX_SHARD_SIZE, Weights
-
-DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """DTYPE_NAMES' name of a torch dtype (float32, bfloat16, float16)."""
-    return next(name for name, d in DTYPE_NAMES.items() if d == dtype)
 
 
 def output(logits: torch.Tensor, loss: torch.Tensor | None = None, cache: Any = None) -> Any:
@@ -43,12 +37,12 @@ def resolve_dtype(dtype: Any, hf_config: Any, stored: torch.dtype | None) -> tor
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
-        if dtype not in DTYPE_NAMES:
-            raise UserError(f"dtype={dtype!r}: one of auto, {', '.join(DTYPE_NAMES)}")
-        return DTYPE_NAMES[dtype]
-    named = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if dtype not in DTYPES:
+            raise UserError(f"dtype={dtype!r}: one of auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    named = config_dtype(hf_config)
     if isinstance(named, str):
-        named = DTYPE_NAMES.get(named)
+        named = DTYPES.get(named)
     if isinstance(named, torch.dtype) and named.is_floating_point:
         return named
     return stored if stored is not None and stored.is_floating_point else torch.float32

@@ -37,7 +37,7 @@ def parse_size(size: int | str, flag: str = "--max-shard-size") -> int:
     try:
         n = int(size) if isinstance(size, int) or str(size).strip().isdigit() else convert_file_size_to_int(str(size))
     except ValueError:
-        raise UserError(f"{flag} {size!r}: not a size (write e.g. 5GB, 500MB, 2GiB or a number of bytes)") from None
+        raise UserError(f"{flag} {size!r}: not a size (write e.g. 5GB, 500MB, 2GIB or a number of bytes)") from None
     if n < 1:
         raise UserError(f"{flag} {size!r}: must be at least one byte")
     return n

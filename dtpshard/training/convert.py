@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dtpshard.affinity.settings import CalibrationData, PassSettings
+from dtpshard.core.devices import config_dtype
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, local_paths
 from dtpshard.core.io import (
@@ -145,7 +146,7 @@ def student_stage(p: Paths, cfg: DistillConfig) -> None:
 def serving(student: Path) -> dict[str, str]:
     """The commands that serve the student (model/student.py), for its L and stored dtype."""
     config = read_json_object(student / "config.json", "config")
-    dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    dtype = str(config_dtype(config) or "float32")
     return serving_commands(student, config["dtp"]["devices"], dtype)
 
 

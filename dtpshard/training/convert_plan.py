@@ -18,8 +18,9 @@ from typing import Any
 
 from dtpshard.affinity.calibrate import CalibrationData, PassSettings
 from dtpshard.affinity.file import edges_for_delay
-from dtpshard.affinity.offload import GiB, default_budget, layer_params, plan
+from dtpshard.affinity.offload import default_budget, layer_params, plan
 from dtpshard.core.errors import UserError
+from dtpshard.core.memory import GIB, size_text
 from dtpshard.core.settings import DTPSettings
 from dtpshard.core.shape import ModelShape
 from dtpshard.training.settings import DistillConfig
@@ -48,13 +49,9 @@ class StagePlan:
 
     def describe(self) -> str:
         time_ = "" if math.isnan(self.seconds) else f", about {_duration(self.seconds)}"
-        memory = (f"{_size(self.memory):>11} of {_size(self.available):>11} per process, "
+        memory = (f"{size_text(self.memory):>11} of {size_text(self.available):>11} per process, "
                   f"{'fits' if self.fits else 'DOES NOT FIT'}" if self.memory else "no memory beyond the files")
         return f"{self.stage:<13}{memory}{time_}\n             {self.how}"
-
-
-def _size(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
 
 
 def _duration(s: float) -> str:
@@ -88,7 +85,7 @@ def calibration_plan(s: ModelShape, data: CalibrationData, run: PassSettings, de
     import torch
 
     tokens = data.blocks * data.seq_len
-    budget = int(run.memory_budget * GiB) if run.memory_budget > 0 else default_budget(device)
+    budget = int(run.memory_budget * GIB) if run.memory_budget > 0 else default_budget(device)
     dtype = getattr(torch, run.dtype)
     how = plan(s, tokens, delay, dtype, budget, run.offload)
     weights = how.window if how.offload else how.weights + layer_params(s) * dtype.itemsize
@@ -137,7 +134,7 @@ def student_plan(cfg: DistillConfig, hf_config: Any, s: ModelShape) -> StagePlan
 
     dtype = cfg.save_dtype if cfg.save_dtype != "auto" else str(resolve_dtype("auto", hf_config, None))
     size = 2 if "16" in dtype else 4
-    return StagePlan("student", 0, 0, 0.0, f"{_size(s.params() * size)} on disk ({dtype.removeprefix('torch.')}), "
+    return StagePlan("student", 0, 0, 0.0, f"{size_text(s.params() * size)} on disk ({dtype.removeprefix('torch.')}), "
                      "hard links to the run's final/ (no copy)")
 
 
@@ -180,5 +177,5 @@ def refuse_unless_fits(plans: list[StagePlan]) -> None:
                 refuse_distill(p.detail)
             except UserError as e:
                 raise UserError(f"stage {p.stage}: {e}") from None
-        raise UserError(f"stage {p.stage}: needs {_size(p.memory)} per process, more than the "
-                        f"{_size(p.available)} available ({p.how}); see --plan")
+        raise UserError(f"stage {p.stage}: needs {size_text(p.memory)} per process, more than the "
+                        f"{size_text(p.available)} available ({p.how}); see --plan")

@@ -27,13 +27,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from dtpshard.core.devices import dtype_name
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_dir, atomic_write_text, dumps
 from dtpshard.core.layout import as_layout
 from dtpshard.core.memory import return_freed_memory
 from dtpshard.core.shape import check_seq_len, family_config, shape_from_hf_config
 from dtpshard.model.checkpoint import load_hf_config, open_checkpoint
-from dtpshard.model.hf import dtype_name
 from dtpshard.model.shards import Weights
 from dtpshard.training import inputs, memory, rundir
 from dtpshard.training.card import TeacherHashes, student_card

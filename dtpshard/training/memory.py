@@ -26,6 +26,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.memory import size_text
 from dtpshard.core.reading import read_text
 from dtpshard.core.settings import DTPSettings
 from dtpshard.core.shape import ModelShape, shape_from_hf_config
@@ -36,7 +37,6 @@ from dtpshard.training.losses import chunk_tokens
 from dtpshard.training.precision import param_dtype, resolve_precision
 from dtpshard.training.recipe import FROZEN, DistillConfig
 
-GiB = 1 << 30
 CUDA_RUNTIME = 1 << 30  # the CUDA context and the allocator's slack, not in any tensor
 LOSS_BUFFERS = 6  # [chunk, V] fp32 buffers alive at once in the fused loss (teacher and student logits, ...)
 
@@ -82,16 +82,12 @@ class MemoryPlan:
                f"micro-batch {s.micro_batch} x {s.seq_len} tokens"
                f"{', gradient checkpointing' if s.grad_checkpointing else ''}")
         lines = [f"memory per process ({how}):"]
-        lines += [f"  {k:<16}{_gib(v):>12}" for k, v in self.parts.items()]
+        lines += [f"  {k:<16}{size_text(v):>12}" for k, v in self.parts.items()]
         other = "with" if not s.grad_checkpointing else "without"
-        lines.append(f"  {'total':<16}{_gib(self.total):>12}  of {_gib(self.available)} available"
+        lines.append(f"  {'total':<16}{size_text(self.total):>12}  of {size_text(self.available)} available"
                      f" ({'fits' if self.fits else 'does not fit'}; activations {other} checkpointing: "
-                     f"{_gib(self.activations_other)})")
+                     f"{size_text(self.activations_other)})")
         return "\n".join(lines)
-
-
-def _gib(n: int) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
 
 
 _TRACED: dict[tuple, int] = {}
@@ -291,6 +287,6 @@ def refuse_unless_fits(plan: MemoryPlan) -> None:
     if plan.fits:
         return
     fix = "; it would fit with " + " or ".join(plan.advice) if plan.advice else ""
-    raise UserError(f"the run needs {_gib(plan.total)} per process, more than the {_gib(plan.available)} available "
-                    f"(largest part: {max(plan.parts, key=plan.parts.get)} {_gib(max(plan.parts.values()))}){fix}; "
-                    "see --plan")
+    largest = max(plan.parts, key=plan.parts.get)
+    raise UserError(f"the run needs {size_text(plan.total)} per process, more than the {size_text(plan.available)} "
+                    f"available (largest part: {largest} {size_text(plan.parts[largest])}){fix}; see --plan")

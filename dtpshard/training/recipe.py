@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dtpshard.core.devices import DTYPES
 from dtpshard.core.io import dumps, short_sha256
 from dtpshard.core.layout import Layout
 from dtpshard.core.settings import resolve_dtp
@@ -36,7 +37,7 @@ from dtpshard.model.checkpoint import (
     read_shape,
     student_record,
 )
-from dtpshard.model.hf import DTYPE_NAMES, resolve_dtype
+from dtpshard.model.hf import resolve_dtype
 from dtpshard.training.evaluate import source_blocks
 from dtpshard.training.losses import eval_sums, kl_ce_sums, topk_kl_ce_sums
 
@@ -105,7 +106,7 @@ def save_dtype(cfg: DistillConfig, ckpt: Any) -> torch.dtype:
     """The dtype the student is saved in: --save-dtype, or (auto) the teacher's, as transformers'
     dtype="auto" reads it (a bf16 teacher gives a bf16 student)."""
     if cfg.save_dtype != "auto":
-        return DTYPE_NAMES[cfg.save_dtype]
+        return DTYPES[cfg.save_dtype]
     return resolve_dtype("auto", ckpt.hf_config, ckpt.files.stored_dtype())
 
 

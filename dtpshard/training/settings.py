@@ -128,7 +128,7 @@ class DistillConfig(Recipe, _Teacher):
         teacher_cache: a `dtpshard teacher-cache` directory: train on its top-k KL + tail instead of running the teacher
         tensorboard: also write the metrics as TensorBoard events to this directory (metrics.jsonl stays the record)
         force: start the run directory over (its checkpoint, metrics and student are deleted)
-        max_shard_size: the student's safetensors files are at most this large (5GB, 500MB, 2GiB, or bytes), as
+        max_shard_size: the student's safetensors files are at most this large (5GB, 500MB, 2GIB, or bytes), as
             transformers' save_pretrained
         save_dtype: the student's saved weights: auto (the teacher's dtype), float32, bfloat16 or float16
         plan: print the memory plan per process (from config.json alone) and exit; refused in one line if the run cannot

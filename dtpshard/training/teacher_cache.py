@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from dtpshard.core.devices import pick_device
+from dtpshard.core.devices import DTYPES, pick_device
 from dtpshard.core.errors import UserError
 from dtpshard.core.family import logits
 from dtpshard.core.guard import check_outputs, check_replaceable, local_paths
@@ -55,7 +55,7 @@ MANIFEST, PLAN = "manifest.json", "plan.json"
 PLAN_KEYS = {"format", "k", "dtype", "seq_len", "blocks", "teacher_sha256", "tokenizer_sha256", "blocks_sha256"}
 MANIFEST_KEYS = PLAN_KEYS | {"shards"}
 SHARD_BLOCKS = 256
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+HALF = ("float16", "bfloat16")  # what the cache may store
 
 
 def teacher_hashes(teacher: Path, tokenizer: Path | None = None) -> dict[str, str]:
@@ -99,7 +99,7 @@ def build_cache(teacher_dir: Path, blocks: torch.Tensor, out: Path, k: int = 64,
     """Write (or finish, or keep) the cache of `blocks` [n, seq_len + 1] under `out`."""
     if k < 1:
         raise UserError(f"--k {k}: must be at least 1")
-    if dtype not in DTYPES:
+    if dtype not in HALF:
         raise UserError(f"--dtype {dtype!r}: must be float16 or bfloat16")
     open_checkpoint(teacher_dir)  # its weights checked as data (headers) before the plan is written
     out, blocks = Path(out), unique_blocks(blocks.to(torch.int64))
