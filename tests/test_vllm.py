@@ -39,9 +39,11 @@ NEW = 24
 # (family, L, δ, stored dtype, mode): every engine serves in fp32; one student is stored in bf16.
 # "compiled" is vLLM's default (on a CPU: Dynamo and Inductor over the whole forward), "eager" is
 # --enforce-eager; the compiled engines also return Inductor's code for the graph-order test.
-CASES = [("llama", 2, 1, "float32", "eager"), ("llama", 2, 2, "bfloat16", "eager"),
+# Phi-3 (fused qkv and gate_up, a sliding window) and Granite (its multipliers) run eagerly; the
+# compiled engines cover the forward's other path.
+CASES = [("phi3", 2, 1, "float32", "eager"), ("llama", 2, 2, "bfloat16", "eager"),
          ("llama", 2, 1.5, "float32", "eager"), ("qwen3", 2, 1, "float32", "eager"),
-         ("qwen3", 2, 1.5, "float32", "eager"), ("qwen2", 4, 1, "float32", "eager"),
+         ("granite", 2, 1.5, "float32", "eager"), ("qwen2", 4, 1, "float32", "eager"),
          ("llama", 2, 1, "float32", "compiled"), ("llama", 2, 2, "float32", "compiled"),
          ("qwen3", 2, 1.5, "float32", "compiled")]
 SERVED = ("qwen3", 2, 2, "float32", "compiled")  # through the OpenAI server, in its default mode
@@ -54,11 +56,14 @@ def prompts(n: int = 5) -> list[list[int]]:
     return [torch.randint(3, 380, (3 + 4 * i,), generator=g).tolist() for i in range(n)]
 
 
+SHAPES = {"phi3": {"num_attention_heads": 2, "num_key_value_heads": 2}}  # Phi-3's head_dim is hidden / heads
+
+
 def make_student(root: Path, case: tuple) -> Path:
     family, devices, delay, stored = case[:4]
     out = root / f"{family}-{devices}-{delay}-{stored}"
     if not out.exists():
-        teacher = save_tiny(root / f"teacher-{family}", family, head_dim=32)
+        teacher = save_tiny(root / f"teacher-{family}", family, head_dim=32, **SHAPES.get(family, {}))
         model = DTPModel.from_pretrained(teacher, devices, delay)
         out.mkdir()
         model.save_pretrained(out, source=teacher, dtype=getattr(torch, stored))
