@@ -76,14 +76,15 @@ def install_latency() -> None:
         return out
 
     CpuCommunicator.all_reduce = all_reduce
-    made: dict[str, str] = {}
+    made: dict[str, _DelayedGroup] = {}  # c10d's registry holds a group weakly: this keeps it alive
 
     def tp_reduce() -> vm.TPReduce:
         inner = get_tp_group().device_group
-        if inner.group_name not in made:
-            made[inner.group_name] = name = f"{inner.group_name}-delayed"
-            _register_process_group(name, _DelayedGroup(inner))
-        return vm.TPReduce(made[inner.group_name])
+        name = f"{inner.group_name}-delayed"
+        if name not in made:
+            made[name] = _DelayedGroup(inner)
+            _register_process_group(name, made[name])
+        return vm.TPReduce(name)
 
     vm.tp_reduce = tp_reduce
 

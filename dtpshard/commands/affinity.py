@@ -32,7 +32,7 @@ def affinity_cmd(model: Path, *, out: Path, data: Annotated[CalibrationData, Par
     of the budget are kept in temporary files.
 
     Args:
-        model: Hugging Face checkpoint directory (llama, qwen2, qwen3, mistral, phi3 or granite family)
+        model: Hugging Face checkpoint directory of a supported family (core/family.py: llama, qwen2, ...)
         out: affinity file to write (required; safetensors, format dtpshard.affinity/1)
         delay: DTP delay δ; every edge b-δ <= a <= b-1 is scored (δ >= 2 adds attention->attention, FFN->FFN, ...)
         proxy: the score: first-order (the paper's), group-unit (a KV group's heads summed before squaring),

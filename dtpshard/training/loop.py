@@ -32,7 +32,7 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_dir, atomic_write_text, dumps
 from dtpshard.core.layout import as_layout
 from dtpshard.core.memory import return_freed_memory
-from dtpshard.core.shape import check_seq_len, family_config, shape_from_hf_config
+from dtpshard.core.shape import check_seq_len, family_config
 from dtpshard.model.checkpoint import load_hf_config, open_checkpoint
 from dtpshard.model.shards import Weights
 from dtpshard.training import inputs, memory, rundir
@@ -200,7 +200,7 @@ def _setup(cfg: DistillConfig, d: Dist) -> _Run | None:
     precision = resolve_precision(cfg.precision, d.device)
     hf_config, layout = load_hf_config(cfg.teacher), as_layout(cfg.layout)  # each read once, passed along
     check_seq_len(hf_config, cfg.seq_len)
-    cfg = dataclasses.replace(resolve(cfg, shape_from_hf_config(hf_config), layout), precision=precision)
+    cfg = dataclasses.replace(resolve(cfg, hf_config, layout), precision=precision)
     plan = memory.plan_for(cfg, d.world, d.device, hf_config=hf_config)  # config.json records what ran
     memory.refuse_unless_fits(plan)  # every rank alike, before anything is loaded
     if torch.device(d.device).type == "cpu":

@@ -122,13 +122,13 @@ def train_blocks_for(cfg: DistillConfig, world: int, tokenizer: Any,
     return blocks, source
 
 
-def resolve(cfg: DistillConfig, shape: Any = None, layout: Layout | None = None) -> DistillConfig:
+def resolve(cfg: DistillConfig, hf_config: Any = None, layout: Layout | None = None) -> DistillConfig:
     """Defaults that depend on inputs (L, δ and stage3 by core.settings.resolve_dtp: the flags,
-    else a student teacher's record, else the layout's, else the defaults), absolute paths. `shape`
-    and `layout`: the teacher's shape and the layout when they are read already (else config.json
-    alone, and the layout file)."""
-    hf_config = load_hf_config(cfg.teacher)
-    shape = shape_from_hf_config(hf_config) if shape is None else shape
+    else a student teacher's record, else the layout's, else the defaults), absolute paths.
+    `hf_config` and `layout`: the teacher's config and the layout when they are read already (else
+    config.json alone, and the layout file)."""
+    hf_config = load_hf_config(cfg.teacher) if hf_config is None else hf_config
+    shape = shape_from_hf_config(hf_config)
     record = student_record(Path(cfg.teacher), hf_config) if is_student(hf_config) else None
     if layout is None and cfg.layout is not None:
         layout = Layout.load(cfg.layout)
