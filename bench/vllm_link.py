@@ -4,10 +4,11 @@ emulated slower link, and a student with its reduces removed. Nothing here is dt
 - `install_latency()`: every all-reduce completes LATENCY seconds after the transfer itself
   (in series, as runtime/ranks.py's Link emulates it). vLLM's own blocking all-reduce (plain TP's
   after every module; the embedding's and the final mean's in every model) sleeps that long after
-  it returns. The student's delayed reduces run on a Python process group wrapped around vLLM's
-  gloo TP group, whose work completes LATENCY after gloo's: a wait_tensor at the landing waits
-  only for what the compute since the start has not covered. The latency is read at each call, so
-  one engine is timed at several latencies.
+  it returns (an opaque op, `link_latency`, so compiled graphs keep it). The student's delayed
+  reduces run on a Python process group wrapped around vLLM's gloo TP group, whose work completes
+  LATENCY after gloo's: a wait_tensor at the landing waits only for what the compute since the
+  start has not covered. The latency is read at each call, so one engine is timed at several
+  latencies.
 - `remove_reduces()`: the student's module reduces replaced by the own partial (Σ − own = 0):
   the same work without a transfer, a different function: the ceiling DTP can approach.
 """
@@ -60,6 +61,16 @@ class _DelayedGroup(dist.ProcessGroup):
         return "delayed-gloo"
 
 
+@torch.library.custom_op("dtpbench::link_latency", mutates_args=("x",))
+def link_latency(x: torch.Tensor) -> None:
+    """Sleep LATENCY after a blocking all-reduce that produced x. An opaque op: Dynamo traces
+    through vLLM's CPU all-reduce into the graph, and vLLM drops Dynamo's guards, so a sleep written
+    in Python there would be kept or left out by the latency at compile time; an op declared to
+    mutate x stays in the graph, in order, and reads LATENCY when it runs."""
+    if LATENCY[0] > 0:
+        time.sleep(LATENCY[0])
+
+
 def install_latency() -> None:
     from torch._C._distributed_c10d import _register_process_group
     from vllm.distributed import get_tp_group
@@ -71,8 +82,7 @@ def install_latency() -> None:
 
     def all_reduce(self, input_):
         out = blocking(self, input_)
-        if LATENCY[0] > 0:
-            time.sleep(LATENCY[0])
+        torch.ops.dtpbench.link_latency(out)
         return out
 
     CpuCommunicator.all_reduce = all_reduce
