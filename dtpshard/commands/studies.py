@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Unpack
 
 from dtpshard.core.vocab import Count, Device, NonNegativeInt, PositiveNumber
-from dtpshard.studies.config import Overrides
-from dtpshard.studies.demo import STUDY
+from dtpshard.studies.config import STUDY, Overrides
 
 
 def experiment_cmd(study: Path, *, out: Path, force: bool = False, tensorboard: Path | None = None,

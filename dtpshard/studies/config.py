@@ -288,6 +288,7 @@ def read_record(data: Any, where: str = "config.json") -> Experiment:
 
 
 # -- the command line -------------------------------------------------------------------------
+STUDY = Path(__file__).resolve().parent.parent / "configs" / "smollm2_study.toml"  # `dtpshard study`'s default
 Overrides = partial_of(Settings, skip=("model",))  # every key but the model and the arms is also a flag
 
 

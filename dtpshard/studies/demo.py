@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dtpshard.studies import smollm2
+from dtpshard.studies.config import STUDY
 from dtpshard.studies.experiment import check_config, load_config, run_experiment
 
 
@@ -53,9 +54,6 @@ def run_demo(out: Path, *, steps: int = 20, seq_len: int = 256, calibration_bloc
                                    micro_batch=micro_batch, grad_accum=grad_accum, eval_every=eval_every, lr=lr,
                                    warmup=warmup, random_layouts=random_layouts, seeds=seeds, device=device))
     return run_experiment(cfg, Path(out), force=force)
-
-
-STUDY = Path(__file__).resolve().parent.parent / "configs" / "smollm2_study.toml"
 
 
 def run_study(out: Path, study: Path = STUDY, force: bool = False) -> Path:
