@@ -8,7 +8,15 @@ The same random weights served three ways, each by one engine in its own `torchr
 - TP: its permuted dense twin (the same safetensors with the family's config, model_type "llama"),
   which vLLM serves as a Llama with a blocking all-reduce after every module;
 - no-comm: the student with its module reduces removed (bench/vllm_link.py): the same work, a
-  wrong function, the most the delayed reduce can give.
+  wrong function, the most the delayed reduce can give;
+- with --collective-arm, the student again with its partials on the collective
+  (DTPSHARD_EXCHANGE=collective: gloo here), the transport before the shared-memory ring.
+
+Each row names what each arm's sums travel over (the engine's own report): the student's
+shared-memory ring (transport/shared.py) or a collective, and TP's vLLM communicator (on a CPU
+its shared-memory all-reduce). `--executor mp` times the same pair in vLLM's own multiprocess
+executor instead, each worker pinned to its own cores, at latency 0 (the harness needs the
+ranks' own processes, so there is no no-comm arm there).
 
 `--latency-ms` adds a fixed latency to every all-reduce of all three, the same for each (harness
 only, bench/vllm_link.py): in series with the transfer, so TP waits all of it after every module
@@ -24,8 +32,8 @@ Each rank runs `--threads` torch threads pinned to its own cores.
 
     python bench/bench_vllm.py --tp 2 --batch 1 8 --latency-ms 0 0.5 --json
 
-The last line with --json is a JSON list of rows {tp, batch, latency_ms, dtp_tok_s, tp_tok_s,
-nocomm_tok_s, model_share}. Run by the project's python; vLLM runs in the environment
+The last line with --json is a JSON list of rows {executor, tp, batch, latency_ms, and per arm
+ARM_tok_s and ARM_transport, model_share}. Run by the project's python; vLLM runs in the environment
 `python -m dtpshard.serve.env` builds (or $DTPSHARD_VLLM_PYTHON), as for the tests.
 """
 from __future__ import annotations
@@ -72,9 +80,12 @@ def make_pair(root: Path, devices: int, delay: float = 1, family: str = "llama",
     return student, dense
 
 
-def run_engines(python: Path, specs: list[dict], tp: int, env: dict) -> list[dict]:
-    """Each spec's engine in its own torchrun (a second engine in the same ranks can hang)."""
+def run_engines(python: Path, specs: list[dict], tp: int, env: dict, executor: str = "external") -> list[dict]:
+    """Each spec's engine in its own torchrun (a second engine in the same ranks can hang), or with
+    executor "mp" in one plain process that starts vLLM's own TP workers."""
     launcher = [str(python.parent / "torchrun"), "--standalone", "--nproc-per-node", str(tp)]
+    if executor == "mp":
+        launcher = [str(python)]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, spec in enumerate(specs):
@@ -98,45 +109,79 @@ def tok_s(result: dict, lat: float, b: int, new: int) -> tuple[float, float]:
     return b / step, (med[new][1] - med[1][1]) / (new - 1) / step
 
 
+ARMS = ("dtp", "tp", "nocomm", "dtp_collective")  # the last only with collective_arm
+
+
 def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], latencies: list[float],
             new: int, repeat: int, threads: int = 0, eager: bool = False, dtype: str = "float32",
-            env: dict | None = None) -> list[dict]:
-    """Rows per (latency, batch). `threads` > 0 pins each rank to that many cores; the emulated link
-    (CPU only) is installed when a latency is not 0."""
+            env: dict | None = None, executor: str = "external", collective_arm: bool = False) -> list[dict]:
+    """Rows per (latency, batch). `threads` > 0 pins each rank to that many cores (external launcher)
+    or each of vLLM's workers to its own cores (executor "mp": VLLM_CPU_OMP_THREADS_BIND); the
+    emulated link (CPU only) is installed when a latency is not 0 (external launcher only: the
+    harness lives in the ranks' own processes). `collective_arm` adds the student with its partials
+    forced onto the collective (DTPSHARD_EXCHANGE=collective): the transport before the ring."""
     from dtpshard.serve.env import runtime_env
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, SHAPE["vocab_size"], (PROMPT,), generator=g).tolist() for _ in range(max(batches))]
     student, dense = pair
 
-    def spec(model: Path, remove: bool) -> dict:
+    mp = executor == "mp"
+
+    def spec(model: Path, remove: bool, env: dict | None = None) -> dict:
         return {"model": str(model), "tp": tp, "dtype": dtype, "prompts": prompts[:1], "max_tokens": 1,
-                "enforce_eager": eager, "max_model_len": 1024, "max_num_seqs": max(batches), "threads": threads,
+                "enforce_eager": eager, "max_model_len": 1024, "max_num_seqs": max(batches),
+                "threads": 0 if mp else threads, "env": env or {},
                 "harness": {"latency": any(lat > 0 for lat in latencies), "remove_reduces": remove},
                 "timing": {"batches": batches, "max_tokens": [1, new], "repeat": repeat, "latencies_ms": latencies}}
 
+    if mp and any(latencies):
+        raise SystemExit("--executor mp: latency 0 only (the link harness runs in the ranks' own processes)")
     env = dict(env or runtime_env())
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    dtp, plain, nocomm = run_engines(python, [spec(student, False), spec(dense, False), spec(student, True)], tp, env)
+        if mp:  # each worker on its own `threads` cores
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(f"{r * threads}-{(r + 1) * threads - 1}" if threads > 1
+                                                        else str(r) for r in range(tp))
+    specs = {"dtp": spec(student, False), "tp": spec(dense, False)}
+    if not mp:  # the no-comm ceiling needs the harness in the ranks
+        specs["nocomm"] = spec(student, True)
+    if collective_arm:
+        specs["dtp_collective"] = spec(student, False, {"DTPSHARD_EXCHANGE": "collective"})
+    results = dict(zip(specs, run_engines(python, list(specs.values()), tp, env, executor)))
     rows = []
     for lat in latencies:
         for b in batches:
-            (d, share), (t, _), (n, _) = (tok_s(r, lat, b, new) for r in (dtp, plain, nocomm))
-            rows.append({"tp": tp, "batch": b, "latency_ms": lat, "dtp_tok_s": d, "tp_tok_s": t, "nocomm_tok_s": n,
-                         "model_share": share})
+            row = {"tp": tp, "batch": b, "latency_ms": lat, "executor": executor}
+            for arm, r in results.items():
+                row[f"{arm}_tok_s"], share = tok_s(r, lat, b, new)
+                row[f"{arm}_transport"] = r["transport"]
+                if arm == "dtp":
+                    row["model_share"] = share
+            rows.append(row)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| TP | batch | latency ms | DTP tok/s | TP tok/s | no-comm tok/s | DTP / TP | no-comm / TP | "
-             "DTP's share of the ceiling's gain | model share of a step |", "|" + "---:|" * 10]
+    """The rows, each arm's tok/s and its ratio to TP; then what each arm's sums travel over."""
+    arms = [a for a in ARMS if f"{a}_tok_s" in rows[0]]
+    names = {"dtp": "DTP", "tp": "TP", "nocomm": "no-comm", "dtp_collective": "DTP over the collective"}
+    head = ["executor", "TP", "batch", "latency ms", *(f"{names[a]} tok/s" for a in arms),
+            *(f"{names[a]} / TP" for a in arms if a != "tp")]
+    if "nocomm" in arms:
+        head.append("DTP's share of the ceiling's gain")
+    head.append("model share of a step")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in rows:
-        gain = r["nocomm_tok_s"] - r["tp_tok_s"]
-        got = (r["dtp_tok_s"] - r["tp_tok_s"]) / gain if abs(gain) > 1e-9 else float("nan")
-        lines.append(f"| {r['tp']} | {r['batch']} | {r['latency_ms']:g} | {r['dtp_tok_s']:.1f} | {r['tp_tok_s']:.1f} | "
-                     f"{r['nocomm_tok_s']:.1f} | {r['dtp_tok_s'] / r['tp_tok_s']:.3f}× | "
-                     f"{r['nocomm_tok_s'] / r['tp_tok_s']:.3f}× | {got:.0%} | {r['model_share']:.0%} |")
+        cells = [r["executor"], r["tp"], r["batch"], f"{r['latency_ms']:g}", *(f"{r[a + '_tok_s']:.1f}" for a in arms),
+                 *(f"{r[a + '_tok_s'] / r['tp_tok_s']:.3f}×" for a in arms if a != "tp")]
+        if "nocomm" in arms:
+            gain = r["nocomm_tok_s"] - r["tp_tok_s"]
+            cells.append(f"{(r['dtp_tok_s'] - r['tp_tok_s']) / gain:.0%}" if abs(gain) > 1e-9 else "n/a")
+        cells.append(f"{r['model_share']:.0%}" if r["model_share"] else "n/a")
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    lines.append("")
+    lines += [f"- {names[a]}: {rows[0][a + '_transport']}" for a in arms]
     return "\n".join(lines)
 
 
@@ -151,6 +196,11 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / TP, at least 1)")
     ap.add_argument("--eager", action="store_true", help="--enforce-eager (default: vLLM's compiled mode)")
+    ap.add_argument("--executor", choices=("external", "mp"), default="external",
+                    help="external: one torchrun rank per TP rank (the default); mp: vLLM's own multiprocess "
+                         "executor, each worker pinned to its own cores (latency 0, no no-comm arm)")
+    ap.add_argument("--collective-arm", action="store_true",
+                    help="also time the student with its partials on the collective (DTPSHARD_EXCHANGE=collective)")
     ap.add_argument("--json", action="store_true", help="end with the rows as one JSON line")
     args = ap.parse_args()
     python = found_python()
@@ -159,8 +209,11 @@ def main() -> int:
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.tp)
     with tempfile.TemporaryDirectory() as tmp:
         pair = make_pair(Path(tmp), args.tp)
-        rows = measure(python, pair, args.tp, args.batch, args.latency_ms, args.new, args.repeat, threads, args.eager)
+        load0 = os.getloadavg()
+        rows = measure(python, pair, args.tp, args.batch, args.latency_ms, args.new, args.repeat, threads, args.eager,
+                       executor=args.executor, collective_arm=args.collective_arm)
     load = os.getloadavg()
+    print(f"load average before the run {load0[0]:.2f} / {load0[1]:.2f} / {load0[2]:.2f}")
     print(f"vLLM {'eager' if args.eager else 'compiled'}, TP {args.tp}, {threads} thread(s) per rank, "
           f"{os.cpu_count()} cores, load average after the run {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}")
     print(table(rows))

@@ -23,9 +23,15 @@
    against plain TP on the same weights (bench/bench_vllm.py), TP 2, 4 and 8 as the GPUs allow,
    batch 1 and 8, compiled with CUDA graphs (vLLM's default), bf16; the ratio is DTP / TP throughput.
    Sections 8 and 9 are the ones that need no second GPU besides 9's TP ≥ 2 rows.
+10. vLLM at TP 1 (`vllm-tp1`, one GPU): a student served with CUDA graphs and with
+   --enforce-eager (vLLM still builds a one-rank NCCL group): the same tokens, dtpshard's own.
+11. The symmetric-memory exchange (`symmetric`, transport/symmetric.py) on every GPU here, eager
+   and captured in a CUDA graph, against the functional collectives (one GPU: a one-rank group,
+   which checks the API and capture but moves nothing).
 
     PYTHONPATH=. python bench/cuda_check.py              # every section
-    PYTHONPATH=. python bench/cuda_check.py exchange     # only the named sections (one GPU: exchange, vllm)
+    PYTHONPATH=. python bench/cuda_check.py exchange     # only the named sections
+    PYTHONPATH=. python bench/cuda_check.py exchange vllm-tp1 symmetric   # the one-GPU checks of the transport
 """
 from __future__ import annotations
 
@@ -37,11 +43,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def check(name: str, ok: bool, detail: str) -> bool:
-    print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
-    return ok
+from cuda_transport import check, exchange, symmetric, vllm_one_gpu  # noqa: E402
 
 
 def exactness() -> bool:
@@ -256,88 +260,6 @@ def cuda_graphs() -> bool:
     return ok
 
 
-def _exchange_rank(out: str, variant: str) -> int:
-    """One NCCL rank: the exchange of 2 devices' schedule (δ = 1) over 8 toy modules, run as
-    `variant`; the result and Inductor's code saved to out."""
-    import torch.distributed as dist
-
-    from dtpshard.core.launch import process_group
-    from dtpshard.model.delay import schedule
-    from dtpshard.model.exchange import Exchange
-    from dtpshard.serve.reduce import FunctionalReduce
-
-    class Own:  # a one-rank sum is the rank's own partial: the eager reference
-        def start(self, p):
-            return p
-
-        def value(self, handle):
-            return handle
-
-    M, D, B, breaks = 8, 1024, 8, {2, 4, 6}
-    g = torch.Generator(device="cuda").manual_seed(0)
-    weights = [torch.randn(D, D, device="cuda", generator=g) / D ** 0.5 for _ in range(M)]
-    x0 = torch.randn(B, D, device="cuda", generator=g)
-    sched = schedule(M, 2, 1, "sqrt")
-    with process_group(timeout=120, backend="nccl"):
-        group = dist.group.WORLD.group_name
-
-        def forward(x, reduce, settle, split):
-            exchange = Exchange(sched, reduce, 2)
-            for m, w in enumerate(weights):
-                if m in breaks and settle:
-                    exchange.settle()
-                if m in breaks and split:
-                    torch._dynamo.graph_break()
-                x = exchange.update(m, x, torch.tanh(x @ w))
-            return exchange.mean(x)
-
-        want = forward(x0, Own(), False, False)
-        settle, split, mode = {"eager": (False, False, None), "compiled": (False, False, "default"),
-                               "graphs": (False, False, "reduce-overhead"),
-                               "graphs, settled before each break": (True, True, "reduce-overhead"),
-                               "graphs, open across breaks": (False, True, "reduce-overhead")}[variant]
-        def run(x):
-            return forward(x, FunctionalReduce(group), settle, split)
-
-        fn = run if mode is None else torch.compile(run, mode=mode)
-        for _ in range(3):  # warm-up, recording, replay
-            got = fn(x0.clone())
-        torch.cuda.synchronize()
-        code = ""
-        if mode == "default":
-            from torch._inductor.codecache import PyCodeCache
-            code = "\n".join(Path(m.__file__).read_text() for m in PyCodeCache.modules
-                             if "_c10d_functional" in Path(m.__file__).read_text())
-        Path(out).write_text(f"{(got - want).abs().max().item()}\n{code}")
-    return 0
-
-
-def exchange() -> bool:
-    from dtpshard.core.launch import launch_local
-    from graph_order import overlaps
-
-    ok = True
-    with tempfile.TemporaryDirectory() as tmp:
-        for variant in ("eager", "compiled", "graphs", "graphs, settled before each break",
-                        "graphs, open across breaks"):
-            out = f"{tmp}/{len(variant)}.txt"
-            exits = launch_local(1, _exchange_rank, (out, variant), grace=60, deadline=600)
-            if variant == "graphs, open across breaks":  # upstream's crash case: reported, not judged
-                print(f"INFO  exchange, {variant}: rank exited {exits[0].code}"
-                      + (f", max diff {Path(out).read_text().split()[0]}" if Path(out).exists() else ""))
-                continue
-            if exits[0].code or not Path(out).exists():
-                ok &= check(f"exchange on a one-rank NCCL group, {variant}", False, f"rank exited {exits[0].code}")
-                continue
-            diff, _, code = Path(out).read_text().partition("\n")
-            ok &= check(f"exchange on a one-rank NCCL group, {variant}", float(diff) <= 1e-5, f"max diff {diff}")
-            if code:
-                between = overlaps(code)
-                ok &= check("compiled exchange: each wait a module after its all-reduce",
-                            min(between[:-1], default=0) >= 1, f"GEMMs between start and wait: {between}")
-    return ok
-
-
 def vllm_pair() -> bool:
     import importlib.util
     import os
@@ -361,7 +283,7 @@ def vllm_pair() -> bool:
 
 SECTIONS = {"exactness": exactness, "throughput": lambda: throughput() or True, "distillation": distillation,
             "compiled": compiled, "teacher-cache": teacher_cache, "cuda-graphs": cuda_graphs, "exchange": exchange,
-            "vllm": vllm_pair}
+            "vllm": vllm_pair, "vllm-tp1": vllm_one_gpu, "symmetric": symmetric}
 
 
 if __name__ == "__main__":

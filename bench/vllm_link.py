@@ -87,14 +87,20 @@ def install_latency() -> None:
 
     CpuCommunicator.all_reduce = all_reduce
     made: dict[str, _DelayedGroup] = {}  # c10d's registry holds a group weakly: this keeps it alive
+    chosen = vm.tp_reduce
 
-    def tp_reduce() -> vm.TPReduce:
+    def tp_reduce(*args):
+        reduce = chosen(*args)
+        if reduce.transport != "collective":  # the shared ring: its latency is this module's cell
+            reduce.ring.latency = LATENCY
+            return reduce
         inner = get_tp_group().device_group
         name = f"{inner.group_name}-delayed"
         if name not in made:
             made[name] = _DelayedGroup(inner)
             _register_process_group(name, made[name])
-        return vm.TPReduce(name)
+        reduce.group_name = name
+        return reduce
 
     vm.tp_reduce = tp_reduce
 
@@ -111,6 +117,11 @@ def remove_reduces() -> None:
     import dtpshard.serve.vllm_model as vm
 
     class NoReduce(_NoReduce, vm.TPReduce):  # the final mean stays vLLM's all-reduce
-        pass
+        transport = "none"
 
-    vm.tp_reduce = lambda: NoReduce("")
+    def tp_reduce(*args):
+        reduce = NoReduce("")
+        reduce.total, reduce.said = vm.tensor_model_parallel_all_reduce, "nothing (the reduces removed)"
+        return reduce
+
+    vm.tp_reduce = tp_reduce

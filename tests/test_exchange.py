@@ -79,15 +79,15 @@ VARIANTS = {  # name -> (compiled, before which modules, settle there, graph bre
 }
 
 
-def _compiled_code() -> str:
-    """The output code of the graphs Inductor compiled in this process that hold functional reduces."""
+def _compiled_code(marker: str = "_c10d_functional") -> str:
+    """The output code of the graphs Inductor compiled in this process that hold `marker` (the reduce's ops)."""
     from pathlib import Path
 
     from torch._inductor.codecache import PyCodeCache
 
     mods = {id(m): m for m in [*PyCodeCache.modules, *PyCodeCache.modules_no_attr.values()]}
     sources = [Path(m.__file__).read_text() for m in mods.values() if getattr(m, "__file__", None)]
-    return "\n".join(s for s in sources if "_c10d_functional" in s)
+    return "\n".join(s for s in sources if marker in s)
 
 
 def _rank(out: str, delay: float, late_ms: float) -> int:

@@ -209,3 +209,23 @@ def test_emulated_link_latency_is_in_series_with_the_transfer():
     assert time.perf_counter() - completed >= 0.05  # latency after completion, not max(30, 50) ms after posting
     plain = Link(0, 10)  # no emulated link: no callback, no wait
     assert plain._completion(Work()) == [0.0]
+
+
+def test_link_waits_on_the_stream_with_nccl():
+    """NCCL: a wait with a timeout polls the work's CUDA event from the host (the CPU blocked, CUDA-graph
+    capture broken), so the Link waits without one and leaves hangs to the group's own timeout; gloo's
+    wait is the host's, with the timeout."""
+    import datetime
+
+    from dtpshard.runtime.ranks import Link
+
+    calls = []
+
+    class Work:
+        def wait(self, *args):
+            calls.append(args)
+            return True
+
+    Link(0, 30, device="cuda")._wait(Work(), [0.0], "a sum")
+    Link(0, 30, device="cpu")._wait(Work(), [0.0], "a sum")
+    assert calls == [(), (datetime.timedelta(seconds=30),)]

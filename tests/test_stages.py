@@ -9,9 +9,10 @@ import dtpshard
 
 ORDER = ["core", "model", "data", "affinity", "layouts", "training", "studies"]
 ALLOWED = {p: set(ORDER[:i + 1]) for i, p in enumerate(ORDER)}
-ALLOWED["runtime"] = {"core", "model", "runtime"}
-ALLOWED["serve"] = {"core", "model", "serve"}  # the vLLM model: the student format and the schedule only
-ALLOWED["commands"] = {*ORDER, "runtime", "serve", "commands"}  # the command layer sits on top of them all
+ALLOWED["transport"] = {"core", "model", "transport"}  # how partials travel between processes
+ALLOWED["runtime"] = {"core", "model", "transport", "runtime"}
+ALLOWED["serve"] = {"core", "model", "transport", "serve"}  # the vLLM model: the student format and the schedule only
+ALLOWED["commands"] = {*ORDER, "transport", "runtime", "serve", "commands"}  # the command layer sits on top of them all
 OPTIONAL = {"dtpshard.serve.vllm_model": "vllm"}  # modules that need an optional package, and which
 PKG = Path(dtpshard.__file__).parent
 

@@ -137,6 +137,7 @@ def test_vllm_matches_dtpshard(engines, case):
     """Greedy tokens equal DTPModel.generate's for the whole batch; top-5 logprobs to 1e-4 (fp32)."""
     result = engines[case, case[1]]
     assert "error" not in result, result.get("error")
+    assert result["transport"].startswith("shared memory"), result["transport"]  # vLLM's TP shares memory here
     student = make_student(engines["root"], case)
     tokens, logprobs = reference(student, engines["batch"])
     assert result["tokens"] == tokens
@@ -156,8 +157,9 @@ def test_compiled_graph_waits_where_the_schedule_lands(engines, case):
     from dtpshard.model.delay import schedule
 
     result = engines[case, case[1]]
-    code = "\n".join(c for c in result["inductor_code"] if "_c10d_functional" in c)
-    assert code, "no compiled graph holds the functional reduces"
+    assert result["transport"].startswith("shared memory"), result["transport"]
+    code = "\n".join(c for c in result["inductor_code"] if "dtpshard.exchange_start" in c)
+    assert code, "no compiled graph holds the exchange's ops"
     family, L, delay = case[:3]
     modules = 2 * 3  # tiny.py's 3 layers
     between = overlaps(code)
@@ -165,6 +167,54 @@ def test_compiled_graph_waits_where_the_schedule_lands(engines, case):
     assert len(between) == len(schedule(modules, L, delay, "sqrt").last_use) + 2, between
     assert between[0] == between[-1] == 0
     assert min(between[1:-1]) >= 2 * int(delay), between
+
+
+def test_piecewise_split_keeps_each_sum_in_its_piece(tmp_path):
+    """The GPU's piecewise path, on a CPU (tests/piecewise_probe.py): the compiled student with its
+    partials on functional collectives (the CUDA path), built to settle before attention, split by
+    vLLM's split_graph at the GPU's default splitting ops. Every all-reduce is waited for in the
+    piece that started it and none is a piece's output, and the student still gives its tokens."""
+    from dtpshard.model.delay import schedule
+
+    case = ("llama", 2, 1, "float32", "compiled")
+    student = make_student(tmp_path, case)
+    batch = prompts(2)
+    spec = {"model": str(student), "tp": 2, "dtype": "float32", "prompts": batch, "max_tokens": 8,
+            "enforce_eager": False, "harness": {"piecewise": True},
+            # the probe is the compile backend: no AOT artefact (it returns the graph itself) and no
+            # cached graph that would skip it
+            "env": {"DTPSHARD_EXCHANGE": "collective", "VLLM_USE_AOT_COMPILE": "0", "VLLM_DISABLE_COMPILE_CACHE": "1"}}
+    (result,) = run_driver([spec], tmp_path, "piecewise", 2)
+    assert "error" not in result, result.get("error")
+    assert result["transport"].startswith("gloo all-reduce"), result["transport"]
+    report = result["piecewise"]
+    layers = 3  # tiny.py's
+    assert report["splits"] == layers and report["pieces"] == layers + 1, report  # split at each attention
+    assert report["started"] == len(schedule(2 * layers, 2, 1, "sqrt").last_use), report
+    assert report["crossing"] == [] and report["outputs"] == [], report
+    tokens, _ = reference(student, batch)
+    assert result["tokens"] == [t[:8] for t in tokens]
+
+
+def test_sums_settle_before_attention_where_capture_breaks_there():
+    """Piecewise compilation, and breakable CUDA graphs on CUDA even with compilation off, split
+    capture at attention: the student then settles its sums before it (pytorch/pytorch#192000).
+    A CPU's whole-graph compile and eager mode split nothing."""
+    code = """
+import os
+from vllm.config import CompilationConfig, CompilationMode
+from dtpshard.serve.vllm_model import split_at_attention as split
+piecewise = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, splitting_ops=["vllm::unified_attention_with_output"])
+whole = CompilationConfig(mode=CompilationMode.DYNAMO_TRACE_ONCE, splitting_ops=[])
+off = CompilationConfig(mode=CompilationMode.NONE)
+got = [split(piecewise, "cuda"), split(whole, "cpu"), split(off, "cuda")]
+os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+got += [split(off, "cuda"), split(off, "cpu")]
+print(got)
+"""
+    done = subprocess.run([str(PYTHON), "-c", code], env=runtime_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[True, False, False, True, False]"
 
 
 def test_vllm_is_not_dense(engines):

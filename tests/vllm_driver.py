@@ -9,12 +9,14 @@ with its own rank (no workers spawned, no queues between them), every spec's TP 
 world size, and rank 0 writes OUT.
 
 SPECS: a list of {"model", "tp", "dtype", "prompts": [[ids]], "max_tokens", "logprobs", "prompt_logprobs",
-"enforce_eager",
-"engine": {...}, "threads": N (torch threads per rank, each rank pinned to its own cores),
-"harness": {"latency": bool, "remove_reduces": bool} (bench/vllm_link.py),
+"enforce_eager", "engine": {...}, "env": {variable: value} (set before the engine starts),
+"threads": N (torch threads per rank, each rank pinned to its own cores),
+"harness": {"latency": bool, "remove_reduces": bool} (bench/vllm_link.py), {"piecewise": bool}
+(tests/piecewise_probe.py: the compiled graph split as the GPU's piecewise mode splits it),
 "inductor_code": bool (return Inductor's output code of every graph compiled),
 "timing": {"batches": [B], "max_tokens": [N], "repeat": R, "latencies_ms": [ms]}};
-OUT: one result per spec, {"tokens": [[ids]], "logprobs": [[{id: logprob} per new token]],
+OUT: one result per spec, {"tokens": [[ids]], "transport": what rank 0's sums travel over,
+"logprobs": [[{id: logprob} per new token]],
 "prompt_logprobs": [[logprob of each prompt token]], "seconds",
 "timings": {"LAT/B/N": [seconds of each repeat]}, "model_seconds": {"LAT/B/N": [seconds in the model's
 forward]}, "inductor_code": [source]} or {"error": message} when the engine refused the model.
@@ -59,6 +61,10 @@ def _link():
 
 
 def _harness(spec: dict) -> None:
+    if spec.get("piecewise"):  # tests/piecewise_probe.py: split as the GPU's piecewise graphs
+        import piecewise_probe
+
+        piecewise_probe.install()
     if spec.get("latency"):
         _link().install_latency()
     if spec.get("remove_reduces"):
@@ -76,7 +82,8 @@ def _time(llm, prompts: list, timing: dict) -> tuple[dict, dict]:
         model.register_forward_pre_hook(lambda *_: started.__setitem__(0, time.perf_counter()))
         model.register_forward_hook(lambda *_: inside.__setitem__(0, inside[0] + time.perf_counter() - started[0]))
 
-    llm.apply_model(hook)
+    if LAUNCHED:  # the model runs in this process (with vLLM's own workers it does not: not timed)
+        llm.apply_model(hook)
     cell = _link().LATENCY if any(timing.get("latencies_ms", [0])) else [0.0]
     walls: dict = {}
     model: dict = {}
@@ -96,6 +103,23 @@ def _time(llm, prompts: list, timing: dict) -> tuple[dict, dict]:
     return walls, model
 
 
+def _transport(model) -> str:
+    """What this rank's sums travel over: the student's own choice, or vLLM's TP communicator's."""
+    reduce = getattr(getattr(model, "model", None), "reduce", None)
+    if reduce is not None and hasattr(reduce, "said"):
+        return reduce.said
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return "nothing (one rank)"
+    module = getattr(group.device_communicator, "dist_module", None)
+    if type(module).__name__ == "_CPUSHMDistributed":
+        return "vLLM's shared-memory all-reduce (_CPUSHMDistributed)"
+    return f"vLLM's {type(group.device_communicator).__name__} ({dist.get_backend(group.device_group)})"
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -104,6 +128,7 @@ def run(spec: dict) -> dict:
         _pin(spec["threads"])
     if spec.get("harness"):
         _harness(spec["harness"])
+    os.environ.update(spec.get("env", {}))  # before the engine: vLLM's workers inherit it
     engine = dict(spec.get("engine", {}))
     if LAUNCHED:
         engine["distributed_executor_backend"] = "external_launcher"
@@ -118,7 +143,8 @@ def run(spec: dict) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": time.perf_counter() - start}
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": time.perf_counter() - start,
+              "transport": llm.apply_model(_transport)[0]}
     if spec.get("logprobs"):
         result["logprobs"] = [[{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
                               for o in outs]
@@ -129,6 +155,10 @@ def run(spec: dict) -> dict:
         result["timings"], result["model_seconds"] = _time(llm, prompts, spec["timing"])
     if spec.get("inductor_code"):
         result["inductor_code"] = _inductor_code()
+    if spec.get("harness", {}).get("piecewise"):
+        import piecewise_probe
+
+        result["piecewise"] = dict(piecewise_probe.REPORT)
     llm.llm_engine.engine_core.shutdown()
     del llm  # under torchrun the process groups stay: the next engine (same TP) finds them made
     gc.collect()

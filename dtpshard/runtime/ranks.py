@@ -16,6 +16,7 @@ all-reduce), then the LM head.
 from __future__ import annotations
 
 import datetime
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ from dtpshard.model.checkpoint import Checkpoint, open_checkpoint
 from dtpshard.model.decoder import Decoder
 from dtpshard.model.delay import schedule_for
 from dtpshard.model.exchange import Exchange
+from dtpshard.transport.choose import SLOT_BYTES, choose
+from dtpshard.transport.shared import ring_slots
 
 
 # -- refusing a bad world size before any collective ---------------------------------------
@@ -90,9 +93,16 @@ class Link:
     between has not covered.
     """
 
-    def __init__(self, rank: int, timeout: float, latency: float = 0.0, bandwidth: float = 0.0):
+    transport = "collective"
+
+    def __init__(self, rank: int, timeout: float, latency: float = 0.0, bandwidth: float = 0.0,
+                 device: str | torch.device = "cpu"):
         self.rank, self.latency, self.bandwidth = rank, latency, bandwidth
         self.timeout = datetime.timedelta(seconds=timeout)
+        # NCCL: a wait with a timeout polls the work's CUDA event from the host (a blocked CPU, and
+        # no CUDA-graph capture); without one it makes the current stream wait on NCCL's, and the
+        # process group's own timeout (its watchdog) covers a hang. Gloo's wait is the host's.
+        self.stream_ordered = torch.device(device).type == "cuda"
         self.posted: list[Any] = []  # works started and not yet waited for (close waits for them)
         at_shutdown(self.close)  # process_group closes it before it ends the group
 
@@ -105,7 +115,7 @@ class Link:
 
     def _wait(self, work: Any, done: list[float], what: str, nbytes: int = 0) -> None:
         try:
-            work.wait(self.timeout)
+            work.wait() if self.stream_ordered else work.wait(self.timeout)
         except RuntimeError as e:
             raise RankFailure(f"rank {self.rank}: {what} failed ({cause(e)}); another rank died, hung "
                               "or was stopped") from None
@@ -158,13 +168,35 @@ class RankModel(Decoder):
         self.requires_grad_(False)
         self.rebuild_buffers()
         self.sharded = set(permutation_spec(ckpt.shape)) & set(shard)
-        self.link = Link(rank, timeout, latency)
+        self.timeout, self.latency, self.device_kind = timeout, latency, torch.device(device).type
+        self.transport: Any = None  # the Reduce chosen for this group (transport/choose.py)
+        self.link: Any = None  # what forward exchanges over: the transport (bench/bench_runtime.py swaps it)
         self.use(settings)
 
     def use(self, settings: DTPSettings) -> None:
         self.settings = settings.check(self.full_shape)
         self.delay, self.stage3 = settings.delay, settings.stage3
         self.steps = schedule_for(self.shape.modules, settings)
+        ring = getattr(self.transport, "ring", None)
+        if self.transport is None or (ring is not None and ring.slots < ring_slots(self.steps)):
+            self._choose_transport()
+
+    def _choose_transport(self) -> None:
+        """Collective: the shared-memory ring where the ranks share a host's memory, else the Link
+        (transport/choose.py); rank 0 says which on stderr. A schedule with more sums in flight than
+        the ring holds (set_delay) chooses again."""
+        itemsize = self.lm_head_weight.element_size()
+        message = min(SLOT_BYTES, 4096 * self.shape.hidden * itemsize)
+        old = self.transport
+        self.transport, said = choose(dist.group.WORLD, "run", self.steps, message, self.timeout,
+                                      lambda: Link(self.rank, self.timeout, self.latency, device=self.device_kind),
+                                      self.device_kind, self.latency)
+        if self.transport.transport != "collective":
+            at_shutdown(self.transport.close)
+        if self.link is None or self.link is old:
+            self.link = self.transport
+        if self.rank == 0 and old is None:
+            print(f"dtpshard run: the partials travel over {said}", file=sys.stderr, flush=True)
 
     def set_delay(self, delay: float | None = None, stage3: str | None = None) -> None:
         """Change δ (and the stage-3 rule; one not given stays); the weights and L stay. Collective

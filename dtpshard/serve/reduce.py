@@ -11,8 +11,10 @@ The raw ops, not `_functional_collectives.all_reduce`: while Dynamo traces, that
 a compiler pass moving it (pytorch/pytorch#174280 reports Inductor moving a wait next to its
 collective instead).
 
-The group is vLLM's TP device group: gloo on a CPU, NCCL on CUDA, so a CPU runs the same code a
-GPU does. No vLLM import here: the two-process tests run it on a plain gloo group.
+The group is vLLM's TP device group: NCCL on CUDA, gloo on a CPU. On one CPU host the student's
+partials take the shared-memory ring instead (transport/shared.py; transport/choose.py decides);
+this Reduce is the CUDA path and the fallback. No vLLM import here: the two-process tests run it
+on a plain gloo group.
 """
 from __future__ import annotations
 

@@ -9,9 +9,12 @@ the simulator and the runtime run:
 
     x_l ← x_l + s_m·p_l^m + Σ_(k, w) w·(Σ_j p_j^k − p_l^k)
 
-Σ_j p_j^k is an all-reduce started when module k is done and waited for where the schedule
-lands it (serve/reduce.py: functional collectives on vLLM's TP device group, gloo on a CPU and
-NCCL on CUDA), so δ modules of compute overlap it, eagerly and compiled. The output is the mean
+Σ_j p_j^k is started when module k is done and taken where the schedule lands it, so δ modules
+of compute overlap it, eagerly and compiled. Where vLLM's own TP all-reduce uses shared memory (a
+CPU host), the partials travel the same way, one-sided (transport/shared.py: each rank publishes
+its partial and reads the others' at the landing, no collective); elsewhere they are functional
+collectives on vLLM's TP device group (serve/reduce.py: gloo across CPU hosts, NCCL on CUDA). The
+engine logs which (`tp_reduce`). The output is the mean
 over ranks of FinalNorm(x_l) (vLLM's own all-reduce, divided by L), then vLLM's
 vocabulary-parallel LM head. Attention is vLLM's (paged KV cache, continuous batching, chunked
 prefill, prefix caching), so the engine treats the student as it treats a Llama.
@@ -24,6 +27,7 @@ kept on a module: the exchange is made per forward.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -32,6 +36,7 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group, tensor_model_parallel_all_reduce
+from vllm.logger import init_logger
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -48,29 +53,59 @@ from dtpshard.core.shape import ModelShape
 from dtpshard.model.exchange import Exchange
 from dtpshard.serve.reduce import FunctionalReduce
 from dtpshard.serve.student import ServedStudent, check_parallel, served_student
+from dtpshard.transport.choose import choose
 
+logger = init_logger(__name__)
 ACT_AND_MUL = {"silu": SiluAndMul}  # vLLM's fused activation-and-multiply per core/family.py ACTIVATIONS name
 
 
 class TPReduce(FunctionalReduce):
-    """The partials' sums over vLLM's TP group; the final mean's, which blocks anyway, by vLLM's own
-    communicator (shared memory on a CPU, NCCL or its custom all-reduce on CUDA)."""
+    """The partials' sums over vLLM's TP group by functional collectives (gloo or NCCL): the
+    fallback where the shared-memory exchange cannot run."""
 
-    def total(self, h: torch.Tensor) -> torch.Tensor:
-        return tensor_model_parallel_all_reduce(h)
-
-
-def tp_reduce() -> TPReduce:
-    """The Reduce of this rank's TP group (bench/bench_vllm.py swaps it to emulate a link or remove it)."""
-    return TPReduce(get_tp_group().device_group.group_name)
+    transport = "collective"
 
 
-def split_at_attention(compilation: Any) -> bool:
-    """Whether vLLM compiles the forward as pieces split at its splitting ops (attention), each
-    captured as its own CUDA graph: Dynamo's FX split in VLLM_COMPILE mode, or Inductor's graph
-    partition. A CPU compiles the forward whole (DYNAMO_TRACE_ONCE) and eager mode splits nothing."""
+EXCHANGE_TIMEOUT = 600.0  # seconds a rank waits on a live peer's partial before it says the peer hung
+
+
+def vllm_shares_memory() -> bool:
+    """Whether vLLM's own TP communicator moves its all-reduces through shared memory (its CPU
+    communicator's _CPUSHMDistributed): then the student's partials go that way too."""
+    comm = get_tp_group().device_communicator
+    return type(getattr(comm, "dist_module", None)).__name__ == "_CPUSHMDistributed"
+
+
+def tp_reduce(vllm_config: VllmConfig, student: ServedStudent) -> Any:
+    """This rank's Reduce over its TP group (transport/choose.py: the shared-memory ring where vLLM
+    itself uses shared memory, else functional collectives), with the final mean's sum, which
+    blocks anyway, by vLLM's own communicator. bench/vllm_link.py swaps it to emulate a link or
+    remove the reduces."""
+    group = get_tp_group()
+    s = student.shape
+    itemsize = torch.empty((), dtype=vllm_config.model_config.dtype).element_size()
+    message = vllm_config.scheduler_config.max_num_batched_tokens * s.hidden * itemsize
+    reduce, said = choose(group.cpu_group, "vllm-tp", student.schedule, message, EXCHANGE_TIMEOUT,
+                          lambda: TPReduce(group.device_group.group_name), vllm_config.device_config.device,
+                          shared_here=vllm_shares_memory())
+    reduce.total = tensor_model_parallel_all_reduce
+    reduce.said = said
+    if group.rank_in_group == 0:
+        logger.info("dtpshard: the DTP student's partials travel over %s", said)
+    return reduce
+
+
+def split_at_attention(compilation: Any, device: Any = "cpu") -> bool:
+    """Whether a forward's CUDA graphs are captured as pieces split at attention, so that no sum may
+    stay open across that split (pytorch/pytorch#192000): vLLM's piecewise compilation (Dynamo's FX
+    split in VLLM_COMPILE mode, or Inductor's graph partition), or its breakable CUDA graphs
+    (VLLM_USE_BREAKABLE_CUDAGRAPH=1, which vLLM turns on by itself for some shapes), which break
+    capture at attention even with compilation off. A CPU compiles the forward whole
+    (DYNAMO_TRACE_ONCE) and captures nothing."""
     from vllm.config import CompilationMode
 
+    if torch.device(device).type == "cuda" and os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH", "0") not in ("", "0"):
+        return True
     if not compilation.splitting_ops or compilation.mode == CompilationMode.NONE:
         return False
     if getattr(compilation, "use_inductor_graph_partition", False):
@@ -171,8 +206,8 @@ class DTPDecoder(nn.Module):
         check_parallel(student, get_tensor_model_parallel_world_size(), parallel.pipeline_parallel_size)
         s = student.shape
         self.student = student  # frozen settings and schedule: no per-request state
-        self.reduce = tp_reduce()
-        self.split = split_at_attention(vllm_config.compilation_config)
+        self.reduce = tp_reduce(vllm_config, student)
+        self.split = split_at_attention(vllm_config.compilation_config, vllm_config.device_config.device)
         self.embed_tokens = VocabParallelEmbedding(s.vocab, s.hidden, quant_config=vllm_config.quant_config,
                                                    prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(DTPDecoderLayer(student, vllm_config, f"{prefix}.layers.{i}")

@@ -1,0 +1,65 @@
+"""Which transport a process group's ranks move their partials over, decided once, on every rank alike.
+
+The shared-memory ring (transport/shared.py) where the ranks share a host and keep their partials
+in host memory on x86-64; otherwise the caller's collective Reduce (gloo on a CPU across hosts,
+NCCL on CUDA). `DTPSHARD_EXCHANGE` overrides: `auto` (the default), `shared` (refused in one line
+where it cannot run) or `collective`. The caller says the choice and its reason out loud: a
+throughput number means something only next to the transport it was measured on.
+"""
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtpshard.core.errors import UserError
+from dtpshard.transport.shared import SharedReduce, open_ring, ring_slots
+
+VARIABLE = "DTPSHARD_EXCHANGE"
+CHOICES = ("auto", "shared", "collective")
+SLOT_BYTES = 8 << 20  # the most a slot holds; a larger message (a long prefill) takes the collective
+
+
+def wanted() -> str:
+    v = os.environ.get(VARIABLE, "auto").strip().lower() or "auto"
+    if v not in CHOICES:
+        raise UserError(f"environment variable {VARIABLE}={v[:40]!r}: give one of {', '.join(CHOICES)}")
+    return v
+
+
+def why_not_shared(device: torch.device | str, shared_here: bool = True) -> str:
+    """Why the shared ring cannot serve these ranks ("" if it can, as far as one rank can tell)."""
+    if wanted() == "collective":
+        return f"{VARIABLE}=collective"
+    if torch.device(device).type != "cpu":
+        return f"the partials are on {torch.device(device).type} (transport/symmetric.py is CUDA's design)"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the ring relies on x86-64's store order; this is {platform.machine()}"
+    if not shared_here:
+        return "the engine's own communicator does not use shared memory here"
+    return ""
+
+
+def choose(group: dist.ProcessGroup, key: str, schedule: Any, message_bytes: int, timeout: float,
+           collective: Callable[[], Any], device: torch.device | str = "cpu", latency: float = 0.0,
+           shared_here: bool = True) -> tuple[Any, str]:
+    """Collective over `group` -> (the Reduce, what it travels over and why). `message_bytes`: the
+    largest message the ring should hold (capped at SLOT_BYTES); `collective()` makes the fallback."""
+    why = why_not_shared(device, shared_here)
+    whys = [None] * dist.get_world_size(group)
+    dist.all_gather_object(whys, why, group=group)  # one rank's reason is every rank's
+    why = next((w for w in whys if w), "")
+    ring = None
+    if not why:
+        ring, why = open_ring(group, key, ring_slots(schedule), min(message_bytes, SLOT_BYTES), timeout, latency)
+    if ring is not None:
+        return SharedReduce(ring, key), (f"shared memory (one-sided ring: {ring.slots} slots × {ring.world} ranks "
+                                         f"× {ring.capacity / 2**20:.2g} MiB; larger messages by the collective)")
+    if wanted() == "shared":
+        raise UserError(f"{VARIABLE}=shared: the shared-memory exchange cannot run here: {why}")
+    backend = dist.get_backend(group)
+    return collective(), f"{backend} all-reduce ({why})"
