@@ -103,7 +103,13 @@ def test_a_lost_peer_is_one_line_within_a_bound(tmp_path, how, said, bound):
 
 
 def test_no_segment_is_left_behind(tmp_path):
-    # a normal end (the function test's processes) and SIGTERM while both ranks wait
+    # a normal end (an error's end: test_a_lost_peer_is_one_line_within_a_bound), then SIGTERM while both ranks wait
+    (tmp_path / "normal").mkdir()
+    procs = _start("slow", tmp_path / "normal", "10")
+    for p in procs:
+        text = p.communicate(timeout=120)[0]
+        assert p.returncode == 0, text[-3000:]
+    assert not _segments([p.pid for p in procs])
     procs = _start("wait_forever", tmp_path, "-")
     end = time.monotonic() + 120
     while not all((tmp_path / f"ready{r}").exists() for r in range(2)):

@@ -44,7 +44,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dtpshard.core.errors import UserError
 from dtpshard.core.launch import RankFailure
+from dtpshard.core.reading import read_text
 
 SEGMENTS = Path("/dev/shm")
 NAME = re.compile(r"^dtpshard-exchange-(?P<pid>\d+)-[0-9a-f]{16}$")  # <creator's pid>-<random>
@@ -77,8 +79,8 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     try:  # a dead child its parent has not reaped yet still answers kill(0)
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        stat = read_text(f"/proc/{pid}/stat", 4096, "a process's status")
+    except (OSError, UserError):
         return True
     return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
 
@@ -251,8 +253,8 @@ def _create(size: int) -> tuple[Path | None, str]:
 def host_key() -> str:
     """The same on two processes iff they share this host's memory: node name and boot id."""
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
+        boot = read_text("/proc/sys/kernel/random/boot_id", 64, "the boot id").strip()
+    except (OSError, UserError):
         boot = ""
     return f"{os.uname().nodename}/{boot}"
 
