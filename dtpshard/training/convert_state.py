@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dtpshard.affinity.calibrate import CalibrationData, PassSettings
+from dtpshard.core import owned
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_write_text, dumps, read_json_object
 from dtpshard.training import inputs
@@ -28,6 +29,7 @@ RECORD, AFFINITY, LAYOUT, RUN, STUDENT, TIMINGS = ("convert.json", "affinity.saf
 OWNED = (RECORD, AFFINITY, LAYOUT, RUN, STUDENT, TIMINGS)
 STAGES = ("calibration", "layout", "distillation", "student")
 WHAT = "a dtpshard convert directory"
+COMMAND = "convert"
 INPUTS, OUTPUTS = "inputs", "outputs"  # convert.json's records of the teacher and of stages 1 and 2's files
 
 
@@ -109,6 +111,16 @@ def check_dir(out: Path, force: bool) -> None:
     if (out / "config.json").exists():
         raise UserError(f"--out {out}: holds a config.json, so it is not {WHAT}; choose another --out")
     refuse_unrelated(out, force, OWNED, WHAT, record=RECORD)
+
+
+def claim(p: Paths, force: bool) -> str:
+    """DIR's id (core/owned.py): its own when DIR is convert's; a new one when DIR holds none of
+    convert's files yet, or after --force removed them (only from a DIR that is convert's own)."""
+    from dtpshard.training.rundir import made_by_dtpshard, start_over
+
+    if force:
+        return start_over(p.out, OWNED, command=COMMAND, record=RECORD)
+    return owned.claim(p.out, COMMAND, OWNED, RECORD, False, dict.fromkeys(OWNED, made_by_dtpshard))
 
 
 # -- what a rerun trusts ------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from dtpshard.core.io import (
     read_json_object,
     short_sha256,
 )
+from dtpshard.core.owned import ID, claim, is_ours
 from dtpshard.model.checkpoint import TOKENIZER_FILES, load_tokenizer, open_checkpoint
 from dtpshard.model.dtp import DTPModel
 from dtpshard.training.losses import chunk_tokens, teacher_topk
@@ -51,8 +52,9 @@ from dtpshard.training.recipe import DistillConfig, train_blocks_for
 from dtpshard.training.rundir import LOCK, locked
 
 FORMAT = "dtpshard.teacher-cache/1"
+COMMAND = "teacher-cache"  # its directory's mark (core/owned.py)
 MANIFEST, PLAN = "manifest.json", "plan.json"
-PLAN_KEYS = {"format", "k", "dtype", "seq_len", "blocks", "teacher_sha256", "tokenizer_sha256", "blocks_sha256"}
+PLAN_KEYS = {"format", "k", "dtype", "seq_len", "blocks", "teacher_sha256", "tokenizer_sha256", "blocks_sha256", ID}
 MANIFEST_KEYS = PLAN_KEYS | {"shards"}
 SHARD_BLOCKS = 256
 HALF = ("float16", "bfloat16")  # what the cache may store
@@ -106,21 +108,21 @@ def build_cache(teacher_dir: Path, blocks: torch.Tensor, out: Path, k: int = 64,
     plan = {"format": FORMAT, "k": k, "dtype": dtype, "seq_len": int(blocks.shape[1]) - 1,
             "blocks": int(blocks.shape[0]), **teacher_hashes(teacher_dir, tokenizer),
             "blocks_sha256": short_sha256(blocks.numpy().tobytes())}
-    if (out / MANIFEST).is_file():
-        old = _read(out, MANIFEST)
-        if {key: old.get(key) for key in plan} == plan:
-            return out
+    if (out / MANIFEST).is_file() and _holds(_read(out, MANIFEST), plan) and is_ours(out, COMMAND, PLAN):
+        return out
     with locked(out):  # one builder at a time: a second is refused ("in use by process PID")
-        if any(p.name != LOCK for p in out.iterdir()):
-            old = _read(out, PLAN) if (out / PLAN).is_file() else None
-            if old != plan:
-                if not force:
-                    raise UserError(f"--out {out}: exists and holds something else (use --force to rebuild it)")
-                for p in out.iterdir():
-                    if p.name in (MANIFEST, PLAN) or p.name.startswith("shard-"):
-                        p.unlink()
+        same = (out / PLAN).is_file() and _holds(_read(out, PLAN), plan)
+        if not same and not force and any(p.name != LOCK for p in out.iterdir()):
+            raise UserError(f"--out {out}: exists and holds something else (use --force to rebuild it)")
+        names = (PLAN, MANIFEST, *sorted(p.name for p in out.glob("shard-*.safetensors")))
+        plan[ID] = claim(out, COMMAND, names, PLAN, force=not same)  # only a cache of ours is resumed or cleared
         atomic_write_text(out / PLAN, dumps(plan, indent=1) + "\n")
         return _build(teacher_dir, blocks, out, plan, k, dtype, micro_batch, device, precision, progress)
+
+
+def _holds(old: dict[str, Any], plan: dict[str, Any]) -> bool:
+    """Whether a cache's plan or manifest `old` is of the cache `plan` describes."""
+    return {key: old.get(key) for key in plan if key != ID} == {k: v for k, v in plan.items() if k != ID}
 
 
 def _read(out: Path, name: str) -> dict[str, Any]:
