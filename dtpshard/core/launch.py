@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from dtpshard.core.ending import die_with_parent, end_rank, exit_code, flush, rank_failed
-from dtpshard.core.errors import UserError, explain
+from dtpshard.core.errors import UserError, explain, first_line
 from dtpshard.core.forkserver import STARTED_BY
 from dtpshard.core.launch_checks import check_nproc, check_threads, check_timeout, cores, env_int, world_from_env
 from dtpshard.core.reading import read_text
@@ -48,7 +48,7 @@ class RankFailure(UserError):
 
 def cause(e: BaseException) -> str:
     """The useful part of a gloo/c10d message: no source location, no boilerplate advice."""
-    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    text = first_line(e, limit=1 << 16)
     text = re.sub(r"^\[[^\]]*\]\s*", "", text)
     return text.split(". This is typically")[0][:160]
 

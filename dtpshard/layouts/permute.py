@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dtpshard.core.errors import UserError, explain
+from dtpshard.core.errors import UserError, explain, first_line
 from dtpshard.core.guard import check_outputs, check_replaceable
 from dtpshard.core.io import (
     ANY_SIZE,
@@ -259,7 +259,7 @@ def _dense_logits(path: Path, ids: torch.Tensor, what: str) -> torch.Tensor:
     try:
         hf = load(AutoModelForCausalLM, path, dtype=torch.float32, attn_implementation="eager")
     except (OSError, ValueError, RuntimeError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise UserError(f"transformers cannot load {what} ({first})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
