@@ -295,16 +295,18 @@ def _teacher_cache(cfg: Experiment, model: Path, out: Path, runs: list[tuple[str
     if not cfg.teacher_cache_k or not runs:
         return None
     from dtpshard.core.devices import pick_device
+    from dtpshard.model.checkpoint import open_checkpoint
     from dtpshard.training.teacher_cache import build_cache, cache_blocks
 
     t = cfg.training
     seeds = sorted({seed for _, seed in runs})
     tokenizer = None if cfg.tokenizer is None else Path(cfg.tokenizer)
     _say(f"teacher cache: top {cfg.teacher_cache_k} of the training blocks of seeds {seeds}")
-    blocks = cache_blocks(model, seeds, t.steps, t.seq_len, t.micro_batch, t.grad_accum, t.nproc,
+    teacher = open_checkpoint(model)  # config.json read once for the blocks and the cache
+    blocks = cache_blocks(teacher, seeds, t.steps, t.seq_len, t.micro_batch, t.grad_accum, t.nproc,
                           t.text, t.dataset, cfg.text_field, tokenizer)
     with _timed(out, "teacher cache"):
-        return build_cache(model, blocks, out / TEACHER_CACHE, cfg.teacher_cache_k, micro_batch=t.micro_batch,
+        return build_cache(teacher, blocks, out / TEACHER_CACHE, cfg.teacher_cache_k, micro_batch=t.micro_batch,
                            device=pick_device(cfg.device), precision=t.precision, progress=t.progress,
                            tokenizer=tokenizer)
 
