@@ -242,11 +242,11 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
     settings = state.record(cfg, data, run, PROXY)
     with locked(p.out):
         settings[ID] = state.claim(p, cfg.force)  # convert.json holds DIR's id: DIR is convert's own
-        trust = state.trusted(p, check_record(p, settings), cfg.teacher)  # every file a skip relies on, checked
+        trust = state.trusted(p, check_record(p, settings), cfg.teacher, cfg.tokenizer)  # what a skip relies on
         pass_ = None if p.affinity.is_file() else plan_calibration(cfg.teacher, p.affinity, data, delay=cfg.delay,
                                                                     run=run)  # every input checked, then written
         state.save(p, settings, trust)
-        distilled = state.distilled(p, cfg.teacher)
+        distilled = state.distilled(p, cfg.teacher, cfg.tokenizer)
         stages = [(pass_ is None, lambda: calibrate_stage(p, pass_, cfg.progress), state.AFFINITY),
                   (p.layout.is_file(), lambda: layout_stage(p, cfg, cfg.progress), state.LAYOUT),
                   (distilled, lambda: distill_stage(p, cfg), None),

@@ -124,12 +124,12 @@ def claim(p: Paths, force: bool) -> str:
 
 
 # -- what a rerun trusts ------------------------------------------------------------------------
-def trusted(p: Paths, old: dict[str, Any] | None, teacher: Path) -> dict[str, Any]:
+def trusted(p: Paths, old: dict[str, Any] | None, teacher: Path, tokenizer: Path | None = None) -> dict[str, Any]:
     """{inputs, outputs} to record: the teacher's weight files (checked against `old`, the record
     of a rerun, else hashed now) and stage 1 and 2's published files, each checked against its
     recorded hash. A published file the record does not hold yet (a kill between its publication
     and the record's) is checked as its stage's output and recorded now."""
-    files = inputs.run_files(teacher, None)
+    files = inputs.run_files(teacher, None, tokenizer)
     if old is None:
         return {INPUTS: inputs.record(files), OUTPUTS: {}}
     inputs.check_unchanged(old.get(INPUTS), files, str(p.out))
@@ -166,7 +166,7 @@ def save(p: Paths, settings: dict[str, Any], state: dict[str, Any], published: s
     atomic_write_text(p.record, dumps({**settings, **state}, indent=1) + "\n")
 
 
-def distilled(p: Paths, teacher: Path) -> bool:
+def distilled(p: Paths, teacher: Path, tokenizer: Path | None = None) -> bool:
     """Whether stage 3 is done: a finished run whose student is whole, made from this teacher and
     this layout file (its config.json's record of them checked now)."""
     from dtpshard.training.rundir import check_finished, is_done
@@ -174,7 +174,7 @@ def distilled(p: Paths, teacher: Path) -> bool:
     if not is_done(p.run):
         return False
     check_finished(p.run)
-    inputs.run_inputs(p.run, True, teacher, p.layout, True)
+    inputs.run_inputs(p.run, True, teacher, p.layout, True, tokenizer)
     return True
 
 

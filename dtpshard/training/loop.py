@@ -242,7 +242,8 @@ def _open_run_dir(r: _Run) -> bool:
     # every rank refuses alike; runs from before --fsdp (--precision) existed were not sharded (the default)
     resuming = rundir.check_run(run, r.config, compared_keys(), r.cfg.force,
                                 added={"fsdp": False, "precision": r.cfg.precision})
-    r.config[inputs.KEY] = inputs.run_inputs(run, resuming, r.cfg.teacher, r.cfg.layout, d.main)  # trusted if checked
+    r.config[inputs.KEY] = inputs.run_inputs(run, resuming, r.cfg.teacher, r.cfg.layout, d.main,  # trusted if checked
+                                             r.cfg.tokenizer)
     d.barrier()
     if d.main:
         if not resuming:
