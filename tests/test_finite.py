@@ -38,18 +38,30 @@ def test_a_multiplier_far_out_of_range_is_refused(tiny_dirs, tmp_path, capsys, k
     one_line(capsys, key, "must be a number in")
 
 
+def overflowing(tiny_dirs, dst):
+    """A Granite checkpoint whose numbers are all finite and within range, but whose embedding
+    (weights about 1e33, multiplier 1e6) overflows float32 in the forward: NaN logits."""
+    from safetensors.torch import load_file, save_file
+
+    model = edited(tiny_dirs["granite"], dst, embedding_multiplier=1e6)
+    weights = model / "model.safetensors"
+    sd = load_file(str(weights))
+    sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"] * 1e34
+    save_file(sd, str(weights), metadata={"format": "pt"})
+    return model
+
+
 def test_generate_refuses_nan_logits_naming_the_field(tiny_dirs, tmp_path, capsys):
-    """Within the range, but too large for float16: the embedding overflows to NaN logits."""
-    model = edited(tiny_dirs["granite"], tmp_path / "g", embedding_multiplier=1e6)
-    assert main(["generate", str(model), *GENERATE, "--dtype", "float16", "--json"]) == 2
+    model = overflowing(tiny_dirs, tmp_path / "g")
+    assert main(["generate", str(model), *GENERATE, "--json"]) == 2
     one_line(capsys, "logits are", "embedding_multiplier=1000000.0", "no tokens reported")
     assert capsys.readouterr().out == ""
 
 
 def test_run_refuses_nan_logits_naming_the_field(tiny_dirs, tmp_path, capsys):
-    model = edited(tiny_dirs["granite"], tmp_path / "g", embedding_multiplier=1e6)
+    model = overflowing(tiny_dirs, tmp_path / "g")
     assert main(["run", str(model), "--nproc", "2", "--delay", "1", "--prompt", "hello world", "--max-new-tokens",
-                 "2", "--dtype", "float16", "--timeout", "60"]) == 2
+                 "2", "--timeout", "60"]) == 2
     err = capsys.readouterr().err
     assert "logits are" in err and "embedding_multiplier" in err and "Traceback" not in err, err
 

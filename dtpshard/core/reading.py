@@ -317,14 +317,15 @@ def check_words(data: Any, where: str, key: str = "") -> None:
         for v in data:
             check_words(v, where, key)
     elif isinstance(data, str):
-        name = key or "a key"
+        name = "--" + key.replace("_", "-") if key else "a key"  # as the command line would say it
         try:
             size = len(data.encode("utf-8"))
         except UnicodeEncodeError:
             shown = data.encode("utf-8", "backslashreplace").decode("utf-8")
-            raise UserError(f"{where}: {name}: {quote(shown, False)} is not UTF-8 text (a lone surrogate)") from None
+            raise UserError(f"{where}: {name} {quote(shown, False)} is not UTF-8 text (a lone surrogate)") from None
         if size > WORD_BYTES:
-            raise UserError(f"{where}: {name}: {size} bytes, longer than a command-line word can be ({WORD_BYTES})")
+            raise UserError(f"{where}: {name} {quote(data, False)}: {size} bytes, longer than a command-line word "
+                            f"can be ({WORD_BYTES})")
 
 
 def check_keys(obj: dict[str, Any], known: set[str] | tuple[str, ...], where: str) -> None:
