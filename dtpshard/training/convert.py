@@ -241,8 +241,9 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
     preflight(cfg)
     settings = state.record(cfg, data, run, PROXY)
     with locked(p.out):
+        old = None if cfg.force else check_record(p, settings)  # other settings: refused before anything else
         settings[ID] = state.claim(p, cfg.force)  # convert.json holds DIR's id: DIR is convert's own
-        trust = state.trusted(p, check_record(p, settings), cfg.teacher, cfg.tokenizer)  # what a skip relies on
+        trust = state.trusted(p, old, cfg.teacher, cfg.tokenizer)  # every file a skip relies on, checked
         pass_ = None if p.affinity.is_file() else plan_calibration(cfg.teacher, p.affinity, data, delay=cfg.delay,
                                                                     run=run)  # every input checked, then written
         state.save(p, settings, trust)

@@ -38,21 +38,26 @@ def _identity(path: Path) -> list[int]:
 _hashed: dict[tuple[str, tuple[int, ...]], str] = {}  # this process's hashes, by file and identity
 
 
-def _sha256(path: Path, key: str = "") -> str:
-    """file_sha256 (the config: of its canonical JSON), once per process for a file that has not
-    changed (convert records the teacher in convert.json and again, as its distillation begins, in
-    RUN/config.json)."""
+def _sha256(path: Path, key: str = "", config: Any = None) -> str:
+    """file_sha256 (the config: `config_sha256` of it as transformers reads it, `config` when the
+    command has read it already), once per process for a file that has not changed (convert
+    records the teacher in convert.json and again, as its distillation begins, in RUN/config.json)."""
     ident = (os.path.realpath(path), tuple(_identity(path)), key == CONFIG)
     if ident not in _hashed:
-        _hashed[ident] = _config_sha256(path) if key == CONFIG else file_sha256(path)
+        if key == CONFIG:
+            from dtpshard.model.checkpoint import load_hf_config
+
+            _hashed[ident] = config_sha256(config if config is not None else load_hf_config(path.parent))
+        else:
+            _hashed[ident] = file_sha256(path)
     return _hashed[ident]
 
 
-def _config_sha256(path: Path) -> str:
-    from dtpshard.core.io import read_json_object
-
-    data = read_json_object(path, "model config")
-    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+def config_sha256(hf_config: Any) -> str:
+    """The sha256 of a transformers config as canonical JSON: every value, defaults filled in as
+    transformers reads the file, whatever its layout (not the transformers version that read it)."""
+    data = {k: v for k, v in hf_config.to_dict().items() if k != "transformers_version"}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
 
 
 def run_files(teacher: Path, layout: Path | None, tokenizer: Path | None = None) -> dict[str, Path]:
@@ -70,9 +75,9 @@ def run_files(teacher: Path, layout: Path | None, tokenizer: Path | None = None)
     return files
 
 
-def record(files: dict[str, Path]) -> dict[str, dict[str, Any]]:
-    """{key: {sha256, identity}} of each file."""
-    return {key: {"sha256": _sha256(p, key), "identity": _identity(p)} for key, p in files.items()}
+def record(files: dict[str, Path], config: Any = None) -> dict[str, dict[str, Any]]:
+    """{key: {sha256, identity}} of each file (`config`: the teacher's, read already)."""
+    return {key: {"sha256": _sha256(p, key, config), "identity": _identity(p)} for key, p in files.items()}
 
 
 def _what(key: str, path: Path) -> str:
@@ -92,7 +97,7 @@ def _same_names(recorded: dict[str, Any], files: dict[str, Path], where: str) ->
                             "over with this teacher")
 
 
-def check_unchanged(recorded: Any, files: dict[str, Path], where: str) -> None:
+def check_unchanged(recorded: Any, files: dict[str, Path], where: str, config: Any = None) -> None:
     """Refuse, in one line naming the file, a file of `files` whose content is not what `recorded`
     (a `record`) says; `where`: the directory whose record it is."""
     if not isinstance(recorded, dict):
@@ -106,7 +111,7 @@ def check_unchanged(recorded: Any, files: dict[str, Path], where: str) -> None:
             raise UserError(f"{where}: records no hash of {_what(key, path)}; use --force to start over")
         if entry.get("identity") == _identity(path):
             continue
-        current = _sha256(path, key)
+        current = _sha256(path, key, config)
         if current != sha:
             raise UserError(f"{_what(key, path)} changed since {where} recorded it (sha256 {sha[:16]}, now "
                             f"{current[:16]}); restore it, or use --force to start over")
@@ -121,7 +126,7 @@ KEY = "inputs"  # where a run's config.json keeps its record
 
 
 def run_inputs(run: Path, resuming: bool, teacher: Path, layout: Path | None, main: bool,
-               tokenizer: Path | None = None) -> dict[str, Any] | None:
+               tokenizer: Path | None = None, config: Any = None) -> dict[str, Any] | None:
     """The record of a distillation's inputs: on a resume the one RUN/config.json holds, checked
     against the files now (on every rank alike); on a new run made now (by rank 0, which writes
     config.json; None on the others). A finished run of an older dtpshard, with no record, is left
@@ -131,9 +136,9 @@ def run_inputs(run: Path, resuming: bool, teacher: Path, layout: Path | None, ma
 
     files = run_files(teacher, layout, tokenizer)
     if not resuming:
-        return record(files) if main else None
+        return record(files, config) if main else None
     old = read_json_object(run / CONFIG, "run config").get(KEY)
     if old is None and is_done(run):
         return None
-    check_unchanged(old, files, str(run))
+    check_unchanged(old, files, str(run), config)
     return old

@@ -243,7 +243,7 @@ def _open_run_dir(r: _Run) -> bool:
     resuming = rundir.check_run(run, r.config, compared_keys(), r.cfg.force,
                                 added={"fsdp": False, "precision": r.cfg.precision})
     r.config[inputs.KEY] = inputs.run_inputs(run, resuming, r.cfg.teacher, r.cfg.layout, d.main,  # trusted if checked
-                                             r.cfg.tokenizer)
+                                             r.cfg.tokenizer, r.ckpt.hf_config)
     d.barrier()
     if d.main:
         if not resuming:
