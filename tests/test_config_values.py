@@ -61,7 +61,8 @@ def test_a_nested_config_key_is_refused_not_ignored(tiny_dirs, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("text, words", [('{"prompt": "\\ud800"}', ["prompt", "not UTF-8 text"]),
-                                         ('{"prompt": "%s"}' % ("a" * (1 << 17 + 1)), ["prompt", "longer than"])])
+                                         ('{"prompt": "%s"}' % ("a" * (1 << 17 + 1)), ["prompt", "longer than"])],
+                         ids=["lone-surrogate", "too-long"])
 def test_config_values_are_checked_as_command_line_words(tiny_dirs, tmp_path, capsys, text, words):
     opts = _options(tmp_path, text)
     args = [a for a in GENERATE if a not in ("--prompt", "hello world")]
