@@ -241,7 +241,8 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
     preflight(cfg)
     settings = state.record(cfg, data, run, PROXY)
     with locked(p.out):
-        old = None if cfg.force else check_record(p, settings)  # other settings: refused before anything else
+        # other settings: refused before the directory is claimed (without a record, claim names what is there)
+        old = check_record(p, settings) if not cfg.force and p.record.is_file() else None
         settings[ID] = state.claim(p, cfg.force)  # convert.json holds DIR's id: DIR is convert's own
         trust = state.trusted(p, old, cfg.teacher, cfg.tokenizer)  # every file a skip relies on, checked
         pass_ = None if p.affinity.is_file() else plan_calibration(cfg.teacher, p.affinity, data, delay=cfg.delay,
