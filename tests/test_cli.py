@@ -198,3 +198,21 @@ def test_each_command_has_its_own_help(capsys, tmp_path):
     gguf.write_bytes(b"GGUF")
     assert cli.main(["convert", str(gguf), "--out", str(tmp_path / "o")]) == 2
     assert "is a GGUF file" in capsys.readouterr().err
+
+
+def test_the_cyclopts_internals_help_is_built_from_are_still_there(capsys):
+    """commands/text.py builds --help's table from cyclopts internals, not its public API
+    (cyclopts.help.specs, cyclopts.help.inline_text.InlineText; cyclopts is pinned < 6 in
+    pyproject.toml). An upgrade that moves or changes them fails here, by name, rather than in a
+    user's --help."""
+    import inspect
+
+    from cyclopts.help.inline_text import InlineText
+    from cyclopts.help.specs import DescriptionRenderer, get_default_parameter_columns
+
+    assert list(inspect.signature(get_default_parameter_columns).parameters)[:3] == ["console", "options", "entries"]
+    assert "newline_metadata" in inspect.signature(DescriptionRenderer).parameters
+    assert callable(getattr(InlineText, "append", None))
+    assert cli.main(["layout", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--devices DEVICES" in out and "(type: int >= 1" in out, out

@@ -70,7 +70,7 @@ def _weights(out):
 
 
 def test_end_to_end(setup, straight, capsys):
-    assert sorted(p.name for p in straight.iterdir()) == sorted(STAGE_FILES)
+    assert sorted(p.name for p in straight.iterdir()) == sorted((*STAGE_FILES, "dtpshard-dir.json"))
     assert main(args_for(setup, straight) + ["--json"]) == 0  # done: nothing is redone
     captured = capsys.readouterr()
     assert captured.err.count("done before") == 4

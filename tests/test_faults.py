@@ -239,4 +239,5 @@ def test_force_starts_over_a_damaged_run(tiny_dirs, world, tmp_path, capsys):
     assert "checkpoint.pt" in capsys.readouterr().err
     assert main([*argv, "--force"]) == 0
     assert (run / "DONE").is_file() and not (run / "checkpoint.pt").exists()
-    assert sorted(p.name for p in run.iterdir()) == ["DONE", "config.json", "final", "memory.json", "metrics.jsonl"]
+    assert sorted(p.name for p in run.iterdir()) == ["DONE", "config.json", "dtpshard-dir.json", "final", "memory.json",
+                                                     "metrics.jsonl"]

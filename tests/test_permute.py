@@ -286,9 +286,12 @@ def test_refuses_existing_output_unless_forced(env, capsys):
     assert (out / "keep").read_text() == "x"
     out = tmp / "p"
     assert main(["permute", str(src), str(good), "--out", str(out)]) == 0
-    (out / "keep").write_text("x")
+    (out / "keep").write_text("x")  # a file permute did not write: --force would swap it away, so refused
+    refused(capsys, [src, good, "--force"], out, f"{out / 'keep'}: is not a file dtpshard made", exists=True)
+    assert (out / "keep").read_text() == "x"
+    (out / "keep").unlink()
     assert main(["permute", str(src), str(good), "--out", str(out), "--force"]) == 0  # its own output: replaced
-    assert not (out / "keep").exists() and (out / "model.safetensors").is_file() and (out / LAYOUT_JSON).is_file()
+    assert (out / "model.safetensors").is_file() and (out / LAYOUT_JSON).is_file()
     assert not [p for p in tmp.iterdir() if ".tmp" in p.name or ".old" in p.name]
     refused(capsys, [src, good, "--force"], src, "is the source model directory", exists=True)
     refused(capsys, [src, good, "--check-tokens", "0"], tmp / "o2", "--check-tokens 0")

@@ -64,3 +64,12 @@ def test_no_section_with_one_seed_per_layout(tmp_path):
     write_report(d)
     assert "Layout or seed" not in (d / "report.md").read_text()
     assert not (d / "figures" / "seeds.png").exists()
+
+
+def test_an_icc_of_exactly_zero_is_kept_by_the_bootstrap(monkeypatch):
+    """Issue 46: `icc1(...) or np.nan` turned an ICC of 0.0 into a missing resample."""
+    import dtpshard.studies.seeds as seeds
+
+    monkeypatch.setattr(seeds, "icc1", lambda groups: 0.0)
+    ci = bootstrap_icc([[1.0, 2.0], [3.0, 4.0]], resamples=20)
+    assert ci is not None and (ci.low, ci.high, ci.resamples) == (0.0, 0.0, 20)

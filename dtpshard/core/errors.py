@@ -37,8 +37,9 @@ _OS_WHAT = {
     errno.EPERM: ("operation not permitted", "check the file's permissions"),
     errno.EROFS: ("read-only file system", "write elsewhere"),
     errno.ENOENT: ("no such file or directory", "check the path"),
+    errno.EFBIG: ("file too large for this process's file-size limit", "raise `ulimit -f`, or write less"),
 }
-_WRITING = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+_WRITING = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 
 
 def _os_line(exc: OSError, path: str | Path | None) -> str:
@@ -51,9 +52,15 @@ def _os_line(exc: OSError, path: str | Path | None) -> str:
     return f"{what} {where} {public_path(path)}{todo}".replace(" : ", ": ")
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException, limit: int = 200, named: bool = False) -> str:
+    """An exception in a refusal: the first non-blank line of its message, at most `limit`
+    characters, or its type's name when the message is empty (never an IndexError); named:
+    "Type: line"."""
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    return lines[0] if lines else type(exc).__name__
+    line = lines[0][:limit] if lines else ""
+    if named and line:
+        return f"{type(exc).__name__}: {line}"
+    return line or type(exc).__name__
 
 
 _SIZE = re.compile(r"size mismatch for (\S+): copying a param with shape torch\.Size\((\[.*?\])\) from "
@@ -73,7 +80,7 @@ def describe(exc: BaseException, path: str | Path | None = None) -> str | None:
     if isinstance(exc, json.JSONDecodeError):
         return f"{at}malformed JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
     if type(exc).__name__ == "SafetensorError":  # safetensors' Rust error: a truncated or damaged file
-        return f"{at}not a readable safetensors file ({_first_line(exc)}); it may be truncated: copy it again"
+        return f"{at}not a readable safetensors file ({first_line(exc)}); it may be truncated: copy it again"
     if isinstance(exc, RuntimeError):
         m = _SIZE.search(str(exc))
         if m:

@@ -54,6 +54,19 @@ CANONICAL = ("input_layernorm.weight", "post_attention_layernorm.weight",
              "self_attn.q_norm.weight", "self_attn.k_norm.weight",
              "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 TOP_KEYS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+# the canonical tensors a layout's permutations move -> (the module whose permutation moves them,
+# the axis, the rows of one unit: a KV group's query heads, one head, one neuron)
+MOVED = {"self_attn.q_proj.weight": ("attn", 0, "group"), "self_attn.q_proj.bias": ("attn", 0, "group"),
+         "self_attn.k_proj.weight": ("attn", 0, "head"), "self_attn.k_proj.bias": ("attn", 0, "head"),
+         "self_attn.v_proj.weight": ("attn", 0, "head"), "self_attn.v_proj.bias": ("attn", 0, "head"),
+         "self_attn.o_proj.weight": ("attn", 1, "group"), "mlp.gate_proj.weight": ("ffn", 0, "neuron"),
+         "mlp.up_proj.weight": ("ffn", 0, "neuron"), "mlp.down_proj.weight": ("ffn", 1, "neuron")}
+
+
+def layer_name(i: int, key: str) -> str:
+    """Layer i's tensor `key` (canonical or stored) under its checkpoint name."""
+    return f"model.layers.{i}.{key}"
+
 
 # vLLM's fused parameters (serve/vllm_model.py: QKVParallelLinear, MergedColumnParallelLinear) and
 # the shard id of each part its weight loader takes

@@ -160,13 +160,15 @@ def writing(path: str | Path) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT) or (e.errno is not None and e.filename is None):
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or (e.errno is not None and e.filename is None):
             raise OSError(e.errno, os.strerror(e.errno), str(path)) from e
         raise
     except Exception as e:  # torch and safetensors report a full disk as their own errors
         where = path if path.is_dir() else path.parent
         if _disk_full(e, where if str(where) else Path(".")):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from e
+        if "File too large" in str(e) or "os error 27" in str(e):  # EFBIG: past `ulimit -f`
+            raise OSError(errno.EFBIG, os.strerror(errno.EFBIG), str(path)) from e
         raise
 
 

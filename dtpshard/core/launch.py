@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from dtpshard.core.ending import die_with_parent, end_rank, exit_code, flush, rank_failed
-from dtpshard.core.errors import UserError, explain
+from dtpshard.core.errors import UserError, explain, first_line
 from dtpshard.core.forkserver import STARTED_BY
 from dtpshard.core.launch_checks import check_nproc, check_threads, check_timeout, cores, env_int, world_from_env
 from dtpshard.core.reading import read_text
@@ -48,8 +48,7 @@ class RankFailure(UserError):
 
 def cause(e: BaseException) -> str:
     """The useful part of a gloo/c10d message: no source location, no boilerplate advice."""
-    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    text = re.sub(r"^\[[^\]]*\]\s*", "", first_line(e, limit=1 << 16))
     return text.split(". This is typically")[0][:160]
 
 
@@ -137,26 +136,32 @@ def _die(line: str | None, code: int) -> None:
     os._exit(code)
 
 
-@contextlib.contextmanager
-def process_group(timeout: float, backend: str = "gloo", who: str = "dtpshard run") -> Iterator[tuple[int, int]]:
-    """Join the ranks (env://) -> (rank, world), and end the group on the way out (`end_group`).
-    A RankFailure inside, or any error while a transfer is in flight, ends this process at once
-    with one line: its peers are lost or still waiting, and the group cannot be torn down."""
+def join_group(timeout: float, backend: str) -> tuple[int, int]:
+    """Join torchrun's ranks (env://) -> (rank, world); one line when they do not all join in time."""
     check_timeout(timeout)
     rank, world = world_from_env()
-    if dist.is_initialized():  # someone else owns it
-        joined()
-        yield dist.get_rank(), dist.get_world_size()
-        return
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-    if backend == "nccl":  # one GPU per rank on each machine
-        torch.cuda.set_device(env_int("LOCAL_RANK") or 0)
     try:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
         raise RankFailure(f"rank {rank}: the {world} ranks did not all join at {where} within {timeout:g} s "
                           f"({cause(e)})") from None
     joined()
+    return rank, world
+
+
+@contextlib.contextmanager
+def process_group(timeout: float, backend: str = "gloo", who: str = "dtpshard run") -> Iterator[tuple[int, int]]:
+    """Join the ranks (env://) -> (rank, world), and end the group on the way out (`end_group`).
+    A RankFailure inside, or any error while a transfer is in flight, ends this process at once
+    with one line: its peers are lost or still waiting, and the group cannot be torn down."""
+    if dist.is_initialized():  # someone else owns it
+        joined()
+        yield dist.get_rank(), dist.get_world_size()
+        return
+    if backend == "nccl":  # one GPU per rank on each machine
+        torch.cuda.set_device(env_int("LOCAL_RANK") or 0)
+    rank, world = join_group(timeout, backend)
     try:
         yield rank, world
     except RankFailure as e:
@@ -198,8 +203,6 @@ _PRELOAD = ("dtpshard.core.forkserver", "dtpshard.runtime.run", "dtpshard.traini
 STOP_GRACE = 3.0  # seconds a stopped rank has between SIGTERM (its temporaries removed) and SIGKILL
 _LAUNCHER = "DTPSHARD_LAUNCHER_PID"  # a rank's environment: the process that started it
 REPORT_BYTES = 1 << 20  # a rank's report to its launcher: one line, or a traceback
-
-
 _STOPS = {signal.SIGINT, signal.SIGTERM}
 
 

@@ -11,25 +11,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dtpshard.core.family import FAMILY
+from dtpshard.core.family import FAMILY, MOVED, layer_name
 from dtpshard.core.layout import Layout
 from dtpshard.core.shape import ModelShape
 
 
 def permutation_spec(shape: ModelShape) -> dict[str, tuple[int, int, int]]:
-    """tensor name -> (module m whose permutation moves it, axis, rows per unit)."""
-    hd, r = shape.head_dim, shape.heads_per_group
+    """tensor name -> (module m whose permutation moves it, axis, rows per unit): family.MOVED for
+    each layer (a group's query heads move with it; q/k/v biases only where the model has them)."""
+    rows = {"group": shape.heads_per_group * shape.head_dim, "head": shape.head_dim, "neuron": 1}
     spec: dict[str, tuple[int, int, int]] = {}
     for i in range(shape.layers):
-        a, f, attn, ffn = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", 2 * i, 2 * i + 1
-        for t in ("weight", "bias") if shape.qkv_bias else ("weight",):
-            spec[a + f"q_proj.{t}"] = (attn, 0, r * hd)  # a group's query heads move with it
-            spec[a + f"k_proj.{t}"] = (attn, 0, hd)
-            spec[a + f"v_proj.{t}"] = (attn, 0, hd)
-        spec[a + "o_proj.weight"] = (attn, 1, r * hd)
-        spec[f + "gate_proj.weight"] = (ffn, 0, 1)
-        spec[f + "up_proj.weight"] = (ffn, 0, 1)
-        spec[f + "down_proj.weight"] = (ffn, 1, 1)
+        for key, (module, axis, unit) in MOVED.items():
+            if shape.qkv_bias or not key.endswith(".bias"):
+                spec[layer_name(i, key)] = (2 * i + (module == "ffn"), axis, rows[unit])
     return spec
 
 
@@ -57,11 +52,10 @@ def stored_indices(shape: ModelShape, layout: Layout, fused: bool = True) -> dic
     fam, out = FAMILY[shape.family], dict(canonical)
     rows = fam.rows(shape)
     for i in range(shape.layers):
-        pre = f"model.layers.{i}."
         for stored, parts in fam.fused.items():
-            out[pre + stored] = (0, torch.cat([canonical[pre + p][1] + rows[p][1] for p in parts]))
+            out[layer_name(i, stored)] = (0, torch.cat([canonical[layer_name(i, p)][1] + rows[p][1] for p in parts]))
             for p in parts:
-                del out[pre + p]
+                del out[layer_name(i, p)]
     return out
 
 

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from dtpshard.core.errors import UserError, naming, quote
+from dtpshard.core.errors import UserError, first_line, naming, quote
 
 SMALL_JSON = 16 << 20  # bytes: a config, a record, a manifest, a results table (real ones are < 1 MiB)
 STUDY_BYTES = 1 << 20  # a study file or a --config file: a few KiB in practice
@@ -266,7 +266,7 @@ def load_yaml(text: str, where: str) -> Any:
     except RecursionError:
         raise UserError(f"{where}: nested more than {MAX_DEPTH} levels deep") from None
     except yaml.YAMLError as e:
-        raise UserError(f"{where}: not YAML or JSON ({quote(str(e).splitlines()[0], repr_=False)})") from None
+        raise UserError(f"{where}: not YAML or JSON ({quote(first_line(e), repr_=False)})") from None
 
 
 def read_json(path: str | Path, what: str = "file", max_bytes: int = SMALL_JSON) -> Any:
@@ -295,7 +295,37 @@ def read_options(path: str | Path, flag: str = "--config") -> dict[str, Any]:
     data = load_yaml(read_text(path, STUDY_BYTES, "config", where), where)
     if data is not None and not isinstance(data, dict):  # an empty file sets nothing
         raise UserError(f"{where}: must hold a mapping of option names to values, not {type(data).__name__}")
+    if isinstance(data, dict) and "config" in data:  # the command line's own --config: never silently ignored
+        raise UserError(f"{where}: key 'config': an options file cannot name another (give each file with its own "
+                        "--config)")
+    check_words(data or {}, where)
     return data or {}
+
+
+WORD_BYTES = 1 << 17  # the longest word a command line can hold (Linux's MAX_ARG_STRLEN)
+
+
+def check_words(data: Any, where: str, key: str = "") -> None:
+    """An options file's keys and values checked as the command line's words are: text that is
+    UTF-8 (a lone surrogate, which JSON and YAML escapes can make, is not), none longer than a
+    command-line word can be (WORD_BYTES)."""
+    if isinstance(data, dict):
+        for k, v in data.items():
+            check_words(k, where, key)
+            check_words(v, where, f"{key}.{k}" if key else str(k))
+    elif isinstance(data, list):
+        for v in data:
+            check_words(v, where, key)
+    elif isinstance(data, str):
+        name = "--" + key.replace("_", "-") if key else "a key"  # as the command line would say it
+        try:
+            size = len(data.encode("utf-8"))
+        except UnicodeEncodeError:
+            shown = data.encode("utf-8", "backslashreplace").decode("utf-8")
+            raise UserError(f"{where}: {name} {quote(shown, False)} is not UTF-8 text (a lone surrogate)") from None
+        if size > WORD_BYTES:
+            raise UserError(f"{where}: {name} {quote(data, False)}: {size} bytes, longer than a command-line word "
+                            f"can be ({WORD_BYTES})")
 
 
 def check_keys(obj: dict[str, Any], known: set[str] | tuple[str, ...], where: str) -> None:

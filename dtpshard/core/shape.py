@@ -236,6 +236,7 @@ def check_numbers(raw: dict[str, Any], where: str = "config.json") -> None:
     for name, v in {"rms_norm_eps": raw.get("rms_norm_eps", 1e-6), **rope_thetas(raw)}.items():
         if not _is_number(v) or not math.isfinite(v) or v <= 0:
             raise UserError(f"{where}: {name}={quote(v)} must be a finite number > 0")
+    check_scales(raw, where)
     heads, hidden = raw["num_attention_heads"], raw["hidden_size"]
     kv = raw.get("num_key_value_heads") or heads
     if heads % kv:
@@ -257,6 +258,25 @@ def check_numbers(raw: dict[str, Any], where: str = "config.json") -> None:
     if params > MAX_PARAMS:
         raise UserError(f"{where}: its dimensions imply {params:.3g} weights, beyond any model "
                         f"(at most {MAX_PARAMS:.3g}); the file is damaged")
+
+
+SCALE_RANGE = (2.0 ** -20, 2.0 ** 20)  # any model's multiplier or scaling lies far inside (Granite's: 1/128 to 12)
+_SCALES = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
+           "partial_rotary_factor")
+
+
+def check_scales(raw: dict[str, Any], where: str = "config.json") -> None:
+    """Multipliers and scalings (Granite's, Phi-3's rotary factor, a rope scaling's factor) are
+    numbers within SCALE_RANGE: one far outside it overflows a forward to NaN on its own."""
+    values = {k: raw[k] for k in _SCALES if raw.get(k) is not None}
+    for block in ("rope_scaling", "rope_parameters"):
+        if isinstance(raw.get(block), dict) and raw[block].get("factor") is not None:
+            values[f"{block}.factor"] = raw[block]["factor"]
+    lo, hi = SCALE_RANGE
+    for name, v in values.items():
+        if not _is_number(v) or not lo <= v <= hi:  # NaN fails both comparisons
+            raise UserError(f"{where}: {name}={quote(v)} must be a number in [{lo:.3g}, {hi:.3g}] (any model's "
+                            "lies far inside)")
 
 
 MAX_LAYERS = 1 << 16  # far beyond any model (405B has 126); a count beyond it is a damaged file
@@ -285,10 +305,11 @@ def check_devices(shape: UnitShape, devices: int, where: str | None = None) -> N
 
 def check_delay(shape: UnitShape | None, delay: float) -> None:
     """δ must be finite, >= 0 and at most the number of modules M (when a shape is given)."""
+    shown = f"{float(delay):g}"  # a whole δ of 1e308 is an int of 309 digits: shown as the number it is
     if not math.isfinite(delay) or delay < 0:
-        raise UserError(f"delay={delay}: must be a finite number >= 0")
+        raise UserError(f"delay={shown}: must be a finite number >= 0")
     if shape is not None and delay > shape.modules:
-        raise UserError(f"delay={delay} exceeds the number of modules M={shape.modules}")
+        raise UserError(f"delay={shown} exceeds the number of modules M={shape.modules}")
 
 
 def check_context(hf_config: Any, prompt_tokens: int, max_new_tokens: int) -> None:

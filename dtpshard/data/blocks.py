@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dtpshard.core.errors import UserError
+from dtpshard.core.errors import UserError, first_line
 from dtpshard.core.reading import read_text
 from dtpshard.data.corpus import corpus_source, stdlib_documents
 from dtpshard.data.hub import hub_offline, offline_reason
@@ -187,8 +187,28 @@ def _read_jsonl(raw: str, path: Path, field: str) -> list[str]:
             raise UserError(f"{path}:{n}: nested too deeply for a document") from None
         if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
             raise UserError(f"{path}:{n}: expected a JSON object with a string field {field!r}")
+        if _LONE.search(obj[field]):
+            raise _lone_surrogate(path, n)
         docs.append(obj[field])
     return docs
+
+
+# JSON may escape half of a UTF-16 pair alone ("\ud800"): a string no encoder or tokenizer takes
+_LONE = re.compile("[\ud800-\udfff]")
+_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(\\u[dD][c-fC-F][0-9a-fA-F]{2})?|\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def _lone_surrogate(path: Path, line: int) -> UserError:
+    return UserError(f"{path}:{line}: a JSON string holds a lone surrogate escape (\\ud800-\\udfff, half of a "
+                     "UTF-16 pair), which is not text; fix or remove it")
+
+
+def _surrogate_line(raw: str) -> int:
+    """The line of the first escape of a lone surrogate in JSON text (a pair is one character)."""
+    for m in _ESCAPE.finditer(raw):
+        if not (m.group(0)[3].lower() in "89ab" and m.group(1)):
+            return raw.count("\n", 0, m.start()) + 1
+    return 1
 
 
 def _read_json(raw: str, path: Path, field: str) -> list[str]:
@@ -201,7 +221,7 @@ def _read_json(raw: str, path: Path, field: str) -> list[str]:
     except RecursionError:
         raise UserError(f"{path}: nested too deeply for a list of documents") from None
     if isinstance(obj, dict) and isinstance(obj.get(field), str):
-        return [obj[field]]
+        obj = [obj]
     if not isinstance(obj, list):
         raise UserError(f"{path}: expected a JSON array of objects with a string field {field!r}")
     docs = []
@@ -212,6 +232,8 @@ def _read_json(raw: str, path: Path, field: str) -> list[str]:
             docs.append(item[field])
         else:
             raise UserError(f"{path}: item {n} is not a string or an object with a string field {field!r}")
+    if any(_LONE.search(d) for d in docs):
+        raise _lone_surrogate(path, _surrogate_line(raw))
     return docs
 
 
@@ -220,11 +242,6 @@ def _read_parquet(path: Path, field: str) -> list[str]:
 
 
 # -- Hugging Face datasets -----------------------------------------------------------------------
-def _first_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
-
-
 def _articles(rows: Iterable[str]) -> list[str]:
     """WikiText rows (lines) grouped into articles at top-level ' = Title = ' headings."""
     docs: list[list[str]] = []
@@ -258,7 +275,8 @@ def _hf_texts(name: str, role: str, field: str) -> Texts:
     def fail(e: BaseException) -> UserError:
         where = (f"; offline ({offline}), so only the local Hugging Face cache was looked in: pass --text FILE, "
                  "a local --dataset PATH, or neither for the built-in corpus" if offline else "")
-        return UserError(f"dataset {name}: cannot load {path} from the Hugging Face hub ({_first_line(e)}){where}")
+        return UserError(f"dataset {name}: cannot load {path} from the Hugging Face hub "
+                         f"({first_line(e, named=True)}){where}")
 
     if by_article:  # small, split-partitioned: load whole, one document per article
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dtpshard.core.errors import UserError
+from dtpshard.core.errors import UserError, first_line
 from dtpshard.core.reading import open_regular
 
 EVAL_SPLITS = ("test", "validation")
@@ -23,11 +23,6 @@ def is_local_dataset(name: str) -> bool:
     return Path(name).expanduser().exists()
 
 
-def _first_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
-
-
 def read_parquet(path: Path, field: str, where: str | None = None) -> list[str]:
     """The string values of column `field` of one parquet file (a regular file of at most TEXT_BYTES)."""
     try:
@@ -39,7 +34,7 @@ def read_parquet(path: Path, field: str, where: str | None = None) -> list[str]:
             table = pq.ParquetFile(f)
             names = table.schema_arrow.names
         except Exception as e:  # pyarrow raises its own exception types
-            raise UserError(f"{path}: not a readable parquet file ({_first_line(e)})") from None
+            raise UserError(f"{path}: not a readable parquet file ({first_line(e, named=True)})") from None
         if field not in names:
             raise UserError(f"{path}: no column {field!r} (columns: {', '.join(names)}); pick one with --text-field")
         column = table.read(columns=[field]).column(field)
@@ -62,7 +57,8 @@ def _saved(path: Path, role: str, field: str) -> tuple[list[str], str, bool]:
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as e:  # datasets raises many types for a damaged directory
-        raise UserError(f"--dataset {path}: cannot load it with datasets.load_from_disk ({_first_line(e)})") from None
+        raise UserError(f"--dataset {path}: cannot load it with datasets.load_from_disk "
+                        f"({first_line(e, named=True)})") from None
     if not isinstance(ds, datasets.DatasetDict):
         return _column(ds, field, str(path)), f"dataset:{path}", False
     held_out = next((s for s in EVAL_SPLITS if s in ds), None)

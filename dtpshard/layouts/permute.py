@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dtpshard.core.errors import UserError, explain
+from dtpshard.core.errors import UserError, explain, first_line
 from dtpshard.core.guard import check_outputs, check_replaceable
 from dtpshard.core.io import (
     ANY_SIZE,
@@ -28,9 +28,11 @@ from dtpshard.core.io import (
 )
 from dtpshard.core.layout import Layout, is_layout_file
 from dtpshard.core.memory import size_text
+from dtpshard.core.owned import MARK, foreign, mark, read_mark, refuse
 from dtpshard.core.permutation import stored_indices
 from dtpshard.model.checkpoint import canonical, is_student, open_checkpoint, tensor_names
 
+COMMAND = "permute"  # its output directory's mark (core/owned.py)
 LAYOUT_JSON = "layout.json"  # the applied layout, saved next to the permuted weights
 CHECK_TOL = 1e-4  # --check logits: max |Δlogits| relative to max |logit|, fp32 (docs/design.md §3)
 _CHUNK = 16 << 20  # bytes per read when copying or comparing an unpermuted tensor
@@ -40,9 +42,18 @@ Gathers = dict[str, tuple[int, torch.Tensor]]
 
 
 def is_permuted_checkpoint(path: Path) -> bool:
-    """Whether `path` is a directory `permute` wrote (its layout.json a dtpshard layout): the
-    only kind of directory `permute --force` replaces."""
-    return Path(path).is_dir() and is_layout_file(Path(path) / LAYOUT_JSON)
+    """Whether `path` is a directory `permute` wrote (its mark, core/owned.py, and a dtpshard
+    layout.json): the only kind of directory `permute --force` replaces."""
+    return read_mark(Path(path), COMMAND) is not None and is_layout_file(Path(path) / LAYOUT_JSON)
+
+
+def _refuse_foreign_files(out: Path) -> None:
+    """--force swaps the whole directory out: refused, naming it, when it holds a file that permute
+    did not write there (one its mark does not list)."""
+    mark = read_mark(out, COMMAND) if out.is_dir() else None
+    extra = foreign(out, mark.get("names") or []) if mark is not None else []
+    if extra:
+        raise refuse(out / extra[0], f"the {MARK} of {out} does not list it")
 
 
 def permute(model: Path, layout: Path, out: Path, force: bool = False, check: str = "construction",
@@ -58,6 +69,8 @@ def permute(model: Path, layout: Path, out: Path, force: bool = False, check: st
     check_outputs({"--out": out}, {"the source model directory": model, "the layout": layout_path})
     if out.exists() and not out.is_dir():  # refused before the (long) read of the weights
         raise UserError(f"output {out} exists and is not a directory")
+    if force:
+        _refuse_foreign_files(out)
     check_replaceable(out, is_permuted_checkpoint, f"a permuted checkpoint (with a {LAYOUT_JSON})", force=force)
     ckpt = open_checkpoint(model)
     lay = Layout.load(layout_path, ckpt.shape)
@@ -76,6 +89,7 @@ def permute(model: Path, layout: Path, out: Path, force: bool = False, check: st
                 for i, n in enumerate(permute_file(src, tmp / src.name, gathers)):
                     counts[i] += n
             (tmp / LAYOUT_JSON).write_text(dumps(lay.to_json(), indent=1) + "\n")
+            mark(tmp, COMMAND, [p.name for p in tmp.iterdir()])  # what a later --force may replace
             if check == "construction":
                 for src in weights:
                     check_file(src, tmp / src.name, gathers)
@@ -245,7 +259,7 @@ def _dense_logits(path: Path, ids: torch.Tensor, what: str) -> torch.Tensor:
     try:
         hf = load(AutoModelForCausalLM, path, dtype=torch.float32, attn_implementation="eager")
     except (OSError, ValueError, RuntimeError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise UserError(f"transformers cannot load {what} ({first})") from None
     finally:
         hf_logging.set_verbosity(verbosity)

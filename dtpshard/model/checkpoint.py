@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from dtpshard.core.errors import UserError, naming
+from dtpshard.core.errors import UserError, first_line, naming
 from dtpshard.core.family import FAMILY, stored_shapes
 from dtpshard.core.io import SMALL_JSON, copy_regular, dumps, file_hashes, open_safetensors, read_json, read_json_object
 from dtpshard.core.memory import check_fits
@@ -70,21 +70,39 @@ def load_hf_config(path: str | Path) -> Any:
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    try:
-        if raw.get("model_type") == STUDENT_TYPE:
-            from dtpshard.model.student import DTPConfig
+    where = f"{path}/config.json"
+    if raw.get("model_type") == STUDENT_TYPE:
+        from dtpshard.model.student import DTPConfig
 
-            return DTPConfig.from_dict(raw)
-        if raw.get("model_type") in FAMILIES:  # what AutoConfig does with the file's dict for these
-            return CONFIG_MAPPING[raw["model_type"]].from_dict(raw)
-        # any other model is refused by name (core.shape), after transformers has read it its own way
+        return typed_config(DTPConfig, raw, where)
+    if raw.get("model_type") in FAMILIES:  # what AutoConfig does with the file's dict for these
+        return typed_config(CONFIG_MAPPING[raw["model_type"]], raw, where)
+    try:  # any other model is refused by name (core.shape), after transformers has read it its own way
         return load(AutoConfig, path)
-    except (ValueError, TypeError, KeyError, OSError, json.JSONDecodeError) as e:  # TypeError: its field checks
+    except (ValueError, TypeError, KeyError, OSError, json.JSONDecodeError, *config_errors()) as e:
         if refused_code(e):
-            raise UserError(f"{path}/config.json: model_type {raw.get('model_type')!r} names Python of its own "
+            raise UserError(f"{where}: model_type {raw.get('model_type')!r} names Python of its own "
                             "(auto_map), which dtpshard never runs") from None
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{path}/config.json: {first}") from None
+        raise UserError(f"{where}: {first_line(e)}") from None
+
+
+def typed_config(cls: Any, raw: dict[str, Any], where: str) -> Any:
+    """transformers' config class `cls` of the dict `raw`: the one conversion of its errors for a
+    value of the wrong type (`config_errors`) into one line naming the file."""
+    try:
+        return cls.from_dict(raw)
+    except (ValueError, TypeError, KeyError, *config_errors()) as e:
+        raise UserError(f"{where}: {first_line(e)}") from None
+
+
+def config_errors() -> tuple[type[BaseException], ...]:
+    """What transformers raises for a config value of the wrong type, besides ValueError and
+    TypeError: huggingface_hub's strict-dataclass checks (transformers 5), an Exception of their own."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: transformers' checks raise ValueError and TypeError
+        return ()
+    return (StrictDataclassError,)
 
 
 def is_student(hf_config: Any) -> bool:
@@ -216,7 +234,7 @@ class TensorFiles:
             with open_safetensors(self.where[key]) as st:
                 t = st.get_tensor(key) if rows is None else st.get_slice(key)[rows]
         except SafetensorError as e:
-            raise UserError(f"{self.where[key]}: cannot read tensor {key} ({str(e).splitlines()[0]})") from None
+            raise UserError(f"{self.where[key]}: cannot read tensor {key} ({first_line(e)})") from None
         return _finite(t, key, self.where[key])
 
 
@@ -236,7 +254,7 @@ def tensor_names(file: Path) -> list[str]:
         with open_safetensors(file) as st:
             return list(st.keys())
     except SafetensorError as e:
-        raise UserError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+        raise UserError(f"{file}: not a readable safetensors file ({first_line(e)})") from None
 
 
 def canonical(key: str) -> str:

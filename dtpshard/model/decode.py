@@ -3,9 +3,12 @@ transformers' top-k then top-p filtering). Used by DTPModel.generate, `dtpshard 
 the runtime's ranks; knows nothing of how the model is built."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dtpshard.core.errors import UserError
+from dtpshard.model.finite import check_logits
 
 
 def _logits(out) -> torch.Tensor:
@@ -40,12 +43,15 @@ def _tempered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float
 @torch.no_grad()
 def generate_ids(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int = 0, seed: int | None = 0, eos_id: int | list[int] | None = None, *, top_p: float = 1.0,
-                 attention_mask: torch.Tensor | None = None, pad_id: int | None = None) -> torch.Tensor:
+                 attention_mask: torch.Tensor | None = None, pad_id: int | None = None,
+                 config: Any = None) -> torch.Tensor:
     """prompt_ids [B, T] -> [B, T + new]. Prefill once, then one token at a time from the cache.
 
     Greedy at temperature 0, else sampled (top-k, then top-p) with a generator seeded by `seed`
     (None: torch's global RNG). A row that emitted an EOS token gets `pad_id` (default the first
-    EOS id) after it; decoding stops when every row has. `attention_mask` [B, T]: left padding."""
+    EOS id) after it; decoding stops when every row has. `attention_mask` [B, T]: left padding.
+    Every step's logits must be finite (model/finite.py names `config`'s likeliest culprit;
+    default the model's own config)."""
     if not 0 < top_p <= 1:
         raise UserError(f"top_p={top_p}: must be in (0, 1]")
     g = None if seed is None or temperature <= 0 else torch.Generator(device=prompt_ids.device).manual_seed(seed)
@@ -57,8 +63,10 @@ def generate_ids(model: torch.nn.Module, prompt_ids: torch.Tensor, max_new_token
     mask = None if attention_mask is None else attention_mask.to(prompt_ids.device).long()
     kw = {} if mask is None else {"attention_mask": mask}
     ids = prompt_ids
+    config = config if config is not None else getattr(model, "hf_config", None)
     logits = _logits(model(prompt_ids, cache=cache, logits_to_keep=1, **kw))[:, -1]
     for _ in range(max_new_tokens):
+        check_logits(logits, config)  # a NaN's argmax is token 0: never reported as tokens
         if temperature <= 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:

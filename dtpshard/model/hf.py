@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from dtpshard.core.devices import DTYPES, config_dtype, dtype_name
 from dtpshard.core.errors import UserError
 from dtpshard.core.settings import warn_if_other_settings
-from dtpshard.model.checkpoint import open_checkpoint, save_checkpoint
+from dtpshard.model.checkpoint import Checkpoint, open_checkpoint, save_checkpoint
 from dtpshard.model.decode import generate_ids
 from dtpshard.model.shards import DEFAULT_MAX_SHARD_SIZE, Weights
 
@@ -94,12 +94,18 @@ class PretrainedMixin:
         student recorded (the `dtp` block of its config.json, or its dtp.json), else the layout's,
         else core.settings.DEFAULT (core.settings.resolve_dtp). dtype "auto" keeps the checkpoint's (a
         bf16 checkpoint loads as bf16), as transformers does."""
-        ckpt = open_checkpoint(path)
+        return cls.from_checkpoint(open_checkpoint(path), devices, delay, dtype, layout, stage3, device)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint, devices: int | None = None, delay: float | None = None,
+                        dtype: torch.dtype | str = "auto", layout: Any = None, stage3: str | None = None,
+                        device: str | torch.device = "cpu") -> Self:
+        """from_pretrained of a checkpoint a command has open already (config.json not read again)."""
         ckpt.check_fits(dtype)
         record = ckpt.record
         model = cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), devices, delay, stage3, layout, dtype, record)
-        warn_if_other_settings(path, record, model.settings)
-        model.source_path = Path(path)
+        warn_if_other_settings(ckpt.path, record, model.settings)
+        model.source_path = Path(ckpt.path)
         model.checkpoint = ckpt  # opened once: its tokenizer, files and record without reading config.json again
         return model.to(device)
 

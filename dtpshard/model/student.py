@@ -77,8 +77,10 @@ class DTPConfig(PretrainedConfig):
 
     def base_config(self) -> PretrainedConfig:
         """The base family's config (LlamaConfig, Qwen3Config, ...) these fields came from."""
+        from dtpshard.model.checkpoint import typed_config
+
         fields = {k: v for k, v in self.to_dict().items() if k not in _OWN_KEYS}
-        return CONFIG_MAPPING[self.family].from_dict(fields)
+        return typed_config(CONFIG_MAPPING[self.family], fields, f"model_type {STUDENT_TYPE!r} config.json")
 
     def to_diff_dict(self) -> dict[str, Any]:
         """What config.json holds: the keys the base family's own config.json would (a diff

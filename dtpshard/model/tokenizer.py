@@ -14,9 +14,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dtpshard.core.errors import UserError, naming, quote
+from dtpshard.core.errors import UserError, first_line, naming, quote
 from dtpshard.core.reading import loads, open_regular, read_text
 from dtpshard.core.shape import family_config
+from dtpshard.model.guarded import guard, panics_named
 from dtpshard.model.pretrained import load, refused_code
 
 # a tokenizer's files (what a teacher cache's tokenizer id hashes); a student gets them copied
@@ -51,8 +52,8 @@ def _check_tokenizer_json(obj: dict[str, Any], where: str, text: str) -> None:
     try:  # the Rust reader checks the model, the merges and the rest as it parses them
         Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises a bare Exception with serde's message
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{where}: not a tokenizer the tokenizers library reads ({quote(first, False)})") from None
+        raise UserError(f"{where}: not a tokenizer the tokenizers library reads "
+                        f"({quote(first_line(e), False)})") from None
 
 
 def _check_config(obj: dict[str, Any], where: str) -> None:
@@ -119,13 +120,21 @@ def read_tokenizer(path: Path, hf_config: Any) -> Any:
 
     check_tokenizer_files(path)
     kw = {} if hf_config is None else {"config": family_config(hf_config)}
+    where = str(path / "tokenizer.json") if (path / "tokenizer.json").is_file() else str(path)
     try:
-        return load(AutoTokenizer, path, **kw)
+        with panics_named(where):
+            tok = load(AutoTokenizer, path, **kw)
     except UserError:
         raise
     except Exception as e:  # transformers raises many types for what the checks above cannot see
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         if refused_code(e):
             raise UserError(f"{path}: its tokenizer names Python of its own (auto_map in tokenizer_config.json), "
                             "which dtpshard never runs; use a tokenizer transformers has (--tokenizer DIR)") from None
         raise UserError(f"{path}: no usable tokenizer ({type(e).__name__}: {quote(first, False)})") from None
+    from transformers import PreTrainedTokenizerBase
+
+    if not isinstance(tok, PreTrainedTokenizerBase):  # tokenizer_class named some other class
+        raise UserError(f"{path / 'tokenizer_config.json'}: its tokenizer_class gives a {type(tok).__name__}, "
+                        "which is not a tokenizer")
+    return guard(tok, where)

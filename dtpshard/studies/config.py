@@ -20,6 +20,7 @@ from typing import Any
 
 from dtpshard.affinity.settings import CALIBRATION_DATA, PASS_SETTINGS
 from dtpshard.core.errors import UserError, quote
+from dtpshard.core.owned import ID
 from dtpshard.core.reading import MAX_DEPTH, STUDY_BYTES, check_tree, load_yaml, read_text
 from dtpshard.core.settings import DEFAULT, DTPSettings
 from dtpshard.core.typed import Invalid, from_table, partial_of
@@ -276,7 +277,7 @@ def read_record(data: Any, where: str = "config.json") -> Experiment:
     a record without a key (proxies, text_field, a layout's proxy, the training keys not given)
     reads as its default."""
     if isinstance(data, dict):
-        data = {k: v for k, v in data.items() if k != "format"}
+        data = {k: v for k, v in data.items() if k not in ("format", ID)}  # the directory's, not a setting
     try:
         cfg = from_table(Experiment, data)
     except Invalid as e:

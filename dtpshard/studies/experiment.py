@@ -65,6 +65,7 @@ from dtpshard.core.errors import UserError, check_result
 from dtpshard.core.guard import check_outputs, local_paths
 from dtpshard.core.io import atomic_write_text, dumps, read_json, read_json_object
 from dtpshard.core.layout import Layout
+from dtpshard.core.owned import ID, claim
 from dtpshard.core.settings import DENSE
 from dtpshard.layouts.make import make_layout
 from dtpshard.layouts.score import colocated_score
@@ -141,28 +142,30 @@ EXPERIMENT_DIR = "an experiment directory"  # what the refusals call it
 
 
 def _prepare_dir(out: Path, cfg: Experiment, force: bool) -> None:
+    """config.json in place: a rerun of the same experiment resumes (in a directory that is its
+    own); --force starts one over, removing only the experiment's own files (core/owned.py)."""
+    from dtpshard.training.rundir import made_by_dtpshard
+
     saved = out / "config.json"  # run_experiment has refused another command's or unrelated files
     data = record(cfg)
-    if saved.is_file():
+    names = (LAYOUT_DIR, ZEROSHOT, RUNS, TEACHER_CACHE, SCORES, TIMINGS, PROVENANCE, "report.md", "figures",
+             *sorted(p.name for p in out.glob("affinity*.safetensors")), "config.json")
+    if saved.is_file() and not force:
         try:
             old = _compared(read_json(saved))
         except (OSError, UserError):  # unreadable, or not an experiment's record: every setting differs
             old = {}
         new = _compared(data)
-        if old == new and not force:
-            return
-        if not force:
+        if old != new:
             diff = [k for k in sorted(set(new) | set(old)) if old.get(k) != new.get(k)]
             raise UserError(f"--out {out}: an experiment with other settings ({', '.join(diff)}) is there "
                             "(use --force to start it over)")
-        from dtpshard.training.rundir import start_over
-
-        start_over(out, (LAYOUT_DIR, ZEROSHOT, RUNS, TEACHER_CACHE, SCORES, TIMINGS, PROVENANCE, "report.md", "figures",
-                         *(p.name for p in out.glob("affinity*.safetensors"))), CLEARABLE)
     elif out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(saved, dumps(data, indent=1) + "\n")
+    marks = {**dict.fromkeys(names, made_by_dtpshard), **CLEARABLE}
+    data[ID] = claim(out, "experiment", names, "config.json", force, marks)
+    if not saved.is_file() or force:
+        atomic_write_text(saved, dumps(data, indent=1) + "\n")
 
 
 def _affinity(cfg: Experiment, model: Path, out: Path) -> dict[str, Path]:
@@ -292,16 +295,18 @@ def _teacher_cache(cfg: Experiment, model: Path, out: Path, runs: list[tuple[str
     if not cfg.teacher_cache_k or not runs:
         return None
     from dtpshard.core.devices import pick_device
+    from dtpshard.model.checkpoint import open_checkpoint
     from dtpshard.training.teacher_cache import build_cache, cache_blocks
 
     t = cfg.training
     seeds = sorted({seed for _, seed in runs})
     tokenizer = None if cfg.tokenizer is None else Path(cfg.tokenizer)
     _say(f"teacher cache: top {cfg.teacher_cache_k} of the training blocks of seeds {seeds}")
-    blocks = cache_blocks(model, seeds, t.steps, t.seq_len, t.micro_batch, t.grad_accum, t.nproc,
+    teacher = open_checkpoint(model)  # config.json read once for the blocks and the cache
+    blocks = cache_blocks(teacher, seeds, t.steps, t.seq_len, t.micro_batch, t.grad_accum, t.nproc,
                           t.text, t.dataset, cfg.text_field, tokenizer)
     with _timed(out, "teacher cache"):
-        return build_cache(model, blocks, out / TEACHER_CACHE, cfg.teacher_cache_k, micro_batch=t.micro_batch,
+        return build_cache(teacher, blocks, out / TEACHER_CACHE, cfg.teacher_cache_k, micro_batch=t.micro_batch,
                            device=pick_device(cfg.device), precision=t.precision, progress=t.progress,
                            tokenizer=tokenizer)
 

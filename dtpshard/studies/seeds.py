@@ -60,7 +60,8 @@ def bootstrap_icc(groups: list[list[float]], resamples: int = RESAMPLES, level: 
     stats = np.empty(resamples)
     for b in range(resamples):
         picked = [groups[i] for i in rng.integers(0, len(groups), len(groups))]
-        stats[b] = icc1([[x[j] for j in rng.integers(0, len(x), len(x))] for x in picked]) or np.nan
+        icc = icc1([[x[j] for j in rng.integers(0, len(x), len(x))] for x in picked])
+        stats[b] = np.nan if icc is None else icc  # an ICC of exactly 0 is a value, not a missing one
     return percentile_interval(stats, level)
 
 

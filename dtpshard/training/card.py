@@ -17,7 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from dtpshard.core.errors import UserError
+from dtpshard.core.errors import UserError, first_line
 from dtpshard.core.io import file_hashes, load_yaml, read_json_object, read_text
 from dtpshard.core.layout import Layout
 from dtpshard.model.checkpoint import TensorFiles
@@ -71,7 +71,7 @@ class TeacherHashes:
         try:
             self.hashes = file_hashes(TensorFiles(self.teacher).files)
         except (OSError, UserError) as e:  # the card says so; the student is written anyway
-            self.error = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self.error = first_line(e)
 
     def result(self) -> dict[str, str] | None:
         if self.thread is not None:

@@ -45,6 +45,7 @@ from dtpshard.core.io import (
     read_json_object,
     read_text,
 )
+from dtpshard.core.owned import ID
 from dtpshard.model.student import serving_commands
 from dtpshard.training import convert_state as state
 from dtpshard.training.convert_state import AFFINITY, OWNED, STAGES, Paths, check_record  # noqa: F401 (importable here)
@@ -218,7 +219,7 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
     the calibration's (default: calibration_settings's, from cfg)."""
     from dtpshard.affinity.calibrate import plan_calibration
     from dtpshard.training import convert_plan
-    from dtpshard.training.rundir import locked, start_over
+    from dtpshard.training.rundir import locked
 
     default_data, default_run = calibration_settings(cfg)
     data, run = data or default_data, run or default_run
@@ -240,13 +241,14 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
     preflight(cfg)
     settings = state.record(cfg, data, run, PROXY)
     with locked(p.out):
-        if cfg.force:
-            start_over(p.out, OWNED)
-        trust = state.trusted(p, check_record(p, settings), cfg.teacher)  # every file a skip relies on, checked
+        # other settings: refused before the directory is claimed (without a record, claim names what is there)
+        old = check_record(p, settings) if not cfg.force and p.record.is_file() else None
+        settings[ID] = state.claim(p, cfg.force)  # convert.json holds DIR's id: DIR is convert's own
+        trust = state.trusted(p, old, cfg.teacher, cfg.tokenizer)  # every file a skip relies on, checked
         pass_ = None if p.affinity.is_file() else plan_calibration(cfg.teacher, p.affinity, data, delay=cfg.delay,
                                                                     run=run)  # every input checked, then written
         state.save(p, settings, trust)
-        distilled = state.distilled(p, cfg.teacher)
+        distilled = state.distilled(p, cfg.teacher, cfg.tokenizer)
         stages = [(pass_ is None, lambda: calibrate_stage(p, pass_, cfg.progress), state.AFFINITY),
                   (p.layout.is_file(), lambda: layout_stage(p, cfg, cfg.progress), state.LAYOUT),
                   (distilled, lambda: distill_stage(p, cfg), None),

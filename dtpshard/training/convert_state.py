@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dtpshard.affinity.calibrate import CalibrationData, PassSettings
+from dtpshard.core import owned
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_write_text, dumps, read_json_object
 from dtpshard.training import inputs
@@ -28,6 +29,7 @@ RECORD, AFFINITY, LAYOUT, RUN, STUDENT, TIMINGS = ("convert.json", "affinity.saf
 OWNED = (RECORD, AFFINITY, LAYOUT, RUN, STUDENT, TIMINGS)
 STAGES = ("calibration", "layout", "distillation", "student")
 WHAT = "a dtpshard convert directory"
+COMMAND = "convert"
 INPUTS, OUTPUTS = "inputs", "outputs"  # convert.json's records of the teacher and of stages 1 and 2's files
 
 
@@ -111,13 +113,23 @@ def check_dir(out: Path, force: bool) -> None:
     refuse_unrelated(out, force, OWNED, WHAT, record=RECORD)
 
 
+def claim(p: Paths, force: bool) -> str:
+    """DIR's id (core/owned.py): its own when DIR is convert's; a new one when DIR holds none of
+    convert's files yet, or after --force removed them (only from a DIR that is convert's own)."""
+    from dtpshard.training.rundir import made_by_dtpshard, start_over
+
+    if force:
+        return start_over(p.out, OWNED, command=COMMAND, record=RECORD)
+    return owned.claim(p.out, COMMAND, OWNED, RECORD, False, dict.fromkeys(OWNED, made_by_dtpshard))
+
+
 # -- what a rerun trusts ------------------------------------------------------------------------
-def trusted(p: Paths, old: dict[str, Any] | None, teacher: Path) -> dict[str, Any]:
+def trusted(p: Paths, old: dict[str, Any] | None, teacher: Path, tokenizer: Path | None = None) -> dict[str, Any]:
     """{inputs, outputs} to record: the teacher's weight files (checked against `old`, the record
     of a rerun, else hashed now) and stage 1 and 2's published files, each checked against its
     recorded hash. A published file the record does not hold yet (a kill between its publication
     and the record's) is checked as its stage's output and recorded now."""
-    files = inputs.run_files(teacher, None)
+    files = inputs.run_files(teacher, None, tokenizer)
     if old is None:
         return {INPUTS: inputs.record(files), OUTPUTS: {}}
     inputs.check_unchanged(old.get(INPUTS), files, str(p.out))
@@ -154,7 +166,7 @@ def save(p: Paths, settings: dict[str, Any], state: dict[str, Any], published: s
     atomic_write_text(p.record, dumps({**settings, **state}, indent=1) + "\n")
 
 
-def distilled(p: Paths, teacher: Path) -> bool:
+def distilled(p: Paths, teacher: Path, tokenizer: Path | None = None) -> bool:
     """Whether stage 3 is done: a finished run whose student is whole, made from this teacher and
     this layout file (its config.json's record of them checked now)."""
     from dtpshard.training.rundir import check_finished, is_done
@@ -162,7 +174,7 @@ def distilled(p: Paths, teacher: Path) -> bool:
     if not is_done(p.run):
         return False
     check_finished(p.run)
-    inputs.run_inputs(p.run, True, teacher, p.layout, True)
+    inputs.run_inputs(p.run, True, teacher, p.layout, True, tokenizer)
     return True
 
 

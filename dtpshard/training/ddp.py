@@ -9,10 +9,8 @@ ends the others after --timeout seconds; the local launcher stops a rank that ha
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,8 @@ import torch.distributed as dist
 
 from dtpshard.core.devices import pick_device
 from dtpshard.core.errors import UserError
-from dtpshard.core.launch import RankFailure, _InFlight, cause, end_group, joined
+from dtpshard.core.launch import _InFlight, end_group, join_group, joined
+from dtpshard.core.launch_checks import torchrun_env
 
 
 @dataclass
@@ -49,11 +48,11 @@ class Dist:
 
 
 def setup(cfg: Any) -> Dist:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = pick_device(cfg.device)
+    env = torchrun_env()
+    world, device = env.world or 1, pick_device(cfg.device)
     if world == 1:
         return Dist(device=device)
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local = env.rank, env.local_rank or 0
     if cfg.nproc not in (1, world):
         raise UserError(f"--nproc {cfg.nproc} but this process group has WORLD_SIZE={world}")
     if device.startswith("cuda"):
@@ -62,14 +61,10 @@ def setup(cfg: Any) -> Dist:
         device = f"cuda:{local}"
         torch.cuda.set_device(local)
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    if not dist.is_initialized():
-        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        try:
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=cfg.timeout))
-        except RuntimeError as e:
-            raise RankFailure(f"rank {rank}: the {world} ranks did not all join at {where} within "
-                              f"{cfg.timeout:g} s ({cause(e)})") from None
-    joined()  # from now on a peer's failure reaches this rank through the group
+    if dist.is_initialized():
+        joined()  # from now on a peer's failure reaches this rank through the group
+    else:
+        join_group(cfg.timeout, backend)  # launch's join: the same line when the ranks do not all join
     return Dist(rank, world, local, device)
 
 

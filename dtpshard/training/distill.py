@@ -72,7 +72,7 @@ def distill(cfg: DistillConfig) -> Path:
         return run_distributed(cfg, train)
 
 
-def memory_plan(cfg: DistillConfig):  # noqa: ANN201 - training.memory's MemoryPlan (torch)
+def memory_plan(cfg: DistillConfig):  # -> training.memory's MemoryPlan, not imported here (it imports torch)
     """`distill --plan`: the memory plan per process, from config.json alone."""
     from dtpshard.core.devices import pick_device
     from dtpshard.training.memory import plan_for

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtpshard.core.errors import UserError
+from dtpshard.core.errors import UserError, first_line
 from dtpshard.core.io import SMALL_JSON, atomic_path, atomic_write_text, read_text
 from dtpshard.training.rundir import SHARDED_CHECKPOINT as DIR
 
@@ -189,8 +189,7 @@ def load(run: Path, net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any
         raise
     except (Exception, CheckpointException) as e:  # a corrupt or foreign checkpoint fails in many
         # ways, and torch.distributed.checkpoint's own error is a BaseException, not an Exception
-        raise UserError(f"{path}: unreadable sharded checkpoint ({type(e).__name__}: "
-                        f"{str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}); "
+        raise UserError(f"{path}: unreadable sharded checkpoint ({first_line(e, 120, named=True)}); "
                         "use --force to start over") from None
     set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return extra

@@ -32,6 +32,7 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_dir, atomic_write_text, dumps
 from dtpshard.core.layout import as_layout
 from dtpshard.core.memory import return_freed_memory
+from dtpshard.core.owned import ID
 from dtpshard.core.shape import check_seq_len, family_config
 from dtpshard.model.checkpoint import load_hf_config, open_checkpoint
 from dtpshard.model.shards import Weights
@@ -241,11 +242,12 @@ def _open_run_dir(r: _Run) -> bool:
     # every rank refuses alike; runs from before --fsdp (--precision) existed were not sharded (the default)
     resuming = rundir.check_run(run, r.config, compared_keys(), r.cfg.force,
                                 added={"fsdp": False, "precision": r.cfg.precision})
-    r.config[inputs.KEY] = inputs.run_inputs(run, resuming, r.cfg.teacher, r.cfg.layout, d.main)  # trusted if checked
+    r.config[inputs.KEY] = inputs.run_inputs(run, resuming, r.cfg.teacher, r.cfg.layout, d.main,  # trusted if checked
+                                             r.cfg.tokenizer, r.ckpt.hf_config)
     d.barrier()
     if d.main:
         if not resuming:
-            rundir.start_over(run)
+            r.config[ID] = rundir.start_over(run)  # the run's record holds its directory's id
             rundir.write_config(run, r.config)
         rundir.clean_temporaries(run)
         clean(run)

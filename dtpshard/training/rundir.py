@@ -15,14 +15,11 @@ dropped and recomputed identically.
 """
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +30,14 @@ from dtpshard.core.io import (
     atomic_path,
     atomic_write_text,
     check_regular,
-    check_writable_dir,
     dumps,
     loads,
     read_bytes,
     read_json,
     writing,
 )
+from dtpshard.core.lock import LOCK, locked  # noqa: F401 (a run's lock; importable here)
+from dtpshard.core.owned import MARK, claim, is_ours
 from dtpshard.training.settings import FORMAT, require_tensorboard
 
 CONFIG = "config.json"
@@ -49,58 +47,9 @@ SHARDED_CHECKPOINT = "checkpoint.dcp"
 FINAL = "final"
 DONE = "DONE"
 MEMORY = "memory.json"
-LOCK = ".lock"
 _ROW_BYTES = 1 << 16  # a metrics row is ~200 bytes
 METRICS_BYTES = 1 << 31  # metrics.jsonl: millions of rows
 OWNED = (CONFIG, METRICS, CHECKPOINT, SHARDED_CHECKPOINT, FINAL, MEMORY, DONE)
-
-
-@contextlib.contextmanager
-def locked(run: Path, flag: str = "--out") -> Iterator[None]:
-    """Hold RUN/.lock exclusively, or refuse: "RUN is in use by process PID". The OS releases it
-    when the process dies, however it dies; a clean exit also removes the file. Also the check
-    that RUN can be written, made before any expensive work. A RUN this call created that holds
-    nothing afterwards (a refused start) is removed again."""
-    run = Path(run).absolute()
-    if run.exists() and not run.is_dir():
-        raise UserError(f"{flag} {run}: exists and is not a directory")
-    created = not run.exists()
-    check_writable_dir(run / CONFIG)
-    path = run / LOCK
-    fd = _lock(path, run)
-    try:
-        yield
-    finally:
-        path.unlink(missing_ok=True)  # while still holding it: a waiting opener re-checks the inode
-        os.close(fd)
-        if created:
-            with contextlib.suppress(OSError):
-                run.rmdir()  # only if empty
-
-
-def _lock(path: Path, run: Path) -> int:
-    while True:
-        with naming(path), writing(path):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            raise UserError(f"{run} is in use by process {holder} (wait for it to finish, or stop it)") from None
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if not same:  # its holder removed it between our open and our lock: take the new one
-            os.close(fd)
-            continue
-        with writing(path):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return fd
 
 
 def _show(v: Any) -> str:
@@ -151,7 +100,7 @@ def refuse_foreign(out: Path, expect: str = "", what: str = "a distillation run"
 
 def _ours(name: str, owned: tuple[str, ...]) -> bool:
     """One of the directory's own names: its files, the lock, or a kill's .NAME.tmp-PID leftover."""
-    return name in owned or name == LOCK or (name.startswith(".") and ".tmp-" in name
+    return name in owned or name in (LOCK, MARK) or (name.startswith(".") and ".tmp-" in name
                                               and name[1:].split(".tmp-")[0] in owned)
 
 
@@ -192,10 +141,13 @@ def check_run(run: Path, config: dict[str, Any], compared: list[str], force: boo
     if not isinstance(old, dict):
         raise UserError(f"{run / CONFIG}: not a JSON object; use --force to start the run over")
     diff = config_differences({**(added or {}), **old}, config, compared)
-    if diff and not force:
+    if diff:
         raise UserError(f"--out {run} was made with different settings: {'; '.join(diff)} "
                         "(use --force to start it over, or another --out)")
-    return not diff
+    if not is_ours(run, "distill", CONFIG):  # a config.json copied or written here is not a run to resume
+        raise UserError(f"{run / CONFIG}: was not written by dtpshard distill ({run} carries no {MARK} that it "
+                        "agrees with); nothing was touched (choose another --out)")
+    return True
 
 
 def made_by_dtpshard(d: Path) -> bool:
@@ -214,26 +166,15 @@ def made_by_dtpshard(d: Path) -> bool:
 
 
 def start_over(run: Path, owned: tuple[str, ...] = OWNED,
-               marks: dict[str, Callable[[Path], bool]] | None = None) -> None:
-    """Remove this run's own files, `owned` (never anything else in the directory). Nothing is
-    removed when one of them is not what the command makes: a symbolic link (it points at
-    someone else's files), or a directory without dtpshard's marker (`marks[name]`, default
-    `made_by_dtpshard`); that one is named instead."""
-    for name in owned:
-        p = run / name
-        if p.is_symlink():
-            raise UserError(f"{p}: is a symbolic link (to {os.readlink(p)}), which dtpshard did not make; nothing "
-                            "was removed (remove or move it yourself, or choose another --out)")
-        if p.is_dir() and not (marks or {}).get(name, made_by_dtpshard)(p):
-            raise UserError(f"{p}: is not a directory dtpshard made (no dtpshard config.json in it); nothing was "
-                            "removed (move it away, or choose another --out)")
-    for name in owned:
-        p = run / name
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif os.path.lexists(p):
-            p.unlink()
+               marks: dict[str, Callable[[Path], bool]] | None = None, command: str = "distill",
+               record: str = CONFIG) -> str:
+    """Remove this run's own files, `owned` (never anything else in the directory), and mark it
+    anew: returns its new id, for its record (core/owned.py). Nothing is removed when the
+    directory is not the command's own, or one of them is not what the command makes: a symbolic
+    link, or a directory without dtpshard's marker (`marks[name]`, default `made_by_dtpshard`)."""
+    dir_id = claim(run, command, owned, record, True, marks or dict.fromkeys(owned, made_by_dtpshard))
     clean_temporaries(run, owned)
+    return dir_id
 
 
 def clean_temporaries(run: Path, owned: tuple[str, ...] = OWNED) -> None:

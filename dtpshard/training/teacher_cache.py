@@ -43,7 +43,8 @@ from dtpshard.core.io import (
     read_json_object,
     short_sha256,
 )
-from dtpshard.model.checkpoint import TOKENIZER_FILES, load_tokenizer, open_checkpoint
+from dtpshard.core.owned import ID, claim, is_ours
+from dtpshard.model.checkpoint import TOKENIZER_FILES, Checkpoint, open_checkpoint
 from dtpshard.model.dtp import DTPModel
 from dtpshard.training.losses import chunk_tokens, teacher_topk
 from dtpshard.training.precision import autocast_for
@@ -51,8 +52,9 @@ from dtpshard.training.recipe import DistillConfig, train_blocks_for
 from dtpshard.training.rundir import LOCK, locked
 
 FORMAT = "dtpshard.teacher-cache/1"
+COMMAND = "teacher-cache"  # its directory's mark (core/owned.py)
 MANIFEST, PLAN = "manifest.json", "plan.json"
-PLAN_KEYS = {"format", "k", "dtype", "seq_len", "blocks", "teacher_sha256", "tokenizer_sha256", "blocks_sha256"}
+PLAN_KEYS = {"format", "k", "dtype", "seq_len", "blocks", "teacher_sha256", "tokenizer_sha256", "blocks_sha256", ID}
 MANIFEST_KEYS = PLAN_KEYS | {"shards"}
 SHARD_BLOCKS = 256
 HALF = ("float16", "bfloat16")  # what the cache may store
@@ -93,7 +95,7 @@ def teacher_targets(teacher: Any, ids: torch.Tensor, k: int) -> tuple[torch.Tens
             torch.cat([x[2] for x in parts]).view(B, T))
 
 
-def build_cache(teacher_dir: Path, blocks: torch.Tensor, out: Path, k: int = 64, dtype: str = "float16",
+def build_cache(teacher: Path | Checkpoint, blocks: torch.Tensor, out: Path, k: int = 64, dtype: str = "float16",
                 micro_batch: int = 4, device: str = "cpu", precision: str = "auto", progress: bool = True,
                 force: bool = False, tokenizer: Path | None = None) -> Path:
     """Write (or finish, or keep) the cache of `blocks` [n, seq_len + 1] under `out`."""
@@ -101,26 +103,26 @@ def build_cache(teacher_dir: Path, blocks: torch.Tensor, out: Path, k: int = 64,
         raise UserError(f"--k {k}: must be at least 1")
     if dtype not in HALF:
         raise UserError(f"--dtype {dtype!r}: must be float16 or bfloat16")
-    open_checkpoint(teacher_dir)  # its weights checked as data (headers) before the plan is written
+    ckpt = opened(teacher)  # its weights checked as data (headers) before the plan is written
     out, blocks = Path(out), unique_blocks(blocks.to(torch.int64))
     plan = {"format": FORMAT, "k": k, "dtype": dtype, "seq_len": int(blocks.shape[1]) - 1,
-            "blocks": int(blocks.shape[0]), **teacher_hashes(teacher_dir, tokenizer),
+            "blocks": int(blocks.shape[0]), **teacher_hashes(ckpt.path, tokenizer),
             "blocks_sha256": short_sha256(blocks.numpy().tobytes())}
-    if (out / MANIFEST).is_file():
-        old = _read(out, MANIFEST)
-        if {key: old.get(key) for key in plan} == plan:
-            return out
+    if (out / MANIFEST).is_file() and _holds(_read(out, MANIFEST), plan) and is_ours(out, COMMAND, PLAN):
+        return out
     with locked(out):  # one builder at a time: a second is refused ("in use by process PID")
-        if any(p.name != LOCK for p in out.iterdir()):
-            old = _read(out, PLAN) if (out / PLAN).is_file() else None
-            if old != plan:
-                if not force:
-                    raise UserError(f"--out {out}: exists and holds something else (use --force to rebuild it)")
-                for p in out.iterdir():
-                    if p.name in (MANIFEST, PLAN) or p.name.startswith("shard-"):
-                        p.unlink()
+        same = (out / PLAN).is_file() and _holds(_read(out, PLAN), plan)
+        if not same and not force and any(p.name != LOCK for p in out.iterdir()):
+            raise UserError(f"--out {out}: exists and holds something else (use --force to rebuild it)")
+        names = (PLAN, MANIFEST, *sorted(p.name for p in out.glob("shard-*.safetensors")))
+        plan[ID] = claim(out, COMMAND, names, PLAN, force=not same)  # only a cache of ours is resumed or cleared
         atomic_write_text(out / PLAN, dumps(plan, indent=1) + "\n")
-        return _build(teacher_dir, blocks, out, plan, k, dtype, micro_batch, device, precision, progress)
+        return _build(ckpt, blocks, out, plan, k, dtype, micro_batch, device, precision, progress)
+
+
+def _holds(old: dict[str, Any], plan: dict[str, Any]) -> bool:
+    """Whether a cache's plan or manifest `old` is of the cache `plan` describes."""
+    return {key: old.get(key) for key in plan if key != ID} == {k: v for k, v in plan.items() if k != ID}
 
 
 def _read(out: Path, name: str) -> dict[str, Any]:
@@ -133,10 +135,10 @@ def is_cache(path: Path) -> bool:
     return any((Path(path) / n).is_file() and _read(Path(path), n).get("format") == FORMAT for n in (PLAN, MANIFEST))
 
 
-def _build(teacher_dir: Path, blocks: torch.Tensor, out: Path, plan: dict[str, Any], k: int, dtype: str,
+def _build(ckpt: Checkpoint, blocks: torch.Tensor, out: Path, plan: dict[str, Any], k: int, dtype: str,
            micro_batch: int, device: str, precision: str, progress: bool) -> Path:
     # dense fp32, as distill's teacher
-    teacher = DTPModel.from_pretrained(teacher_dir, devices=1, delay=0, dtype=torch.float32, device=device).eval()
+    teacher = DTPModel.from_checkpoint(ckpt, devices=1, delay=0, dtype=torch.float32, device=device).eval()
     k = min(k, teacher.shape.vocab)
     shards = []
     bar = tqdm(total=int(blocks.shape[0]), desc="teacher cache", unit="block", disable=not progress)
@@ -232,22 +234,30 @@ def cache_teacher(teacher: Path, out: Path, k: int = 64, dtype: str = "float16",
                                    "the training text": text, "the dataset": local_paths([dataset])})
     if Path(out).is_dir() and any(Path(out).iterdir()) and force:  # --force rebuilds only a teacher cache
         check_replaceable(Path(out), is_cache, "a teacher cache (with a plan.json or manifest.json)", force=True)
-    blocks = cache_blocks(teacher, seeds or [0], steps, seq_len, micro_batch, grad_accum, nproc, text, dataset,
+    ckpt = open_checkpoint(teacher)  # config.json read once, for the blocks and the cache alike
+    blocks = cache_blocks(ckpt, seeds or [0], steps, seq_len, micro_batch, grad_accum, nproc, text, dataset,
                           text_field, tokenizer)
-    path = build_cache(Path(teacher), blocks, Path(out), k, dtype, micro_batch, pick_device(device), "auto", progress,
+    path = build_cache(ckpt, blocks, Path(out), k, dtype, micro_batch, pick_device(device), "auto", progress,
                        force, tokenizer)
     return path, len(unique_blocks(blocks))
 
 
-def cache_blocks(teacher: Path, seeds: list[int], steps: int, seq_len: int, micro_batch: int, grad_accum: int,
-                 nproc: int, text: list[str] | None, dataset: str | None, text_field: str = "text",
+def cache_blocks(teacher: Path | Checkpoint, seeds: list[int], steps: int, seq_len: int, micro_batch: int,
+                 grad_accum: int, nproc: int, text: list[str] | None, dataset: str | None, text_field: str = "text",
                  tokenizer: Path | None = None) -> torch.Tensor:
-    """Every training block of the distill runs with these settings, one run per seed."""
-    tok = load_tokenizer(tokenizer or teacher)
+    """Every training block of the distill runs with these settings, one run per seed (tokenized as
+    distill tokenizes them: the tokenizer picked by the teacher's config)."""
+    ckpt = opened(teacher)
+    tok = ckpt.tokenizer(tokenizer)
     parts = []
     for seed in seeds:
-        cfg = DistillConfig(teacher=Path(teacher), out=Path("."), steps=steps, seq_len=seq_len,
+        cfg = DistillConfig(teacher=ckpt.path, out=Path("."), steps=steps, seq_len=seq_len,
                             micro_batch=micro_batch, grad_accum=grad_accum, text=text, dataset=dataset, seed=seed,
                             text_field=text_field, tokenizer=None if tokenizer is None else Path(tokenizer))
-        parts.append(train_blocks_for(cfg, nproc, tok)[0])
+        parts.append(train_blocks_for(cfg, nproc, tok, ckpt)[0])
     return torch.cat(parts)
+
+
+def opened(teacher: Path | Checkpoint) -> Checkpoint:
+    """The teacher as an open Checkpoint: the command's own, or opened now from its directory."""
+    return teacher if isinstance(teacher, Checkpoint) else open_checkpoint(teacher)

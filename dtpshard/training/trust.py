@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dtpshard.core.errors import UserError
+from dtpshard.core.errors import UserError, first_line
 from dtpshard.core.reading import ANY_SIZE, open_regular
 
 
@@ -39,7 +39,7 @@ def load_state(path: Path, what: str) -> dict[str, Any]:
     except UserError:
         raise
     except pickle.UnpicklingError as e:  # weights_only names the global it refused
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        first = first_line(e, 160)
         raise UserError(f"{path}: refused {what}: it holds more than tensors and plain values ({first}); "
                         "use --force to start over") from None
     except Exception as e:  # a corrupt file comes in many exception types

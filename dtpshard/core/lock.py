@@ -1,0 +1,67 @@
+"""One process owns an output directory at a time: DIR/.lock, flock'ed by its owner.
+
+The OS releases the lock when the process dies, however it dies; a second process is refused
+in one line naming the holder, never left to write beside it (a run, a convert or experiment
+directory, a teacher cache, the vLLM environment).
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from dtpshard.core.errors import UserError, naming
+from dtpshard.core.io import check_writable_dir, writing
+
+LOCK = ".lock"
+
+
+@contextlib.contextmanager
+def locked(run: Path, flag: str = "--out") -> Iterator[None]:
+    """Hold RUN/.lock exclusively, or refuse: "RUN is in use by process PID". The OS releases it
+    when the process dies, however it dies; a clean exit also removes the file. Also the check
+    that RUN can be written, made before any expensive work. A RUN this call created that holds
+    nothing afterwards (a refused start) is removed again."""
+    run = Path(run).absolute()
+    if run.exists() and not run.is_dir():
+        raise UserError(f"{flag} {run}: exists and is not a directory")
+    created = not run.exists()
+    check_writable_dir(run / LOCK)
+    path = run / LOCK
+    fd = _lock(path, run)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while still holding it: a waiting opener re-checks the inode
+        os.close(fd)
+        if created:
+            with contextlib.suppress(OSError):
+                run.rmdir()  # only if empty
+
+
+def _lock(path: Path, run: Path) -> int:
+    while True:
+        with naming(path), writing(path):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise UserError(f"{run} is in use by process {holder} (wait for it to finish, or stop it)") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # its holder removed it between our open and our lock: take the new one
+            os.close(fd)
+            continue
+        with writing(path):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
