@@ -217,6 +217,39 @@ print(got)
     assert done.stdout.strip().splitlines()[-1] == "[True, False, False, True, False]"
 
 
+def test_non_finite_logits_are_refused_at_the_first_forward(tmp_path):
+    """A student whose numbers overflow float32 (finite weights about 1e33, an embedding multiplier
+    of 1e6) is refused at vLLM's first forward in one line naming the likeliest field, never served
+    as token 0 (issue 46's NaN-as-tokens case, in the engine)."""
+    from safetensors.torch import load_file, save_file
+
+    student = make_student(tmp_path, ("granite", 2, 1, "float32", "eager"))
+    config = json.loads((student / "config.json").read_text())
+    config["embedding_multiplier"] = 1e6
+    (student / "config.json").write_text(json.dumps(config))
+    for f in student.glob("*.safetensors"):
+        sd = load_file(str(f))
+        if "model.embed_tokens.weight" in sd:
+            sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"] * 1e34
+            save_file(sd, str(f), metadata={"format": "pt"})
+    spec = {"model": str(student), "tp": 2, "dtype": "float32", "prompts": prompts(1), "max_tokens": 2}
+    (root := tmp_path / "driver").mkdir()
+    (root / "specs.json").write_text(json.dumps([spec]))
+    torchrun = [str(PYTHON.parent / "torchrun"), "--standalone", "--nproc-per-node", "2"]
+    before = set(Path("/dev/shm").glob("*cpushm*"))
+    try:
+        done = subprocess.run([*torchrun, str(HERE / "vllm_driver.py"), str(root / "specs.json"),
+                               str(root / "out.json")], env=runtime_env(), timeout=1200, capture_output=True, text=True)
+    finally:  # the refused engine leaves vLLM's own shared-memory communicator behind; a later one would collide
+        for f in set(Path("/dev/shm").glob("*cpushm*")) - before:
+            f.unlink(missing_ok=True)
+    said = json.loads((root / "out.json").read_text())[0].get("error", "") if (root / "out.json").exists() else ""
+    lines = [ln for ln in done.stderr.splitlines() if "logits are" in ln] + [said]
+    assert any("logits are" in ln and "embedding_multiplier=1000000.0" in ln and "no tokens reported" in ln
+               for ln in lines), (said, done.stderr[-3000:])
+    assert "tokens" not in json.loads((root / "out.json").read_text())[0] if (root / "out.json").exists() else True
+
+
 def test_vllm_is_not_dense(engines):
     """The function served is DTP's: the same weights run dense give other tokens (so the
     comparison above can fail)."""

@@ -15,6 +15,7 @@ import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 class UserError(Exception):
@@ -136,3 +137,22 @@ def quote(value: object, repr_: bool = True) -> str:
     r.maxlist = r.maxtuple = r.maxdict = r.maxset = 16
     text = r.repr(value) if repr_ else " ".join(str(value).split())  # one line
     return text if len(text) <= QUOTE_CHARS else f"{text[:QUOTE_CHARS]}..."
+
+
+def typed_config(cls: Any, raw: dict[str, Any], where: str) -> Any:
+    """transformers' config class `cls` of the dict `raw`: the one conversion of its errors for a
+    value of the wrong type (`config_errors`) into one line naming the file."""
+    try:
+        return cls.from_dict(raw)
+    except (ValueError, TypeError, KeyError, *config_errors()) as e:
+        raise UserError(f"{where}: {first_line(e)}") from None
+
+
+def config_errors() -> tuple[type[BaseException], ...]:
+    """What transformers raises for a config value of the wrong type, besides ValueError and
+    TypeError: huggingface_hub's strict-dataclass checks (transformers 5), an Exception of their own."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: transformers' checks raise ValueError and TypeError
+        return ()
+    return (StrictDataclassError,)

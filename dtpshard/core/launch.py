@@ -39,7 +39,7 @@ from dtpshard.core.reading import read_text
 from dtpshard.core.shape import FAMILY
 
 __all__ = ["RankExit", "RankFailure", "at_shutdown", "cause", "check_threads", "cores", "end_group", "free_port",
-           "joined", "launch_local", "process_group", "root_cause", "set_threads", "world_from_env"]
+           "join_group", "joined", "launch_local", "process_group", "root_cause", "set_threads", "world_from_env"]
 
 
 class RankFailure(UserError):
@@ -62,8 +62,8 @@ def set_threads(threads: int = 0) -> None:
     torch.set_num_threads(threads or max(1, cores() // local - 2))
 
 
-# -- a rank's process group ----------------------------------------------------------------------
-_closers: list[weakref.WeakMethod] = []  # close(wait) of each Link of this process (runtime/ranks.py)
+# -- a rank's process group (every Link and exchange of this process closes before it ends) ------
+_closers: list[weakref.WeakMethod] = []  # close(wait) of each Link or shared ring (runtime/ranks.py)
 _report: Path | None = None  # set in a rank of launch_local: where it tells the launcher it joined
 _ended = False  # this process has ended a process group (`leave`)
 
@@ -161,7 +161,7 @@ def process_group(timeout: float, backend: str = "gloo", who: str = "dtpshard ru
         return
     if backend == "nccl":  # one GPU per rank on each machine
         torch.cuda.set_device(env_int("LOCAL_RANK") or 0)
-    rank, world = join_group(timeout, backend)
+    rank, world = join_group(timeout, backend)  # checks the timeout first
     try:
         yield rank, world
     except RankFailure as e:
@@ -188,7 +188,6 @@ def _said(e: BaseException, who: str) -> tuple[str | None, int]:
     if line is None:
         return "".join(traceback.format_exception(e)).rstrip(), 1
     return f"{who}: error: {line}", 2
-
 
 
 # -- the local launcher --------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from dtpshard.core.errors import UserError, first_line, naming
+from dtpshard.core.errors import UserError, config_errors, first_line, naming, typed_config
 from dtpshard.core.family import FAMILY, stored_shapes
 from dtpshard.core.io import SMALL_JSON, copy_regular, dumps, file_hashes, open_safetensors, read_json, read_json_object
 from dtpshard.core.memory import check_fits
@@ -84,25 +84,6 @@ def load_hf_config(path: str | Path) -> Any:
             raise UserError(f"{where}: model_type {raw.get('model_type')!r} names Python of its own "
                             "(auto_map), which dtpshard never runs") from None
         raise UserError(f"{where}: {first_line(e)}") from None
-
-
-def typed_config(cls: Any, raw: dict[str, Any], where: str) -> Any:
-    """transformers' config class `cls` of the dict `raw`: the one conversion of its errors for a
-    value of the wrong type (`config_errors`) into one line naming the file."""
-    try:
-        return cls.from_dict(raw)
-    except (ValueError, TypeError, KeyError, *config_errors()) as e:
-        raise UserError(f"{where}: {first_line(e)}") from None
-
-
-def config_errors() -> tuple[type[BaseException], ...]:
-    """What transformers raises for a config value of the wrong type, besides ValueError and
-    TypeError: huggingface_hub's strict-dataclass checks (transformers 5), an Exception of their own."""
-    try:
-        from huggingface_hub.errors import StrictDataclassError
-    except ImportError:  # an older huggingface_hub: transformers' checks raise ValueError and TypeError
-        return ()
-    return (StrictDataclassError,)
 
 
 def is_student(hf_config: Any) -> bool:

@@ -77,7 +77,7 @@ class DTPConfig(PretrainedConfig):
 
     def base_config(self) -> PretrainedConfig:
         """The base family's config (LlamaConfig, Qwen3Config, ...) these fields came from."""
-        from dtpshard.model.checkpoint import typed_config
+        from dtpshard.core.errors import typed_config
 
         fields = {k: v for k, v in self.to_dict().items() if k not in _OWN_KEYS}
         return typed_config(CONFIG_MAPPING[self.family], fields, f"model_type {STUDENT_TYPE!r} config.json")

@@ -58,9 +58,9 @@ def _one_line(previous: Any) -> Any:
         line = refusal_line(value)
         if line is None:
             return previous(kind, value, tb)
-        print(f"error: {line}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
+        os.write(2, f"error: {line}\n".encode())  # to the descriptor: a vLLM worker's sys.stderr may not reach it
         os._exit(2)  # the process ends on this error anyway, before any worker was started
 
     hook.dtpshard = True  # type: ignore[attr-defined]

@@ -51,6 +51,8 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.family import VLLM_FUSED
 from dtpshard.core.shape import ModelShape
 from dtpshard.model.exchange import Exchange
+from dtpshard.model.finite import check_logits
+from dtpshard.serve.plugin import REFUSAL
 from dtpshard.serve.reduce import FunctionalReduce
 from dtpshard.serve.student import ServedStudent, check_parallel, served_student
 from dtpshard.transport.choose import choose
@@ -251,6 +253,7 @@ class DTPForCausalLM(nn.Module):
         if s.tied:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(s.vocab, scale=1 / s.logits_scaling)
+        self.checked = False  # whether a forward's logits were checked finite (model/finite.py)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
@@ -261,7 +264,14 @@ class DTPForCausalLM(nn.Module):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
+        logits = self.logits_processor(self.lm_head, hidden_states)
+        if not self.checked and logits is not None:  # the first forward (vLLM's own warm-up included)
+            self.checked = True
+            try:
+                check_logits(logits, self.model.student.family_config, "the student served")
+            except UserError as e:  # one line where nothing catches it (serve/plugin.py)
+                raise ValueError(REFUSAL + str(e)) from None
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The student's safetensors under the family's names; q/k/v and gate/up go into vLLM's fused
