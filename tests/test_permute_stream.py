@@ -21,6 +21,7 @@ from dtpshard.cli import main
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import remove_stale_temporaries
 from dtpshard.core.layout import Layout
+from dtpshard.core.owned import MARK
 from dtpshard.core.permutation import apply_layout
 from dtpshard.core.shape import shape_from_hf_config
 from dtpshard.layouts.permute import LAYOUT_JSON
@@ -106,7 +107,7 @@ def test_sharded_checkpoint_is_mirrored(hub, dtype, tmp_path, capsys):
     assert (f"check: all 30 tensors of {len(weights)} weight file(s) read back equal, bit for bit, to the source (21 "
             f"gathered by the layout's indices, 9 copied); {len(before) - len(weights)} other file(s) copied byte "
             "for byte") in printed, printed
-    assert after.keys() == before.keys() | {LAYOUT_JSON}
+    assert after.keys() == before.keys() | {LAYOUT_JSON, MARK}  # + the mark of a directory permute made
     for name in before.keys() - set(weights):  # index, config, tokenizer, README, a.safetensors, original/...
         assert after[name] == before[name], name
     assert json.loads(after[LAYOUT_JSON]) == json.loads(layout_file.read_text())

@@ -34,6 +34,8 @@ def _peer_died(out: str) -> int:
         while not Path(out, "rank0").exists():
             time.sleep(0.01)
         os._exit(3)  # dies without a word, as a killed rank does
+    while not Path(out, "rank1").exists():  # both ranks in the group, as when a peer dies mid-run (else the
+        time.sleep(0.01)  # launcher stops a rank that has not joined yet, which a loaded machine made likely)
     reducer = _Teardown()  # noqa: F841 (held by this frame, as a run's objects are when it fails)
     raise RuntimeError("Connection closed by peer")  # what gloo says to the rank left behind
 
