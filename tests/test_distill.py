@@ -188,7 +188,8 @@ def _cli(args, env_extra=None, **kw):
                           timeout=600, **kw)
 
 
-@pytest.mark.parametrize("crash", ["step:5", "checkpoint:6"])
+# a kill between steps: also test_resume_after_sigkill_at_an_arbitrary_moment (by default)
+@pytest.mark.parametrize("crash", [pytest.param("step:5", marks=pytest.mark.slow), "checkpoint:6"])
 def test_resume_after_a_kill_equals_the_straight_run(setup, straight, tmp_path, crash):
     run = tmp_path / "run"
     first = _cli(args_for(setup, run), {"DTPSHARD_TEST_CRASH": crash})

@@ -200,7 +200,9 @@ def interrupted(argv, tmp, world, sig, group, ready=lambda: True):
     return p.returncode, lines[0]
 
 
-@pytest.mark.parametrize("sig, group", [(signal.SIGTERM, False), (signal.SIGINT, True)])
+# SIGTERM to the launcher alone: also test_reliability_launch's test_sigterm_at_any_moment (by default)
+@pytest.mark.parametrize("sig, group", [pytest.param(signal.SIGTERM, False, marks=pytest.mark.slow),
+                                        (signal.SIGINT, True)])
 def test_run_nproc_ends_every_rank_on_a_signal(tiny_dirs, tmp_path, sig, group):
     argv = ["run", tiny_dirs["llama"], "--prompt", PROMPT, "--nproc", "2", "--latency-ms", "300",
             "--max-new-tokens", "60"]  # a minute of transfers: the signal comes mid-generation
@@ -218,7 +220,8 @@ def ddp_setup(tiny_dirs, tmp_path_factory):
     return {"root": root, "model": model, "text": root / "docs.txt", "layout": root / "layout.json"}
 
 
-@pytest.mark.parametrize("sig, group", [(signal.SIGINT, True), (signal.SIGTERM, False)])
+@pytest.mark.parametrize("sig, group", [(signal.SIGINT, True),
+                                        pytest.param(signal.SIGTERM, False, marks=pytest.mark.slow)])
 def test_distill_nproc_ends_every_rank_on_a_signal(ddp_setup, tmp_path, sig, group):
     run = tmp_path / "run"
     argv = args_for(ddp_setup, run, steps=10000, **{"micro-batch": 1, "grad-accum": 1, "checkpoint-every": 2})
