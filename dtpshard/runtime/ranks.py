@@ -35,7 +35,7 @@ from dtpshard.model.checkpoint import Checkpoint, open_checkpoint
 from dtpshard.model.decoder import Decoder
 from dtpshard.model.delay import schedule_for
 from dtpshard.model.exchange import Exchange
-from dtpshard.transport.choose import SLOT_BYTES, choose
+from dtpshard.transport.choose import choose
 from dtpshard.transport.shared import ring_slots
 
 
@@ -185,8 +185,7 @@ class RankModel(Decoder):
         """Collective: the shared-memory ring where the ranks share a host's memory, else the Link
         (transport/choose.py); rank 0 says which on stderr. A schedule with more sums in flight than
         the ring holds (set_delay) chooses again."""
-        itemsize = self.lm_head_weight.element_size()
-        message = min(SLOT_BYTES, 4096 * self.shape.hidden * itemsize)
+        message = 4096 * self.shape.hidden * self.lm_head_weight.element_size()  # choose caps it at a slot's most
         old = self.transport
         self.transport, said = choose(dist.group.WORLD, "run", self.steps, message, self.timeout,
                                       lambda: Link(self.rank, self.timeout, self.latency, device=self.device_kind),

@@ -87,9 +87,12 @@ def tp_reduce(vllm_config: VllmConfig, student: ServedStudent) -> Any:
     s = student.shape
     itemsize = torch.empty((), dtype=vllm_config.model_config.dtype).element_size()
     message = vllm_config.scheduler_config.max_num_batched_tokens * s.hidden * itemsize
-    reduce, said = choose(group.cpu_group, "vllm-tp", student.schedule, message, EXCHANGE_TIMEOUT,
-                          lambda: TPReduce(group.device_group.group_name), vllm_config.device_config.device,
-                          shared_here=vllm_shares_memory())
+    try:
+        reduce, said = choose(group.cpu_group, "vllm-tp", student.schedule, message, EXCHANGE_TIMEOUT,
+                              lambda: TPReduce(group.device_group.group_name), vllm_config.device_config.device,
+                              shared_here=vllm_shares_memory())
+    except UserError as e:  # DTPSHARD_EXCHANGE mistyped, or `shared` where it cannot run: one line (serve/plugin.py)
+        raise ValueError(REFUSAL + str(e)) from None
     reduce.total = tensor_model_parallel_all_reduce
     reduce.said = said
     if group.rank_in_group == 0:
