@@ -16,7 +16,7 @@ import torch
 from dtpshard.core.family import split_fused
 from dtpshard.core.layout import as_layout
 from dtpshard.core.permutation import apply_layout
-from dtpshard.core.settings import DTPSettings, resolve_dtp
+from dtpshard.core.settings import DENSE, DTPSettings, resolve_dtp
 from dtpshard.core.shape import shape_from_hf_config
 from dtpshard.model.attention import KVCache
 from dtpshard.model.checkpoint import DTP_JSON
@@ -56,10 +56,12 @@ class DTPModel(PretrainedMixin, Decoder):
 
     # -- the forward pass ----------------------------------------------------------------
     def hidden(self, input_ids: torch.Tensor, cache: KVCache | None = None,
-               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """h = mean_l FinalNorm(x_l): [B, T, D], the LM head's input (Decoder.head_input)."""
-        exchange = Exchange(self.steps, DeviceAxis(), self.devices)
-        return self.head_input(self.run_streams(input_ids, self.devices, exchange, cache, attention_mask), exchange)
+               attention_mask: torch.Tensor | None = None, dense: bool = False) -> torch.Tensor:
+        """h = mean_l FinalNorm(x_l): [B, T, D], the LM head's input (Decoder.head_input). dense: the
+        same weights run as the dense model (L = 1, δ = 0), whatever this model's settings."""
+        steps, devices = (schedule_for(self.shape.modules, DENSE), 1) if dense else (self.steps, self.devices)
+        exchange = Exchange(steps, DeviceAxis(), devices)
+        return self.head_input(self.run_streams(input_ids, devices, exchange, cache, attention_mask), exchange)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, cache: KVCache | None = None, logits_to_keep: int = 0) -> Any:

@@ -143,12 +143,14 @@ class _ResidualUpdate(torch.autograd.Function):
 
 # -- each device's rows or columns of a dense weight ---------------------------------------------
 class Proj(nn.Module):
-    """A bare weight (and bias) with nn.Linear's names; the DTP code reads per-device views of it."""
+    """A bare weight (and bias) with nn.Linear's names; the DTP code reads per-device views of it.
+    `adapter`: a low-rank update trained over the frozen weight (model/adapters.py), or None."""
 
     def __init__(self, out_features: int, in_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.register_module("adapter", None)
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -212,4 +214,25 @@ def device_matmul(x: torch.Tensor, proj: Proj, cols: bool = False) -> torch.Tens
         y = _DeviceMatmul.apply(flat, proj.weight, L, cols)
     else:  # no backward to shape: plain bmm (which autocasts by itself)
         y = torch.bmm(flat, _device_weights(proj.weight, L, cols))
+    adapter = proj.adapter
+    if adapter is not None and adapter.on:
+        y = low_rank_term(y, flat, adapter.A, adapter.B, adapter.scale, cols)
     return y.view(L, B, T, -1)
+
+
+def low_rank_term(y: torch.Tensor, flat: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float,
+                  cols: bool) -> torch.Tensor:
+    """y + each device's share of x·(scale·B·A)^T, never forming B·A: [L, N, r] in between.
+
+    Rows (q/k/v, gate/up): device l's rows of B·A are B_l·A, so x_l·A^T (every device the whole
+    A) then B_l. Columns (o, down): its columns are B·A_l, so x_l·A_l^T then the whole B; the
+    devices' partials then sum to x·(B·A)^T as the dense update would. The merged weight read
+    through the same views gives these values up to float rounding (model/adapters.py)."""
+    L, r = flat.shape[0], A.shape[0]
+    if cols:
+        a = torch.bmm(flat, A.view(r, L, -1).permute(1, 2, 0))  # [L, N, in/L] x [L, in/L, r]
+        b = B.t().expand(L, r, B.shape[0])
+    else:
+        a = torch.matmul(flat, A.t())  # [L, N, in] x [in, r]
+        b = B.view(L, -1, r).transpose(1, 2)  # [L, r, out/L]
+    return torch.baddbmm(y, a, b, alpha=scale)

@@ -32,6 +32,7 @@ from dtpshard.core.vocab import (
     KvSearch,
     LayoutKind,
     NonNegativeInt,
+    PositiveNumber,
     Proxy,
     Seed,
     Stage3,
@@ -101,7 +102,9 @@ class LayoutSearch:
 class Arm:
     """One [[arms]] table: a layout family, its training seeds ([] scores it only), random
     layouts' seeds, and for optimising kinds the number of optimised layers and the proxy
-    optimised (default: the experiment's first)."""
+    optimised (default: the experiment's first). `adapters`: the arm trains low-rank adapters
+    of this rank (distill --adapters), its runs named NAME-rRANK-sSEED, with `lr` (default the
+    [training] table's) as its peak learning rate."""
 
     kind: LayoutKind
     seeds: list[Seed] = field(default_factory=lambda: [0])
@@ -109,6 +112,8 @@ class Arm:
     layers: Count | None = None
     proxy: Proxy | None = None
     name: str | None = None
+    adapters: Count | None = None
+    lr: PositiveNumber | None = None
 
 
 @dataclass(kw_only=True)
@@ -124,11 +129,18 @@ class LayoutSpec:
 
 @dataclass(kw_only=True)
 class ArmPlan:
-    """An arm resolved: its layouts, each trained with every seed."""
+    """An arm resolved: its layouts, each trained with every seed (with adapters of rank
+    `adapters`, at peak learning rate `lr`, where given)."""
 
     kind: LayoutKind
     seeds: list[Seed]
     layouts: list[LayoutSpec]
+    adapters: Count | None = None
+    lr: PositiveNumber | None = None
+
+    def run_name(self, layout: str, seed: int) -> str:
+        """runs/NAME: the layout's name, the adapters' rank, the seed."""
+        return f"{layout}{'' if self.adapters is None else f'-r{self.adapters}'}-s{seed}"
 
 
 @dataclass(kw_only=True)
@@ -225,10 +237,16 @@ def check_config(raw: Any) -> Experiment:
     if not proxies or len(set(proxies)) != len(proxies):
         raise UserError(f"proxies = {proxies!r}: give each proxy once, at least one")
     arms = [_plan(arm, f"arms[{i}]", proxies) for i, arm in enumerate(study.arms)]
+    for arm in arms:  # the [training] table's adapters are every arm's that names none
+        arm.adapters = training.adapters if arm.adapters is None else arm.adapters
     if not arms:
         raise UserError("arms = []: give at least one arm")
-    names = [layout.name for arm in arms for layout in arm.layouts]
+    names = [arm.run_name(layout.name, 0) for arm in arms for layout in arm.layouts]
     dup = sorted({n for n in names if names.count(n) > 1})
+    specs: dict[str, LayoutSpec] = {}  # arms that train one layout differently (adapters) share its file
+    for spec in (s for arm in arms for s in arm.layouts):
+        if specs.setdefault(spec.name, spec) != spec:
+            dup.append(spec.name)
     if dup:
         raise UserError(f"arms: layout name {dup[0]!r} appears twice (give the arms distinct names)")
     settings = {f.name: getattr(study, f.name) for f in dataclasses.fields(Settings)}
@@ -263,7 +281,7 @@ def _plan(arm: Arm, where: str, proxies: list[str]) -> ArmPlan:
         layouts = [LayoutSpec(name=f"{base}-{s}", kind=kind, seed=s) for s in layout_seeds]
     else:
         layouts = [LayoutSpec(name=base, kind=kind, layers=arm.layers, proxy=proxy)]
-    return ArmPlan(kind=kind, seeds=list(arm.seeds), layouts=layouts)
+    return ArmPlan(kind=kind, seeds=list(arm.seeds), layouts=layouts, adapters=arm.adapters, lr=arm.lr)
 
 
 # -- config.json ------------------------------------------------------------------------------

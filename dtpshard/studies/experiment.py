@@ -317,11 +317,11 @@ def _arms(cfg: Experiment, model: Path, layouts: dict[str, Path], out: Path,
 
     ev = cfg.evaluation
     recipe = {f.name: getattr(cfg.training, f.name) for f in dataclasses.fields(cfg.training)}
-    runs = [(spec.name, seed) for arm in cfg.arms for spec in arm.layouts for seed in arm.seeds]
-    todo = [r for r in runs if not is_done(out / RUNS / f"{r[0]}-s{r[1]}")]
-    cache = _teacher_cache(cfg, model, out, runs) if todo else None  # every seed's blocks: one plan
-    for k, (name, seed) in enumerate(runs, 1):
-        run = out / RUNS / f"{name}-s{seed}"
+    runs = [(spec.name, seed, arm) for arm in cfg.arms for spec in arm.layouts for seed in arm.seeds]
+    todo = [r for r in runs if not is_done(out / RUNS / r[2].run_name(r[0], r[1]))]
+    cache = _teacher_cache(cfg, model, out, [r[:2] for r in runs]) if todo else None  # every seed's blocks: one plan
+    for k, (name, seed, arm) in enumerate(runs, 1):
+        run = out / RUNS / arm.run_name(name, seed)
         if is_done(run):
             _say(f"arm {k}/{len(runs)} {run.name}: done before")
             continue
@@ -333,7 +333,7 @@ def _arms(cfg: Experiment, model: Path, layouts: dict[str, Path], out: Path,
                 eval_text=ev.text, eval_dataset=ev.dataset, eval_micro_batch=ev.micro_batch,
                 text_field=cfg.text_field, tokenizer=cfg.tokenizer,
                 tensorboard=None if tensorboard is None else tensorboard / run.name,
-                teacher_cache=cache, **recipe))
+                teacher_cache=cache, **{**recipe, "adapters": arm.adapters, "lr": arm.lr or recipe["lr"]}))
 
 
 def run_experiment(cfg: Experiment, out: Path, force: bool = False, tensorboard: Path | None = None,

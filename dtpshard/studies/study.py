@@ -27,6 +27,7 @@ class Run:
     kl: Curve
     ppl: Curve
     top1: Curve  # agreement with the teacher's argmax (empty for runs evaluated before it was recorded)
+    adapters: int | None = None  # the adapters' rank (runs/NAME-rRANK-sSEED); None: full distillation
 
 
 EDGE_KINDS = ("up", "down", "attention->attention", "FFN->FFN")  # b - a = 1 or 2 (δ <= 2), by the source
@@ -69,6 +70,7 @@ class Study:
     timings: dict[str, float] = field(default_factory=dict)  # phase -> wall seconds (timings.json)
     provenance: dict[str, Any] = field(default_factory=dict)  # provenance.json
     sources: dict[str, str] = field(default_factory=dict)  # train_data / eval_data of a run's config.json
+    adapter_runs: list[Run] = field(default_factory=list)  # runs that trained adapters: in no layout's runs
 
 
 # Every file is written by dtpshard; one edited by hand (or damaged) is refused by name here, before
@@ -146,6 +148,15 @@ def _eval_rows(run: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _adapters(run: Path) -> int | None:
+    """The adapters' rank a run trained (its config.json's `adapters`), None for full distillation."""
+    cfg = _read_json(run / "config.json", "run config") or {}
+    rank = cfg.get("adapters")
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1):
+        raise UserError(f"{run / 'config.json'}: adapters must be a positive integer or null, found {rank!r}")
+    return rank
+
+
 def load_study(directory: Path) -> Study:
     from dtpshard.training.rundir import DONE
 
@@ -160,14 +171,21 @@ def load_study(directory: Path) -> Study:
     for p in sorted((d / LAYOUT_DIR).glob("*.json")):
         layouts[p.stem] = _layout_info(p, zero, d / ZEROSHOT)
     runs: list[Run] = []
+    adapter_runs: list[Run] = []
     for r in sorted(p for p in (d / RUNS).glob("*-s*") if p.is_dir()):
         layout, _, seed = r.name.rpartition("-s")
         if not seed.isdigit():
             continue
         rows = _eval_rows(r)
+        rank = _adapters(r)
+        if rank is not None:
+            layout = layout.removesuffix(f"-r{rank}")
         run = Run(r.name, layout, int(seed), (r / DONE).is_file(),  # finished, even with its weights removed
                   *(make_curve([x["step"] for x in rows], [x.get(k) for x in rows])
-                    for k in ("eval_kl", "eval_ppl", "eval_top1")))
+                    for k in ("eval_kl", "eval_ppl", "eval_top1")), adapters=rank)
+        if rank is not None:
+            adapter_runs.append(run)
+            continue
         runs.append(run)
         if layout not in layouts:  # a run without its layout file: still shown
             layouts[layout] = LayoutInfo(layout, layout.split("-")[0], None, None, [], None, None)
@@ -212,7 +230,7 @@ def load_study(directory: Path) -> Study:
         path = d / RUNS / run.name / "config.json"
         cfg = _read_json(path, "run config") or {}
         sources = {k: str(cfg[k]) for k in ("train_data", "eval_data") if cfg.get(k) is not None}
-    return Study(d, config, layouts, runs, steps, list(proxies), timings, provenance, sources)
+    return Study(d, config, layouts, runs, steps, list(proxies), timings, provenance, sources, adapter_runs)
 
 
 GROUP_ORDER = LAYOUT_KINDS  # the paper's order

@@ -34,6 +34,7 @@ from dtpshard.core.layout import as_layout
 from dtpshard.core.memory import return_freed_memory
 from dtpshard.core.owned import ID
 from dtpshard.core.shape import check_seq_len, family_config
+from dtpshard.model import adapters
 from dtpshard.model.checkpoint import load_hf_config, open_checkpoint
 from dtpshard.model.shards import Weights
 from dtpshard.training import inputs, memory, rundir
@@ -53,6 +54,7 @@ from dtpshard.training.recipe import (
     set_rng_state,
     train_blocks_for,
 )
+from dtpshard.training.settings import BEFORE_ADAPTERS
 from dtpshard.training.strategy import Strategy, strategy_for
 from dtpshard.training.teacher_cache import TeacherCache
 
@@ -187,6 +189,7 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
         r.metrics.close()
     with r.peaks.phase("saving"):
         _save_student(r)
+        _save_adapters(r)
     _record_memory(r.dir, r.plan, r.peaks, d)
     if d.main:
         _mark_done(r.dir, r.cfg)
@@ -241,7 +244,7 @@ def _open_run_dir(r: _Run) -> bool:
     d, run = r.d, r.dir
     # every rank refuses alike; runs from before --fsdp (--precision) existed were not sharded (the default)
     resuming = rundir.check_run(run, r.config, compared_keys(), r.cfg.force,
-                                added={"fsdp": False, "precision": r.cfg.precision})
+                                added={"fsdp": False, "precision": r.cfg.precision, **BEFORE_ADAPTERS})
     r.config[inputs.KEY] = inputs.run_inputs(run, resuming, r.cfg.teacher, r.cfg.layout, d.main,  # trusted if checked
                                              r.cfg.tokenizer, r.ckpt.hf_config)
     d.barrier()
@@ -365,6 +368,27 @@ def _save_student(r: _Run) -> None:
         student.save_pretrained(r.dir / rundir.FINAL, source, weights, dtype, cfg.max_shard_size, write=False)
 
     r.strategy.save_student(student, dtype, write, follow)
+
+
+def _save_adapters(r: _Run) -> None:
+    """RUN/adapters/ of an adapter run: its adapters alone, as peft writes a LoRA (for users who
+    keep them apart from the merged student), gathered on every rank under --fsdp."""
+    student = r.net0.model
+    settings = getattr(student, "adapters", None)
+    if settings is None:
+        return
+    tensors = {adapters.peft_name(n): r.strategy.full(p).float().contiguous()
+               for n, p in student.named_parameters() if adapters.is_adapter(n)}
+    if r.d.main:
+        from safetensors.torch import save_file
+
+        with atomic_dir(r.dir / rundir.ADAPTERS, force=True) as tmp:
+            save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+            config = adapters.peft_config(settings, str(r.cfg.teacher))
+            (tmp / "adapter_config.json").write_text(dumps(config, indent=1) + "\n")
+            base = {"base": "the teacher permuted by the layout (dtpshard permute TEACHER LAYOUT)",
+                    **{k: r.config[k] for k in ("teacher", "layout", "layout_sha256")}}
+            (tmp / "dtpshard.json").write_text(dumps(base, indent=1) + "\n")
 
 
 def _record_memory(run: Path, plan: memory.MemoryPlan, peaks: memory.PhasePeaks, d: Dist) -> None:

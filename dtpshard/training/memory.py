@@ -30,6 +30,7 @@ from dtpshard.core.memory import size_text
 from dtpshard.core.reading import read_text
 from dtpshard.core.settings import DTPSettings
 from dtpshard.core.shape import ModelShape, shape_from_hf_config
+from dtpshard.model.adapters import DEFAULT_TARGETS, AdapterSettings, attach, trainable_count
 from dtpshard.model.checkpoint import load_hf_config
 from dtpshard.model.dtp import DTPModel
 from dtpshard.model.shards import parse_size
@@ -37,6 +38,7 @@ from dtpshard.training.losses import chunk_tokens
 from dtpshard.training.precision import param_dtype, resolve_precision
 from dtpshard.training.recipe import FROZEN, DistillConfig
 
+ADVISED_RANK = 64  # the rank a plan that does not fit suggests (docs/results/smollm2-l3-d1-adapters)
 CUDA_RUNTIME = 1 << 30  # the CUDA context and the allocator's slack, not in any tensor
 LOSS_BUFFERS = 6  # [chunk, V] fp32 buffers alive at once in the fused loss (teacher and student logits, ...)
 
@@ -52,6 +54,9 @@ class Setup:
     micro_batch: int
     seq_len: int
     device_type: str  # cpu | cuda
+    adapters: int | None = None  # the adapters' rank (None: every weight trains)
+    adapter_params: int = 0  # what the adapters train (model.adapters.trainable_count)
+    adapter_targets: tuple[str, ...] = DEFAULT_TARGETS
 
 
 @dataclass
@@ -79,6 +84,7 @@ class MemoryPlan:
     def describe(self) -> str:
         s = self.setup
         how = (f"{s.world} process(es), {'--fsdp' if s.sharded else 'replicated'}, {s.precision}, "
+               f"{'' if s.adapters is None else f'adapters of rank {s.adapters}, '}"
                f"micro-batch {s.micro_batch} x {s.seq_len} tokens"
                f"{', gradient checkpointing' if s.grad_checkpointing else ''}")
         lines = [f"memory per process ({how}):"]
@@ -94,17 +100,18 @@ _TRACED: dict[tuple, int] = {}
 
 
 def saved_bytes(hf_config: Any, settings: DTPSettings, micro_batch: int, seq_len: int,
-                dtype: torch.dtype, grad_checkpointing: bool) -> int:
+                dtype: torch.dtype, grad_checkpointing: bool, adapters: AdapterSettings | None = None) -> int:
     """Bytes autograd saves for backward over the student's forward of one micro-batch, traced on
-    fake tensors (nothing allocated); each setting traced once per process."""
-    key = (id(hf_config), settings, micro_batch, seq_len, dtype, grad_checkpointing)
+    fake tensors (nothing allocated); each setting traced once per process. `adapters`: only they
+    train (the frozen weights' gradients are not computed, the [N, r] activations are saved)."""
+    key = (id(hf_config), settings, micro_batch, seq_len, dtype, grad_checkpointing, adapters)
     if key not in _TRACED:
-        _TRACED[key] = _trace(hf_config, settings, micro_batch, seq_len, dtype, grad_checkpointing)
+        _TRACED[key] = _trace(hf_config, settings, micro_batch, seq_len, dtype, grad_checkpointing, adapters)
     return _TRACED[key]
 
 
 def _trace(hf_config: Any, settings: DTPSettings, micro_batch: int, seq_len: int,
-           dtype: torch.dtype, grad_checkpointing: bool) -> int:
+           dtype: torch.dtype, grad_checkpointing: bool, adapters: AdapterSettings | None) -> int:
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -120,8 +127,11 @@ def _trace(hf_config: Any, settings: DTPSettings, micro_batch: int, seq_len: int
             model = DTPModel(hf_config, settings)
         finally:
             torch.set_default_dtype(default)
-        for name, p in model.named_parameters():
-            p.requires_grad_(name not in FROZEN)
+        if adapters is None:
+            for name, p in model.named_parameters():
+                p.requires_grad_(name not in FROZEN)
+        else:
+            attach(model, adapters)  # in fp32, as trained
         model.gradient_checkpointing = grad_checkpointing
         ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -137,11 +147,17 @@ def plan_memory(shape: ModelShape, hf_config: Any, s: Setup, *, settings: DTPSet
     P, F = shape.params(), shape.vocab * shape.hidden * (1 if shape.tied else 2)
     T = P - F  # trained: everything but the frozen embedding and LM head
     compute = torch.bfloat16 if s.precision == "bf16-mixed" else torch.float32
-    teacher_bytes = param_dtype(s.precision, frozen=True).itemsize if s.sharded else 4
-    parts = {"process": runtime,
-             "teacher": (P if s.sharded else T) * teacher_bytes // K,  # replicated: shares the frozen tensors
-             "student": 4 * P // K, "gradients": 4 * T // K, "optimizer": 8 * T // K}
-    traced = {c: saved_bytes(hf_config, settings, s.micro_batch, s.seq_len, compute, c)
+    frozen_bytes = param_dtype(s.precision, frozen=True).itemsize
+    lowrank = None if s.adapters is None else AdapterSettings(s.adapters, targets=tuple(s.adapter_targets))
+    if lowrank is None:
+        parts = {"process": runtime,
+                 "teacher": (P if s.sharded else T) * (frozen_bytes if s.sharded else 4) // K,  # replicated: shares
+                 "student": 4 * P // K, "gradients": 4 * T // K, "optimizer": 8 * T // K}  # the frozen tensors
+    else:  # one copy of the weights, the teacher's too; the adapters, their gradients and AdamW state in fp32
+        A = s.adapter_params
+        parts = {"process": runtime, "weights": P * frozen_bytes // K, "adapters": 4 * A // K,
+                 "gradients": 4 * A // K, "optimizer": 8 * A // K}
+    traced = {c: saved_bytes(hf_config, settings, s.micro_batch, s.seq_len, compute, c, lowrank)
               for c in (False, True)}
     layer = traced[False] // shape.layers  # one layer's saved set
     # with checkpointing, backward recomputes one module at a time: its saved set comes back
@@ -150,12 +166,14 @@ def plan_memory(shape: ModelShape, hf_config: Any, s: Setup, *, settings: DTPSet
     tokens = s.micro_batch * s.seq_len
     loss = LOSS_BUFFERS * min(tokens, chunk_tokens(shape.vocab)) * shape.vocab * 4 + tokens * shape.hidden * 4
     parts["activations"] = act + layer + loss  # + one layer's gradients in flight
+    trained = T if lowrank is None else s.adapter_params
     if s.sharded:  # two groups gathered at once (prefetch), the root (embedding, norms, head) all along,
-        # one group's unsharded gradients before their reduce-scatter
+        # one group's unsharded gradients before their reduce-scatter (an FFN's, the larger group)
         group = max(shape.layer_params() - 3 * shape.neurons * shape.hidden, 3 * shape.neurons * shape.hidden)
-        parts["communication"] = (2 * group + F) * compute.itemsize + group * 4
+        grads = group if lowrank is None else s.adapter_params // shape.layers
+        parts["communication"] = (2 * group + F) * compute.itemsize + grads * 4
     elif s.world > 1:
-        parts["communication"] = 4 * T  # DDP's gradient buckets
+        parts["communication"] = 4 * trained  # DDP's gradient buckets
     plan = MemoryPlan(s, parts, available, other)
     if not plan.fits and with_advice:
         plan.advice = advice(shape, hf_config, s, settings=settings, available=available,
@@ -178,6 +196,9 @@ def advice(shape: ModelShape, hf_config: Any, s: Setup, **kw: Any) -> list[str]:
         remedies.append(("--fsdp", {"sharded": True}))
     remedies += [(f"--micro-batch {mb}", {"micro_batch": mb}) for mb in (s.micro_batch // 2, 1)
                  if 0 < mb < s.micro_batch]
+    if s.adapters is None:  # the first remedy a model too large for full distillation has
+        remedies.append((f"--adapters {ADVISED_RANK}", {"adapters": ADVISED_RANK, "adapter_params": trainable_count(
+            shape, AdapterSettings(ADVISED_RANK))}))
     remedies += [(f"{k} processes with --fsdp", {"world": k, "sharded": True})
                  for k in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if k > s.world]
     alone: list[str] = []
@@ -276,10 +297,13 @@ def plan_for(cfg: DistillConfig, world: int, device: str, local: int | None = No
     torchrun's LOCAL_WORLD_SIZE)."""
     hf_config = load_hf_config(cfg.teacher) if hf_config is None else hf_config
     precision = resolve_precision(cfg.precision, device)
+    shape = shape_from_hf_config(hf_config)
+    lowrank = cfg.adapter_settings
     setup = Setup(world, cfg.fsdp and world > 1, precision, cfg.grad_checkpointing, cfg.micro_batch, cfg.seq_len,
-                  torch.device(device).type)
+                  torch.device(device).type, cfg.adapters, 0 if lowrank is None else trainable_count(shape, lowrank),
+                  DEFAULT_TARGETS if lowrank is None else lowrank.targets)
     given = None if cfg.plan_memory is None else parse_size(cfg.plan_memory, "--plan-memory")
-    return plan_memory(shape_from_hf_config(hf_config), hf_config, setup, settings=cfg.dtp,
+    return plan_memory(shape, hf_config, setup, settings=cfg.dtp,
                        available=available_bytes(device, local or local_ranks(), given), runtime=process_bytes(device))
 
 

@@ -25,10 +25,12 @@ import numpy as np
 import torch
 
 from dtpshard.core.devices import DTYPES
+from dtpshard.core.errors import UserError
 from dtpshard.core.io import dumps, short_sha256
 from dtpshard.core.layout import Layout
 from dtpshard.core.settings import resolve_dtp
 from dtpshard.core.shape import shape_from_hf_config
+from dtpshard.model.adapters import adapters_off
 from dtpshard.model.checkpoint import (
     Checkpoint,
     check_token_ids,
@@ -78,17 +80,35 @@ class Student(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, ids: torch.Tensor, h_t: torch.Tensor | None, targets: torch.Tensor, ce_weight: float,
-                top: tuple[torch.Tensor, ...] | None = None, evaluate: bool = False) -> Any:
+    def forward(self, ids: torch.Tensor, h_t: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                ce_weight: float = 0.0, top: tuple[torch.Tensor, ...] | None = None, evaluate: bool = False,
+                teacher: bool = False) -> Any:
         """-> (loss, kl, ce) sums; `top`: a teacher cache's (top_ids, top_logp, tail_logp) of these
         blocks instead of the teacher's h_t: the top-k KL + tail (losses.topk_kl_ce_sums).
-        evaluate: no gradient, [kl, ce, top-1 agreement] sums instead (losses.eval_sums)."""
+        evaluate: no gradient, [kl, ce, top-1 agreement] sums instead (losses.eval_sums).
+        teacher: an adapter run's teacher, h [B, T, D]: these weights, adapters off, run dense."""
+        if teacher:
+            with adapters_off(self.model):
+                return self.model.hidden(ids, dense=True)
         w = self.model.head_weight  # the LM head with its logit transform (core/family.py)
         if evaluate:
             return eval_sums(self.model.hidden(ids), w, h_t, None if h_t is None else w, targets)
         if top is not None:
             return topk_kl_ce_sums(self.model.hidden(ids), w, *top, targets, ce_weight)
         return kl_ce_sums(self.model.hidden(ids), w, h_t, None if h_t is None else w, targets, ce_weight)
+
+
+class FrozenBase:
+    """The teacher of an adapter run: the student's frozen weights with the adapters off, run as
+    the dense model. A layout permutes a dense model without changing its function, so that is
+    the dense teacher, with no second copy of any weight; it goes through the student's own
+    forward (`teacher=True`), where FSDP gathers the student's shards as for training."""
+
+    def __init__(self, net: Student):
+        self.net = net
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.net(ids, teacher=True)
 
 
 class Teacher(torch.nn.Module):
@@ -136,6 +156,13 @@ def resolve(cfg: DistillConfig, hf_config: Any = None, layout: Layout | None = N
         layout.check_model(shape, where=f"layout {cfg.layout}")
     dtp = resolve_dtp(shape, devices=cfg.devices, delay=cfg.delay, stage3=cfg.stage3, record=record, layout=layout,
                       where=f"layout {cfg.layout}")
+    if cfg.adapters is not None:
+        from dtpshard.model.adapters import check_adapters
+
+        if record is not None:  # the frozen weights run dense are the teacher: they must be a dense model's
+            raise UserError(f"--adapters with {cfg.teacher}: a DTP student is not a dense teacher (its weights run "
+                            "dense are not the function it was distilled to); give the dense checkpoint")
+        check_adapters(cfg.adapter_settings, shape)
 
     def absolute(p: str | Path) -> str:
         return str(Path(p).absolute())

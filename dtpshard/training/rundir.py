@@ -47,9 +47,10 @@ SHARDED_CHECKPOINT = "checkpoint.dcp"
 FINAL = "final"
 DONE = "DONE"
 MEMORY = "memory.json"
+ADAPTERS = "adapters"  # an adapter run's adapters alone (peft's LoRA files), beside the merged student
 _ROW_BYTES = 1 << 16  # a metrics row is ~200 bytes
 METRICS_BYTES = 1 << 31  # metrics.jsonl: millions of rows
-OWNED = (CONFIG, METRICS, CHECKPOINT, SHARDED_CHECKPOINT, FINAL, MEMORY, DONE)
+OWNED = (CONFIG, METRICS, CHECKPOINT, SHARDED_CHECKPOINT, FINAL, ADAPTERS, MEMORY, DONE)
 
 
 def _show(v: Any) -> str:

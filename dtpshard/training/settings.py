@@ -32,6 +32,8 @@ from dtpshard.core.vocab import (
 
 Precision = Literal["auto", "fp32", "bf16-mixed"]  # resolved per device by training/precision.py
 SaveDType = Literal["auto", "float32", "bfloat16", "float16"]
+AdapterTarget = Literal["q", "k", "v", "o", "gate", "up", "down"]  # model/adapters.py TARGETS
+ADAPTER_TARGETS: list[AdapterTarget] = ["q", "k", "v", "o", "gate", "up", "down"]
 
 FORMAT = "dtpshard.distill/1"
 # A field's role, in its metadata: OPERATIONAL fields (progress bar, checkpoint cadence, where
@@ -75,6 +77,10 @@ class Recipe:
         fsdp: shard the student (weights, gradients, optimizer state) and the teacher across the processes (FSDP2)
         timeout: seconds a process waits for the others before the run fails
         progress: show a progress bar with ETA
+        adapters: train low-rank adapters of this rank over the frozen permuted weights (one copy of the weights: the
+            teacher is the same weights with the adapters off, run dense); the student is saved merged
+        adapter_alpha: the adapters' α: each projection is W + (α/rank)·B·A
+        adapter_targets: the projections that get adapters
     """
 
     steps: Count = 1000
@@ -101,6 +107,13 @@ class Recipe:
     fsdp: bool = False
     timeout: Seconds = field(default=600.0, metadata=OPERATIONAL)
     progress: bool = field(default=True, metadata=OPERATIONAL)
+    adapters: Count | None = None  # None: every weight trains (full distillation)
+    adapter_alpha: PositiveNumber = 32.0
+    adapter_targets: list[AdapterTarget] = field(default_factory=lambda: list(ADAPTER_TARGETS))
+
+
+# what a run's config.json held implicitly before adapters existed (rundir.check_run's `added`)
+BEFORE_ADAPTERS = {"adapters": None, "adapter_alpha": 32.0, "adapter_targets": ADAPTER_TARGETS}
 
 
 @dataclass
@@ -167,6 +180,15 @@ class DistillConfig(Recipe, _Teacher):
         if self.devices is None or self.delay is None:
             raise ValueError("DistillConfig.dtp: resolve the config first (training.recipe.resolve)")
         return DTPSettings(self.devices, self.delay, self.stage3)
+
+    @property
+    def adapter_settings(self) -> Any:
+        """model.adapters.AdapterSettings of an adapter run, None for full distillation."""
+        if self.adapters is None:
+            return None
+        from dtpshard.model.adapters import AdapterSettings
+
+        return AdapterSettings(self.adapters, float(self.adapter_alpha), tuple(dict.fromkeys(self.adapter_targets)))
 
 
 # devices, delay and stage3 are helped as every command helps them (core/settings.py DTP_HELP)

@@ -25,14 +25,15 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.layout import Layout
 from dtpshard.core.permutation import layout_indices
 from dtpshard.core.settings import DENSE
+from dtpshard.model import adapters
 from dtpshard.model.checkpoint import Checkpoint
 from dtpshard.model.compiled import compile_module, want_compile
 from dtpshard.model.dtp import DTPModel
-from dtpshard.model.shards import Weights
+from dtpshard.model.shards import TensorSpec, Weights
 from dtpshard.training import fsdp, rundir
 from dtpshard.training.ddp import Dist
 from dtpshard.training.precision import autocast_for, param_dtype
-from dtpshard.training.recipe import FROZEN, Student, Teacher
+from dtpshard.training.recipe import FROZEN, FrozenBase, Student, Teacher
 
 
 def chunk_rows(rows: int, rank: int, world: int) -> slice:
@@ -61,6 +62,8 @@ def fill_local(model: DTPModel, ckpt: Checkpoint, layout: Layout | None, rank: i
 
     gathers = {} if layout is None else layout_indices(ckpt.shape, layout)
     for name, p in model.named_parameters():
+        if adapters.is_adapter(name):  # not in the files: adapters.init_values draws them
+            continue
         local = p.to_local() if isinstance(p, DTensor) else p
         rows = chunk_rows(p.shape[0], rank, world) if isinstance(p, DTensor) else slice(None)
         part = read_rows(ckpt, name, gathers.get(name), rows)
@@ -114,7 +117,15 @@ class Replicated:
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast_for(self.d.device, self.precision)
 
-    def build(self, cfg: Any, ckpt: Checkpoint, layout: Layout | None) -> tuple[Teacher, Student]:
+    def build(self, cfg: Any, ckpt: Checkpoint, layout: Layout | None) -> tuple[Teacher | FrozenBase, Student]:
+        if cfg.adapters is not None:  # one copy: the frozen base is the student's and the teacher's
+            sd = ckpt.state_dict(param_dtype(self.precision, frozen=True))
+            student = DTPModel.from_state_dict(ckpt.hf_config, sd, layout=layout, settings=cfg.dtp)
+            del sd
+            adapters.attach(student, cfg.adapter_settings)
+            adapters.init_values(student, cfg.seed)
+            net = Student(student.to(self.d.device))
+            return FrozenBase(net), net
         sd = ckpt.state_dict(torch.float32)
         teacher = DTPModel.from_state_dict(ckpt.hf_config, sd, settings=DENSE)
         teacher.requires_grad_(False).eval()
@@ -163,7 +174,10 @@ class Replicated:
     def save_student(self, student: DTPModel, dtype: torch.dtype, write: Callable[[Weights], None],
                      follow: Callable[[Weights], None]) -> None:
         if self.d.main:  # every rank holds the whole student: the others have no part in it
-            write(Weights.of(student.state_dict(), dtype))
+            write(saved_weights(student, student.state_dict(), dtype, self.full))
+
+    def full(self, p: torch.Tensor) -> torch.Tensor:
+        return p.detach()
 
 
 class Sharded:
@@ -182,6 +196,8 @@ class Sharded:
     def build(self, cfg: Any, ckpt: Checkpoint, layout: Layout | None) -> tuple[Teacher, Student]:
         dev, rank, world = torch.device(self.d.device), self.d.rank, self.d.world
         policy = fsdp.policy(self.precision)
+        if cfg.adapters is not None:
+            return self._build_adapters(cfg, ckpt, layout, policy)
         with torch.device("meta"):
             teacher = DTPModel(ckpt.hf_config, DENSE).to(param_dtype(self.precision, frozen=True))
             student = DTPModel(ckpt.hf_config, cfg.dtp)
@@ -198,6 +214,26 @@ class Sharded:
             net.model.rebuild_buffers()
         student.source_path = Path(cfg.teacher)
         return nets
+
+    def _build_adapters(self, cfg: Any, ckpt: Checkpoint, layout: Layout | None,
+                        policy: Any) -> tuple[FrozenBase, Student]:
+        """The frozen base held once (bf16 under bf16-mixed), sharded with the adapters (fp32) in
+        each module's group; each rank fills its rows from the files and draws its rows of A."""
+        dev, rank, world = torch.device(self.d.device), self.d.rank, self.d.world
+        with torch.device("meta"):
+            student = DTPModel(ckpt.hf_config, cfg.dtp).to(param_dtype(self.precision, frozen=True))
+            adapters.attach(student, cfg.adapter_settings)
+        if layout is not None:
+            student.layout_sha256 = layout.content_sha256()
+        net = Student(student)
+        fsdp.shard(net, self.mesh, False, policy)
+        net.to_empty(device=dev)
+        fill_local(student, ckpt, layout, rank, world)
+        adapters.init_values(student, cfg.seed, rows=lambda name, n: chunk_rows(n, rank, world),
+                             local=lambda p: p.to_local())
+        student.rebuild_buffers()
+        student.source_path = Path(cfg.teacher)
+        return FrozenBase(net), net
 
     def wrap(self, net: Student, cfg: Any, steps_left: int) -> nn.Module:
         return net  # compile is refused with --fsdp (recipe.check_config); auto stays eager
@@ -225,9 +261,26 @@ class Sharded:
                      follow: Callable[[Weights], None]) -> None:
         """Each tensor gathered in turn on every rank (a collective, in the same order everywhere):
         a rank holds its shards and one whole tensor at a time."""
-        params = dict(student.named_parameters())
-        specs = Weights.of({n: p for n, p in params.items()}, dtype).specs
-        (write if self.d.main else follow)(Weights(specs, lambda s: params[s.name].full_tensor()))
+        (write if self.d.main else follow)(saved_weights(student, dict(student.named_parameters()), dtype,
+                                                                  self.full))
+
+    def full(self, p: torch.Tensor) -> torch.Tensor:
+        """A sharded tensor gathered whole on every rank (a collective)."""
+        return p.full_tensor()
+
+
+def saved_weights(student: DTPModel, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                  full: Callable[[torch.Tensor], torch.Tensor]) -> Weights:
+    """The student as saved, each tensor got whole (`full`) when its turn comes: with adapters,
+    every adapted projection merged (W + (α/r)·B·A, model/adapters.py) and no adapter tensor."""
+    settings = getattr(student, "adapters", None)
+    if settings is None:
+        produce = {n: (lambda t=t: full(t)) for n, t in tensors.items()}
+    else:
+        produce = adapters.merged(tensors, full, settings.scale)
+    specs = [TensorSpec(n, tuple(tensors[n].shape), dtype if tensors[n].is_floating_point() else tensors[n].dtype)
+             for n in produce]
+    return Weights(specs, lambda s: produce[s.name]())
 
 
 def strategy_for(cfg: Any, d: Dist, precision: str) -> Strategy:

@@ -1,0 +1,180 @@
+"""Low-rank adapters over a frozen model (`distill --adapters RANK`): W + (α/r)·B·A per projection.
+
+The update is computed in the one place projections are, ops.device_matmul (ops.low_rank_term),
+never formed as a matrix: a projection's memory is its frozen weight, A [r, in], B [out, r] and
+[L, N, r] activations. torch.nn.utils.parametrize would hand every matmul W + B·A as a new
+[out, in] tensor that autograd keeps for backward: a second copy of every weight
+(bench/bench_adapters.py measures both).
+
+B starts at zero, so step 0 is the untrained student exactly; A starts as peft's (Kaiming-uniform,
+bound 1/√in), drawn from a generator seeded by the run's seed and the tensor's name, so every
+process and every sharding draws the same A. `merged` gives the weights a student is saved with
+(W + (α/r)·B·A in fp32), `peft_files` the adapters alone in peft's LoRA layout.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtpshard.core.errors import UserError
+from dtpshard.model.ops import Proj
+
+# target name -> (the layer's submodule, its projection); o and down are read by columns
+TARGETS = {"q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"), "v": ("self_attn", "v_proj"),
+           "o": ("self_attn", "o_proj"), "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"),
+           "down": ("mlp", "down_proj")}
+DEFAULT_TARGETS = tuple(TARGETS)
+DEFAULT_ALPHA = 32.0  # fixed α, so that α/r makes the best learning rate nearly independent of r
+
+
+@dataclass(frozen=True)
+class AdapterSettings:
+    rank: int
+    alpha: float = DEFAULT_ALPHA
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
+
+
+def check_adapters(settings: AdapterSettings, shape: Any) -> None:
+    """One line for a rank or target that cannot be: the rank must be at most min(rows, columns)
+    of every projection it adapts (a larger B·A is no longer low rank, and says nothing more)."""
+    unknown = [t for t in settings.targets if t not in TARGETS]
+    if unknown:
+        raise UserError(f"--adapter-targets {unknown[0]!r}: not a projection (choose from {', '.join(TARGETS)})")
+    if not settings.targets:
+        raise UserError("--adapter-targets: give at least one projection")
+    if settings.rank < 1:
+        raise UserError(f"--adapters {settings.rank}: the rank must be at least 1")
+    sizes = {t: projection_shape(shape, t) for t in settings.targets}
+    target, (out, inp) = min(sizes.items(), key=lambda kv: min(kv[1]))
+    if settings.rank > min(out, inp):
+        raise UserError(f"--adapters {settings.rank}: above min(rows, columns) = {min(out, inp)} of the {target} "
+                        f"projection ({out} x {inp})")
+    if not math.isfinite(settings.alpha) or settings.alpha <= 0:
+        raise UserError(f"--adapter-alpha {settings.alpha}: must be a positive number")
+
+
+def projection_shape(s: Any, target: str) -> tuple[int, int]:
+    """[out, in] of a target's dense weight for a ModelShape."""
+    q, kv = s.heads * s.head_dim, s.kv_groups * s.head_dim
+    return {"q": (q, s.hidden), "k": (kv, s.hidden), "v": (kv, s.hidden), "o": (s.hidden, q),
+            "gate": (s.neurons, s.hidden), "up": (s.neurons, s.hidden), "down": (s.hidden, s.neurons)}[target]
+
+
+def trainable_count(shape: Any, settings: AdapterSettings) -> int:
+    """Parameters the adapters train: r·(out + in) per adapted projection and layer."""
+    return shape.layers * sum(settings.rank * sum(projection_shape(shape, t)) for t in settings.targets)
+
+
+class LowRank(nn.Module):
+    """One projection's update (α/r)·B·A: A [r, in], B [out, r]. `on` False: the frozen weight alone."""
+
+    def __init__(self, out_features: int, in_features: int, rank: int, scale: float):
+        super().__init__()
+        self.A = nn.Parameter(torch.empty(rank, in_features))
+        self.B = nn.Parameter(torch.zeros(out_features, rank))
+        self.scale, self.on = scale, True
+
+    def delta(self) -> torch.Tensor:
+        return (self.B.float() @ self.A.float()) * self.scale
+
+
+def projections(model: nn.Module, targets: tuple[str, ...]) -> Iterator[tuple[str, Proj]]:
+    """(name, Proj) of every adapted projection of a DTPModel, in layer order."""
+    for i, layer in enumerate(model.model.layers):
+        for t in targets:
+            part, proj = TARGETS[t]
+            yield f"model.layers.{i}.{part}.{proj}", getattr(getattr(layer, part), proj)
+
+
+def attach(model: nn.Module, settings: AdapterSettings) -> None:
+    """Adapters on the targets of `model` (any device, meta included), everything else frozen.
+    A is left to `init_values` (after sharding, each process fills its own rows)."""
+    model.requires_grad_(False)
+    for _, proj in projections(model, settings.targets):
+        out, inp = proj.weight.shape
+        with torch.device(proj.weight.device):
+            proj.adapter = LowRank(out, inp, settings.rank, settings.scale)
+    model.adapters = settings
+
+
+def initial_A(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A's initial values (fp32, CPU): peft's Kaiming-uniform, bound 1/√in, from (seed, name) alone."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1).div_(math.sqrt(shape[1])).float()
+
+
+def is_adapter(name: str) -> bool:
+    return ".adapter." in name
+
+
+@torch.no_grad()
+def init_values(model: nn.Module, seed: int, rows: Callable[[str, int], slice] = lambda name, n: slice(None),
+                local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
+    """A from `initial_A`, B zero, for every adapter of `model`: the rows `rows(name, len)` of each
+    whole tensor into its `local` part (a shard of it)."""
+    for name, p in model.named_parameters():
+        if not is_adapter(name):
+            continue
+        part = local(p)
+        if name.endswith(".A"):
+            part.copy_(initial_A(seed, name, tuple(p.shape))[rows(name, p.shape[0])])
+        else:
+            part.zero_()
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """The frozen weights alone (the teacher of an adapter run), for the duration."""
+    adapters = [m for m in model.modules() if isinstance(m, LowRank)]
+    for m in adapters:
+        m.on = False
+    try:
+        yield
+    finally:
+        for m in adapters:
+            m.on = True
+
+
+def merged(params: dict[str, Any], full: Callable[[Any], torch.Tensor],
+           scale: float) -> dict[str, Callable[[], torch.Tensor]]:
+    """name -> a function giving the saved student's tensor: W + scale·B·A in fp32 for an adapted
+    projection, the tensor itself otherwise; no adapter tensor. `full`: a parameter's whole value
+    (a sharded one gathered), asked for in the order the saved tensors are written."""
+    def of(name: str) -> Callable[[], torch.Tensor]:
+        base = name.removesuffix(".weight")
+        if f"{base}.adapter.A" not in params:
+            return lambda: full(params[name])
+        return lambda: full(params[name]).float() + scale * (full(params[f"{base}.adapter.B"]).float()
+                                                             @ full(params[f"{base}.adapter.A"]).float())
+
+    return {n: of(n) for n in params if not is_adapter(n)}
+
+
+def peft_name(name: str) -> str:
+    """Our adapter tensor's name in peft's LoRA files (base_model.model.<module>.lora_A.weight)."""
+    base, which = name.rsplit(".adapter.", 1)
+    return f"base_model.model.{base}.lora_{which}.weight"
+
+
+def peft_config(settings: AdapterSettings, base_model: str) -> dict[str, Any]:
+    """adapter_config.json as peft writes a LoRA's (the keys its LoraConfig reads). Its base is
+    the teacher permuted by the run's layout (`dtpshard permute`), not the teacher as it is."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": 0.0, "bias": "none",
+            "target_modules": sorted(TARGETS[t][1] for t in settings.targets), "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True}

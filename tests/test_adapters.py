@@ -1,0 +1,167 @@
+"""`distill --adapters RANK`: low-rank adapters over the frozen permuted weights, one copy of them.
+
+Exactness first (the low-rank term against the merged weight, the frozen weights with the
+adapters off against the dense teacher in transformers), then runs on a tiny model: step 0 is
+the untrained student, only the adapters train, the saved student is merged and its update has
+rank at most r, the adapters alone rebuild it, resume is bit for bit, refusals are one line."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from dtpshard.cli import main
+from dtpshard.core.layout import Layout
+from dtpshard.model import adapters
+from dtpshard.model.checkpoint import open_checkpoint
+from dtpshard.model.dtp import DTPModel
+from dtpshard.training import rundir
+from test_distill import _cli, args_for, random_docs, rows_without_wall
+
+RANK = 3
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    text = root / "docs.txt"
+    text.write_text("\n\n".join(random_docs(300, 2)))
+    model = tiny_dirs["llama"]
+    Layout.random(DTPModel.from_pretrained(model, 1, 0).shape, 2, 1, seed=5).save(root / "layout.json")
+    return {"root": root, "model": model, "text": text, "layout": root / "layout.json"}
+
+
+def adapter_args(s, out, **over):
+    return args_for(s, out, **{"steps": 6, "eval-every": 3, "checkpoint-every": 2, **over}) + [
+        "--adapters", str(RANK)]
+
+
+@pytest.fixture(scope="module")
+def run(setup):
+    out = setup["root"] / "run"
+    assert main(adapter_args(setup, out)) == 0
+    return out
+
+
+def with_random_adapters(model, rank=RANK, seed=0):
+    """`model` with adapters whose B is not zero (trained ones are not)."""
+    adapters.attach(model, adapters.AdapterSettings(rank, alpha=2.0 * rank))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if adapters.is_adapter(name):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model
+
+
+def test_the_low_rank_term_equals_the_merged_weight(tiny_dirs):
+    for family in ("llama", "qwen3"):
+        layout = Layout.random(DTPModel.from_pretrained(tiny_dirs[family], 1, 0).shape, 2, 1, seed=1)
+        model = with_random_adapters(DTPModel.from_pretrained(tiny_dirs[family], layout=layout), seed=7)
+        ids = torch.randint(0, model.shape.vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+        params = dict(model.named_parameters())
+        whole = {n: f() for n, f in adapters.merged(params, lambda t: t.detach(), model.adapters.scale).items()}
+        plain = DTPModel.from_state_dict(model.hf_config, whole, settings=model.settings)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=0, atol=1e-5)
+            with adapters.adapters_off(model):  # and off, the frozen weights alone
+                base = DTPModel.from_pretrained(tiny_dirs[family], layout=layout)
+                torch.testing.assert_close(model(ids).logits, base(ids).logits, rtol=0, atol=0)
+
+
+def test_with_the_adapters_off_the_frozen_weights_are_the_dense_teacher(setup):
+    """The teacher of an adapter run: the permuted weights run dense equal transformers' teacher."""
+    layout = Layout.load(setup["layout"])
+    model = with_random_adapters(DTPModel.from_pretrained(setup["model"], layout=layout))
+    from dtpshard.training.recipe import Student
+
+    ids = torch.randint(0, model.shape.vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+    reference = AutoModelForCausalLM.from_pretrained(setup["model"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        h = Student(model)(ids, teacher=True)
+        torch.testing.assert_close(model.logits(h), reference(ids).logits, rtol=0, atol=1e-5)
+        assert (model(ids).logits - reference(ids).logits).abs().max() > 1e-2  # the student is not
+
+
+def test_step_0_is_the_untrained_student_and_only_the_adapters_train(setup, run):
+    full = setup["root"] / "full"
+    assert main(args_for(setup, full, steps=1, **{"eval-every": 1})) == 0
+    a, b = (next(x for x in rundir.read_metrics(r) if x["kind"] == "eval") for r in (run, full))
+    assert a["eval_ppl"] == b["eval_ppl"]  # B = 0: the student's own numbers are the same bits
+    # the teacher is the permuted weights run dense, the other run's the dense checkpoint: rounding apart
+    assert a["eval_kl"] == pytest.approx(b["eval_kl"], rel=1e-5) and a["eval_top1"] == b["eval_top1"]
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["adapters"] == RANK and cfg["adapter_targets"] == list(adapters.TARGETS)
+    memory = json.loads((run / "memory.json").read_text())["plan"]
+    shape = open_checkpoint(setup["model"]).shape
+    assert memory["parts"]["adapters"] == 4 * adapters.trainable_count(shape, adapters.AdapterSettings(RANK))
+
+
+def test_the_student_is_saved_merged_with_an_update_of_rank_r(setup, run):
+    teacher = DTPModel.from_pretrained(setup["model"], layout=Layout.load(setup["layout"])).state_dict()
+    student = DTPModel.from_pretrained(run / "final").state_dict()
+    assert student.keys() == teacher.keys()
+    adapted = {f"{n}.weight" for n, _ in adapters.projections(DTPModel.from_pretrained(setup["model"]),
+                                                            adapters.DEFAULT_TARGETS)}
+    for name, w in student.items():
+        diff = (w - teacher[name]).double()
+        if name in adapted:
+            assert diff.abs().max() > 0, name
+            assert torch.linalg.matrix_rank(diff, atol=1e-6).item() <= RANK, name
+        else:
+            assert torch.equal(w, teacher[name]), name
+
+
+def test_the_adapters_alone_rebuild_the_student_in_dtpshard_and_transformers(setup, run):
+    files = run / rundir.ADAPTERS
+    config = json.loads((files / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == RANK and config["lora_alpha"] == 32.0
+    tensors = load_file(files / "adapter_model.safetensors")
+    model = DTPModel.from_pretrained(setup["model"], layout=Layout.load(setup["layout"]))
+    adapters.attach(model, adapters.AdapterSettings(RANK))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if adapters.is_adapter(name):
+                p.copy_(tensors[adapters.peft_name(name)])
+    ids = torch.randint(0, model.shape.vocab, (2, 16), generator=torch.Generator().manual_seed(2))
+    merged = DTPModel.from_pretrained(run / "final")
+    remote = AutoModelForCausalLM.from_pretrained(run / "final", trust_remote_code=True, dtype=torch.float32)
+    with torch.no_grad():
+        want = model(ids).logits
+        torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(remote(ids).logits, want, rtol=0, atol=1e-5)
+
+
+def test_resume_after_a_kill_is_bit_for_bit(setup, run, tmp_path):
+    out = tmp_path / "run"
+    first = _cli(adapter_args(setup, out), {"DTPSHARD_TEST_CRASH": "step:3"})
+    assert first.returncode == 17, first.stderr
+    saved = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert saved["step"] == 2 and saved["student"] and all(adapters.is_adapter(n) for n in saved["student"])
+    second = _cli(adapter_args(setup, out))
+    assert second.returncode == 0, second.stderr
+    assert rows_without_wall(out) == rows_without_wall(run)
+    a, b = load_file(out / "final" / "model.safetensors"), load_file(run / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--adapters", "0"], "--adapters 0: must be"),
+    (["--adapters", "100000"], "--adapters 100000: above min(rows, columns)"),
+    (["--adapters", "2", "--adapter-targets", "qkv"], "--adapter-targets"),
+])
+def test_bad_adapter_flags_are_one_line(setup, tmp_path, capsys, flags, says):
+    assert main(args_for(setup, tmp_path / "r") + flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_student_teacher_is_refused(run, tmp_path, capsys):
+    out = tmp_path / "r"
+    assert main(["distill", str(run / "final"), "--out", str(out), "--steps", "2", "--adapters", "2",
+                 "--seq-len", "16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "a DTP student is not a dense teacher" in err and len(err.splitlines()) == 1
+    assert not out.exists()
