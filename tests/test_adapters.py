@@ -165,3 +165,134 @@ def test_a_student_teacher_is_refused(run, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "a DTP student is not a dense teacher" in err and len(err.splitlines()) == 1
     assert not out.exists()
+
+
+# -- data parallel: the adapters and their AdamW state sharded (FSDP2) or replicated (DDP) -------------
+@pytest.fixture(scope="module")
+def dp(tiny_dirs, tmp_path_factory):
+    from test_distill_ddp import STEPS
+
+    root = tmp_path_factory.mktemp("adapters-dp")
+    text = root / "docs.txt"
+    text.write_text("\n\n".join(random_docs(300, 3)))
+    model = tiny_dirs["qwen3"]
+    Layout.random(DTPModel.from_pretrained(model, 1, 0).shape, 2, 1, seed=6).save(root / "layout.json")
+    s = {"root": root, "model": model, "text": text, "layout": root / "layout.json"}
+    one = root / "one"
+    assert main(args_for(s, one, **STEPS) + ["--adapters", str(RANK)]) == 0
+    return s, one
+
+
+@pytest.mark.parametrize("how", [["--fsdp"], []], ids=["fsdp", "ddp"])
+def test_two_processes_match_one_process(dp, how):
+    from test_distill_ddp import assert_same_curves, ddp_args
+
+    s, one = dp
+    out = s["root"] / f"two{''.join(how)}"
+    assert main(ddp_args(s, out) + ["--nproc", "2", "--adapters", str(RANK), *how]) == 0
+    assert_same_curves(one, out)
+    a, b = (DTPModel.from_pretrained(r / "final").state_dict() for r in (one, out))
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
+    x, y = (load_file(r / rundir.ADAPTERS / "adapter_model.safetensors") for r in (one, out))
+    assert x.keys() == y.keys() and all(torch.allclose(x[k], y[k], rtol=1e-4, atol=1e-6) for k in x)
+    if how:  # the sharded checkpoint holds no frozen weight
+        memory = json.loads((out / "memory.json").read_text())["plan"]
+        assert memory["setup"]["sharded"] and memory["parts"]["adapters"] > 0
+
+
+def test_a_sharded_adapter_run_resumes_after_a_kill_with_only_the_adapters_saved(dp, tmp_path, capsys):
+    from test_distill_ddp import ddp_args
+
+    s, one = dp
+    out = tmp_path / "run"
+    args = ddp_args(s, out) + ["--nproc", "2", "--fsdp", "--adapters", str(RANK)]
+    import os
+
+    os.environ["DTPSHARD_TEST_CRASH"] = "step:3@1"
+    try:
+        assert main(args) == 2
+    finally:
+        del os.environ["DTPSHARD_TEST_CRASH"]
+    assert "died" in capsys.readouterr().err
+    import torch.distributed.checkpoint as dcp
+
+    step = out / "checkpoint.dcp" / (out / "checkpoint.dcp" / "LATEST").read_text().strip()
+    names = [k for k in dcp.FileSystemReader(step).read_metadata().state_dict_metadata if k.startswith("model.")]
+    assert names and all(".adapter." in k for k in names), names[:3]
+    assert main(args) == 0
+    from test_distill_ddp import assert_same_curves
+
+    assert_same_curves(one, out)
+
+
+# -- a study with adapter arms, and its report ------------------------------------------------------
+def test_an_experiment_trains_adapter_arms_and_reports_them(tiny_dirs, tmp_path, capsys):
+    from test_experiment import config_text, corpus
+
+    text = config_text(tiny_dirs["llama"], corpus(tmp_path / "corpus.txt"), steps=3).split("[[arms]]")[0]
+    arms = [("optimised", None), ("contiguous", None), ("optimised", 2), ("contiguous", 2), ("optimised", 4)]
+    for kind, rank in arms:
+        text += f'[[arms]]\nkind = "{kind}"\nseeds = [0, 1]\n'
+        text += "" if rank is None else f"adapters = {rank}\nlr = 3e-3\n"
+    cfg = tmp_path / "study.toml"
+    cfg.write_text(text)
+    out = tmp_path / "exp"
+    assert main(["experiment", str(cfg), "--out", str(out)]) == 0
+    names = sorted(p.name for p in (out / "runs").iterdir())
+    assert names == sorted(["optimised-s0", "optimised-s1", "contiguous-s0", "contiguous-s1", "optimised-r2-s0",
+                            "optimised-r2-s1", "contiguous-r2-s0", "contiguous-r2-s1", "optimised-r4-s0",
+                            "optimised-r4-s1"])
+    assert sorted(p.name for p in (out / "layouts").iterdir()) == ["contiguous.json", "optimised.json"]
+    run = json.loads((out / "runs" / "optimised-r2-s1" / "config.json").read_text())
+    assert run["adapters"] == 2 and run["lr"] == 3e-3 and run["seed"] == 1
+    assert json.loads((out / "runs" / "optimised-s0" / "config.json").read_text())["adapters"] is None
+    report = (out / "report.md").read_text()
+    section = report.split("## Adapters against full distillation")[1]
+    assert "| optimised, rank 2 | 2 |" in section and "| contiguous, full | 2 |" in section
+    assert "How much of full distillation's KL do adapters reach?" in section
+    assert "optimised, rank 4" in section and "rank 2 → 4" in section
+    assert (out / "figures" / "adapters.png").is_file() and "figures/adapters.png" in section
+    # the main results count the full runs only: adapter runs are in no layout's group
+    assert "2 layouts, 4 distillation runs" in report
+
+
+def test_two_arms_that_name_one_layout_differently_are_refused(tiny_dirs, tmp_path, capsys):
+    from test_experiment import config_text, corpus
+
+    text = config_text(tiny_dirs["llama"], corpus(tmp_path / "corpus.txt")).split("[[arms]]")[0]
+    text += '[[arms]]\nkind = "optimised"\nadapters = 2\n[[arms]]\nkind = "optimised"\nadapters = 2\n'
+    cfg = tmp_path / "study.toml"
+    cfg.write_text(text)
+    assert main(["experiment", str(cfg), "--out", str(tmp_path / "exp")]) == 2
+    assert "appears twice" in capsys.readouterr().err
+
+
+def test_the_merged_student_generates_the_adapter_models_tokens(setup, run, capsys):
+    model = DTPModel.from_pretrained(setup["model"], layout=Layout.load(setup["layout"]))
+    adapters.attach(model, adapters.AdapterSettings(RANK))
+    tensors = load_file(run / rundir.ADAPTERS / "adapter_model.safetensors")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if adapters.is_adapter(name):
+                p.copy_(tensors[adapters.peft_name(name)])
+    ids = torch.randint(0, model.shape.vocab, (1, 8), generator=torch.Generator().manual_seed(3))
+    want = model.generate(ids, max_new_tokens=12, do_sample=False)
+    got = DTPModel.from_pretrained(run / "final").generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+def test_the_plan_is_within_a_quarter_of_the_measured_peak_on_smollm2(tmp_path):
+    """At the study's scale (SmolLM2-135M, L = 3, 2 x 256 tokens), rank 64: the plan against the
+    training phase's peak resident set."""
+    from dtpshard.studies.smollm2 import smollm2_checkpoint
+
+    out = tmp_path / "run"
+    assert main(["distill", str(smollm2_checkpoint()), "--out", str(out), "--devices", "3", "--delay", "1",
+                 "--steps", "2", "--seq-len", "256", "--micro-batch", "2", "--grad-accum", "1", "--eval-blocks", "1",
+                 "--adapters", "64", "--no-progress"]) == 0
+    record = json.loads((out / "memory.json").read_text())
+    peak = max(record["measured"]["training"])
+    assert 0.75 <= peak / record["plan"]["total"] <= 1.25, (peak, record["plan"]["total"])

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dtpshard.core.io import atomic_path
+from dtpshard.studies.adapters import draw_adapters
 from dtpshard.studies.compare import head_start, rolling_median
 from dtpshard.studies.seeds import MIN_LAYOUTS, seeded_random
 from dtpshard.studies.stats import correlate, mean_curve, rank_correlate
@@ -309,7 +310,8 @@ def draw_all(study: Study, figures: Path) -> dict[str, Path]:
     figures.mkdir(parents=True, exist_ok=True)
     out = {}
     for key, fn in (("curves", draw_curves), ("j_vs_kl", draw_j_vs_kl), ("proxies", draw_proxies),
-                    ("up_edge", draw_up_edge), ("head_start", draw_head_start), ("seeds", draw_seeds)):
+                    ("up_edge", draw_up_edge), ("head_start", draw_head_start), ("seeds", draw_seeds),
+                    ("adapters", draw_adapters)):
         p = fn(study, figures / f"{key}.png")
         if p is not None:
             out[key] = p

@@ -22,6 +22,7 @@ from typing import Any
 from dtpshard.core.guard import check_outputs
 from dtpshard.core.io import atomic_write_text
 from dtpshard.studies import provenance as p
+from dtpshard.studies.adapters import adapter_lines
 from dtpshard.studies.compare import optional_sections
 from dtpshard.studies.dominance import dominance_lines
 from dtpshard.studies.figures import draw_all
@@ -276,6 +277,7 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
                  "Bold: mean over training seeds; faint: single seeds; grey: random layouts."
                  + (" Log step axis: step 0 (the untrained students) is left off it." if c and c.report.log_steps
                     else ""), ""]
+    body += adapter_lines(study, figures)
     body += optional_sections(study, figures)
     body += dominance_lines(study)
     first = study.proxies[0]

@@ -177,13 +177,13 @@ def load_study(directory: Path) -> Study:
         if not seed.isdigit():
             continue
         rows = _eval_rows(r)
-        rank = _adapters(r)
-        if rank is not None:
-            layout = layout.removesuffix(f"-r{rank}")
+        lowrank = _adapters(r)
+        if lowrank is not None:
+            layout = layout.removesuffix(f"-r{lowrank}")
         run = Run(r.name, layout, int(seed), (r / DONE).is_file(),  # finished, even with its weights removed
                   *(make_curve([x["step"] for x in rows], [x.get(k) for x in rows])
-                    for k in ("eval_kl", "eval_ppl", "eval_top1")), adapters=rank)
-        if rank is not None:
+                    for k in ("eval_kl", "eval_ppl", "eval_top1")), adapters=lowrank)
+        if lowrank is not None:
             adapter_runs.append(run)
             continue
         runs.append(run)

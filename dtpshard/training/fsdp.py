@@ -136,6 +136,15 @@ def clean(run: Path) -> None:
             p.unlink(missing_ok=True)
 
 
+def _OPTIONS(load: bool = False) -> Any:  # noqa: N802 - a constant, made when torch.distributed is loaded
+    """What a checkpoint holds: the trained tensors only. The frozen ones (the embedding and LM
+    head; with adapters, every base weight) are read from the teacher again on resume, so a load
+    sets only the trained ones (dcp.load has refused a checkpoint without one of them)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=not load)
+
+
 def save(run: Path, step: int, net: nn.Module, opt: torch.optim.Optimizer, extra: dict[str, Any], main: bool,
          barrier: Callable[[], None]) -> None:
     """Collective: every rank writes its shards of the student and AdamW state."""
@@ -149,7 +158,7 @@ def save(run: Path, step: int, net: nn.Module, opt: torch.optim.Optimizer, extra
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    model_sd, optim_sd = get_state_dict(net, opt)
+    model_sd, optim_sd = get_state_dict(net, opt, options=_OPTIONS())
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)  # ends with a collective: all shards written
     if main:
         with atomic_path(tmp / EXTRA) as f:
@@ -182,7 +191,7 @@ def load(run: Path, net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any
         return None
     try:
         extra = load_state(path / EXTRA, "checkpoint")
-        model_sd, optim_sd = get_state_dict(net, opt)
+        model_sd, optim_sd = get_state_dict(net, opt, options=_OPTIONS())
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, storage_reader=safe_reader(path), planner=safe_planner())
     except UserError:
@@ -191,5 +200,6 @@ def load(run: Path, net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any
         # ways, and torch.distributed.checkpoint's own error is a BaseException, not an Exception
         raise UserError(f"{path}: unreadable sharded checkpoint ({first_line(e, 120, named=True)}); "
                         "use --force to start over") from None
-    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_OPTIONS(load=True))
     return extra

@@ -25,13 +25,15 @@ import psutil
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from dtpshard.core.adapters import DEFAULT_TARGETS, AdapterSettings, trainable_count
 from dtpshard.core.errors import UserError
 from dtpshard.core.memory import size_text
 from dtpshard.core.reading import read_text
 from dtpshard.core.settings import DTPSettings
 from dtpshard.core.shape import ModelShape, shape_from_hf_config
-from dtpshard.model.adapters import DEFAULT_TARGETS, AdapterSettings, attach, trainable_count
+from dtpshard.model.adapters import attach
 from dtpshard.model.checkpoint import load_hf_config
+from dtpshard.model.decoder import checkpoint_segment
 from dtpshard.model.dtp import DTPModel
 from dtpshard.model.shards import parse_size
 from dtpshard.training.losses import chunk_tokens
@@ -125,13 +127,13 @@ def _trace(hf_config: Any, settings: DTPSettings, micro_batch: int, seq_len: int
         torch.set_default_dtype(dtype)  # built in the compute dtype (a .to() would swap fake parameters)
         try:
             model = DTPModel(hf_config, settings)
+            if adapters is not None:  # computed in that dtype too (their fp32 masters are counted apart)
+                attach(model, adapters)
         finally:
             torch.set_default_dtype(default)
         if adapters is None:
             for name, p in model.named_parameters():
                 p.requires_grad_(name not in FROZEN)
-        else:
-            attach(model, adapters)  # in fp32, as trained
         model.gradient_checkpointing = grad_checkpointing
         ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -160,9 +162,10 @@ def plan_memory(shape: ModelShape, hf_config: Any, s: Setup, *, settings: DTPSet
     traced = {c: saved_bytes(hf_config, settings, s.micro_batch, s.seq_len, compute, c, lowrank)
               for c in (False, True)}
     layer = traced[False] // shape.layers  # one layer's saved set
-    # with checkpointing, backward recomputes one module at a time: its saved set comes back
-    act = traced[True] + layer if s.grad_checkpointing else traced[False]
-    other = traced[False] if s.grad_checkpointing else traced[True] + layer
+    # with checkpointing, backward recomputes one segment at a time: its modules' saved sets come back
+    segment = traced[False] * checkpoint_segment(shape.modules) // shape.modules
+    act = traced[True] + segment if s.grad_checkpointing else traced[False]
+    other = traced[False] if s.grad_checkpointing else traced[True] + segment
     tokens = s.micro_batch * s.seq_len
     loss = LOSS_BUFFERS * min(tokens, chunk_tokens(shape.vocab)) * shape.vocab * 4 + tokens * shape.hidden * 4
     parts["activations"] = act + layer + loss  # + one layer's gradients in flight

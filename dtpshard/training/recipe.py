@@ -157,7 +157,7 @@ def resolve(cfg: DistillConfig, hf_config: Any = None, layout: Layout | None = N
     dtp = resolve_dtp(shape, devices=cfg.devices, delay=cfg.delay, stage3=cfg.stage3, record=record, layout=layout,
                       where=f"layout {cfg.layout}")
     if cfg.adapters is not None:
-        from dtpshard.model.adapters import check_adapters
+        from dtpshard.core.adapters import check_adapters
 
         if record is not None:  # the frozen weights run dense are the teacher: they must be a dense model's
             raise UserError(f"--adapters with {cfg.teacher}: a DTP student is not a dense teacher (its weights run "

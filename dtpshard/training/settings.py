@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dtpshard.core.adapters import DEFAULT_ALPHA, DEFAULT_TARGETS, AdapterTarget
 from dtpshard.core.errors import UserError
 from dtpshard.core.settings import DTP_HELP, DTPSettings
 from dtpshard.core.typed import Invalid, check
@@ -32,8 +33,6 @@ from dtpshard.core.vocab import (
 
 Precision = Literal["auto", "fp32", "bf16-mixed"]  # resolved per device by training/precision.py
 SaveDType = Literal["auto", "float32", "bfloat16", "float16"]
-AdapterTarget = Literal["q", "k", "v", "o", "gate", "up", "down"]  # model/adapters.py TARGETS
-ADAPTER_TARGETS: list[AdapterTarget] = ["q", "k", "v", "o", "gate", "up", "down"]
 
 FORMAT = "dtpshard.distill/1"
 # A field's role, in its metadata: OPERATIONAL fields (progress bar, checkpoint cadence, where
@@ -108,12 +107,12 @@ class Recipe:
     timeout: Seconds = field(default=600.0, metadata=OPERATIONAL)
     progress: bool = field(default=True, metadata=OPERATIONAL)
     adapters: Count | None = None  # None: every weight trains (full distillation)
-    adapter_alpha: PositiveNumber = 32.0
-    adapter_targets: list[AdapterTarget] = field(default_factory=lambda: list(ADAPTER_TARGETS))
+    adapter_alpha: PositiveNumber = DEFAULT_ALPHA
+    adapter_targets: list[AdapterTarget] = field(default_factory=lambda: list(DEFAULT_TARGETS))
 
 
 # what a run's config.json held implicitly before adapters existed (rundir.check_run's `added`)
-BEFORE_ADAPTERS = {"adapters": None, "adapter_alpha": 32.0, "adapter_targets": ADAPTER_TARGETS}
+BEFORE_ADAPTERS = {"adapters": None, "adapter_alpha": DEFAULT_ALPHA, "adapter_targets": list(DEFAULT_TARGETS)}
 
 
 @dataclass
@@ -186,7 +185,7 @@ class DistillConfig(Recipe, _Teacher):
         """model.adapters.AdapterSettings of an adapter run, None for full distillation."""
         if self.adapters is None:
             return None
-        from dtpshard.model.adapters import AdapterSettings
+        from dtpshard.core.adapters import AdapterSettings
 
         return AdapterSettings(self.adapters, float(self.adapter_alpha), tuple(dict.fromkeys(self.adapter_targets)))
 
