@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import math
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -133,3 +134,25 @@ def peft_config(settings: AdapterSettings, base_model: str) -> dict[str, Any]:
             "r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": 0.0, "bias": "none",
             "target_modules": sorted(TARGETS[t][1] for t in settings.targets), "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True}
+
+
+def save(directory: Path, model: nn.Module, full: Callable[[torch.Tensor], torch.Tensor], write: bool,
+         base: dict[str, Any]) -> None:
+    """`directory` (atomically): the adapters alone, as peft writes a LoRA (adapter_model.safetensors,
+    adapter_config.json), for users who keep them apart from the merged student, and
+    dtpshard.json naming their base: the teacher permuted by the layout (`base`: the run's
+    teacher, layout and layout_sha256). Every process gathers each tensor (`full`, in the same
+    order); the one that `write`s writes."""
+    from safetensors.torch import save_file
+
+    from dtpshard.core.io import atomic_dir, dumps
+
+    tensors = {peft_name(n): full(p).float().contiguous() for n, p in model.named_parameters() if is_adapter(n)}
+    if not write:
+        return
+    with atomic_dir(directory, force=True) as tmp:
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(dumps(peft_config(model.adapters, str(base["teacher"])),
+                                                       indent=1) + "\n")
+        (tmp / "dtpshard.json").write_text(dumps({"base": "the teacher permuted by the layout (dtpshard permute "
+                                                  "TEACHER LAYOUT)", **base}, indent=1) + "\n")

@@ -189,7 +189,6 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
         r.metrics.close()
     with r.peaks.phase("saving"):
         _save_student(r)
-        _save_adapters(r)
     _record_memory(r.dir, r.plan, r.peaks, d)
     if d.main:
         _mark_done(r.dir, r.cfg)
@@ -350,8 +349,8 @@ def _progress(cfg: DistillConfig, d: Dist, start: int):
 
 
 def _save_student(r: _Run) -> None:
-    """final/, atomically, written by rank 0 (the student in the model_type "dtp" format, its model
-    card from the run's records); under --fsdp every rank gathers each tensor in turn."""
+    """final/, atomically, written by rank 0 (the student in the model_type "dtp" format, adapters merged,
+    its model card from the run's records); under --fsdp every rank gathers each tensor in turn."""
     cfg, student, dtype = r.cfg, r.net0.model, save_dtype(r.cfg, r.ckpt)
     source = Path(cfg.tokenizer or cfg.teacher)
 
@@ -368,27 +367,9 @@ def _save_student(r: _Run) -> None:
         student.save_pretrained(r.dir / rundir.FINAL, source, weights, dtype, cfg.max_shard_size, write=False)
 
     r.strategy.save_student(student, dtype, write, follow)
-
-
-def _save_adapters(r: _Run) -> None:
-    """RUN/adapters/ of an adapter run: its adapters alone, as peft writes a LoRA (for users who
-    keep them apart from the merged student), gathered on every rank under --fsdp."""
-    student = r.net0.model
-    settings = getattr(student, "adapters", None)
-    if settings is None:
-        return
-    tensors = {adapters.peft_name(n): r.strategy.full(p).float().contiguous()
-               for n, p in student.named_parameters() if adapters.is_adapter(n)}
-    if r.d.main:
-        from safetensors.torch import save_file
-
-        with atomic_dir(r.dir / rundir.ADAPTERS, force=True) as tmp:
-            save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-            config = adapters.peft_config(settings, str(r.cfg.teacher))
-            (tmp / "adapter_config.json").write_text(dumps(config, indent=1) + "\n")
-            base = {"base": "the teacher permuted by the layout (dtpshard permute TEACHER LAYOUT)",
-                    **{k: r.config[k] for k in ("teacher", "layout", "layout_sha256")}}
-            (tmp / "dtpshard.json").write_text(dumps(base, indent=1) + "\n")
+    if getattr(student, "adapters", None) is not None:  # RUN/adapters/: the adapters alone, gathered on every rank
+        base = {k: r.config[k] for k in ("teacher", "layout", "layout_sha256")}
+        adapters.save(r.dir / rundir.ADAPTERS, student, r.strategy.full, r.d.main, base)
 
 
 def _record_memory(run: Path, plan: memory.MemoryPlan, peaks: memory.PhasePeaks, d: Dist) -> None:
