@@ -29,6 +29,7 @@ class Arm:
     step_seconds: list[float]  # per run: the median seconds of a training step (no evaluation in it)
     peak_rss: list[int]  # per run with a memory record: the training phase's peak, largest rank
     elsewhere: list[str]  # runs trained in another experiment: where (their config.json's out)
+    threads: list[int]  # the intra-op threads the runs started with (config.json)
 
     @property
     def name(self) -> str:
@@ -47,20 +48,33 @@ def _shape(model: dict[str, Any]) -> ModelShape:
                       heads_per_group=heads // model["kv_groups"])
 
 
-def _arm(study: Study, layout: str, rank: int | None, runs: list[Run]) -> Arm:
+def _home(study: Study) -> Path | None:
+    """Where the adapter runs were trained (their config.json's out, less runs/NAME): a run trained
+    elsewhere was copied in from another experiment (the directory may have moved since)."""
+    for run in study.adapter_runs:
+        out = (_read_json(study.directory / RUNS / run.name / "config.json", "run config") or {}).get("out")
+        if out:
+            return Path(str(out)).parent.parent
+    return None
+
+
+def _arm(study: Study, layout: str, rank: int | None, runs: list[Run], home: Path | None) -> Arm:
     from dtpshard.training.rundir import METRICS, read_metrics  # torch: only where there are runs
 
-    trainable, seconds, peaks, elsewhere = None, [], [], []
+    trainable, seconds, peaks, elsewhere, threads = None, [], [], [], set()
     for run in runs:
         d = study.directory / RUNS / run.name
         cfg = _read_json(d / "config.json", "run config") or {}
+        if isinstance(cfg.get("threads"), int) and cfg["threads"] > 0:
+            threads.add(cfg["threads"])
         if cfg.get("model") and trainable is None:
             shape = _shape(cfg["model"])
             frozen = shape.vocab * shape.hidden * (1 if shape.tied else 2)
             trainable = shape.params() - frozen if rank is None else trainable_count(
                 shape, AdapterSettings(rank, targets=tuple(cfg.get("adapter_targets") or AdapterSettings(1).targets)))
-        if cfg.get("out") and Path(cfg["out"]).name == run.name and Path(cfg["out"]).parent.parent != study.directory:
-            elsewhere.append(str(Path(cfg["out"]).parent.parent))
+        where = Path(str(cfg.get("out") or "")).parent.parent
+        if home is not None and cfg.get("out") and where != home:
+            elsewhere.append(str(where))
         rows = read_metrics(d)
         walls = [_num(row, "wall", d / METRICS) for row in rows]
         gaps = [b - a for a, b, x, y in zip(walls, walls[1:], rows, rows[1:])
@@ -71,7 +85,7 @@ def _arm(study: Study, layout: str, rank: int | None, runs: list[Run]) -> Arm:
         training = (memory.get("measured") or {}).get("training") or []
         if any(isinstance(v, int) for v in training):
             peaks.append(max(v for v in training if isinstance(v, int)))
-    return Arm(layout, rank, runs, trainable, seconds, peaks, sorted(set(elsewhere)))
+    return Arm(layout, rank, runs, trainable, seconds, peaks, sorted(set(elsewhere)), sorted(threads))
 
 
 def arms(study: Study) -> list[Arm]:
@@ -89,7 +103,8 @@ def arms(study: Study) -> list[Arm]:
         return kinds.get(info.kind if info else key[0], len(kinds)), key[0], key[1] is not None, key[1] or 0
 
     keys = sorted(groups, key=order)
-    return [_arm(study, layout, rank, groups[(layout, rank)]) for layout, rank in keys]
+    home = _home(study)
+    return [_arm(study, layout, rank, groups[(layout, rank)], home) for layout, rank in keys]
 
 
 def _fmt(values: list[float], digits: int = 3) -> str:
@@ -172,8 +187,10 @@ def adapter_lines(study: Study, figures: dict[str, str]) -> list[str]:
     head = ["## Adapters against full distillation", "",
             "Arms with `adapters`: low-rank adapters W + (α/r)·B·A on the projections, over the frozen permuted "
             "weights (the teacher is the same weights run dense with the adapters off), B = 0 at step 0"
-            f"{rates}. Seconds per step: the median over a run's steps with no evaluation in them.", "",
-            "| arm | runs | trained parameters | s / step | peak RSS (training) |", "|---|---|---|---|---|"]
+            f"{rates}. Seconds per step: the median over a run's steps with no evaluation in them, with the "
+            "intra-op threads its run started with (a time per step compares only at equal threads and load).", "",
+            "| arm | runs | trained parameters | s / step | threads | peak RSS (training) |",
+            "|---|---|---|---|---|---|"]
     notes = []
     for a in all_arms:
         mark = ""
@@ -182,9 +199,9 @@ def adapter_lines(study: Study, figures: dict[str, str]) -> list[str]:
                          "metrics and DONE); its time per step is from that experiment")
             mark = " †"
         rss = _fmt([p / 2**30 for p in a.peak_rss], 2) + " GiB" if a.peak_rss else "not recorded"
-        head.append(f"| {a.name}{mark} | {len(a.runs)} | {a.trainable / 1e6:.2f} M | {_fmt(a.step_seconds, 2)} | "
-                    f"{rss} |" if a.trainable else f"| {a.name}{mark} | {len(a.runs)} | – | "
-                    f"{_fmt(a.step_seconds, 2)} | {rss} |")
+        trained = f"{a.trainable / 1e6:.2f} M" if a.trainable else "–"
+        threads = ", ".join(map(str, a.threads)) or "–"
+        head.append(f"| {a.name}{mark} | {len(a.runs)} | {trained} | {_fmt(a.step_seconds, 2)} | {threads} | {rss} |")
     head += [""] + [f"† {n}." for n in notes] + ([""] if notes else [])
     for what, title in (("kl", "KL"), ("top1", "Top-1 agreement with the teacher")):
         head += [f"{title} at every evaluation (mean ± sd over training seeds):", "",
