@@ -296,3 +296,18 @@ def test_the_plan_is_within_a_quarter_of_the_measured_peak_on_smollm2(tmp_path):
     record = json.loads((out / "memory.json").read_text())
     peak = max(record["measured"]["training"])
     assert 0.75 <= peak / record["plan"]["total"] <= 1.25, (peak, record["plan"]["total"])
+
+
+def test_peft_reads_the_adapters_over_the_permuted_teacher(setup, run, tmp_path):
+    """RUN/adapters/ is a LoRA peft loads onto `dtpshard permute TEACHER LAYOUT`; merged, its
+    projections are the saved student's."""
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaForCausalLM
+
+    permuted = tmp_path / "permuted"
+    assert main(["permute", str(setup["model"]), str(setup["layout"]), "--out", str(permuted)]) == 0
+    base = LlamaForCausalLM.from_pretrained(permuted, dtype=torch.float32)
+    merged = peft.PeftModel.from_pretrained(base, run / rundir.ADAPTERS).merge_and_unload().state_dict()
+    student = load_file(run / "final" / "model.safetensors")
+    for name, w in student.items():
+        torch.testing.assert_close(merged[name], w, rtol=0, atol=1e-6)
