@@ -35,7 +35,7 @@ class AdapterSettings:
 
 def check_adapters(settings: AdapterSettings, shape: Any) -> None:
     """One line for a rank or target that cannot be: the rank must be at most min(rows, columns)
-    of every projection it adapts (a larger B·A is no longer low rank, and says nothing more)."""
+    of some projection it adapts."""
     unknown = [t for t in settings.targets if t not in TARGETS]
     if unknown:
         raise UserError(f"--adapter-targets {unknown[0]!r}: not a projection (choose from {', '.join(TARGETS)})")
@@ -43,11 +43,13 @@ def check_adapters(settings: AdapterSettings, shape: Any) -> None:
         raise UserError("--adapter-targets: give at least one projection")
     if settings.rank < 1:
         raise UserError(f"--adapters {settings.rank}: the rank must be at least 1")
+    # a rank above a projection's min(rows, columns) gives it a full-rank update (peft allows it);
+    # above every adapted projection's, nothing is low rank any more
     sizes = {t: projection_shape(shape, t) for t in settings.targets}
-    target, (out, inp) = min(sizes.items(), key=lambda kv: min(kv[1]))
+    target, (out, inp) = max(sizes.items(), key=lambda kv: min(kv[1]))
     if settings.rank > min(out, inp):
-        raise UserError(f"--adapters {settings.rank}: above min(rows, columns) = {min(out, inp)} of the {target} "
-                        f"projection ({out} x {inp})")
+        raise UserError(f"--adapters {settings.rank}: above min(rows, columns) of every adapted projection (at most "
+                        f"{min(out, inp)}, the {target} projection's: {out} x {inp})")
     if not math.isfinite(settings.alpha) or settings.alpha <= 0:
         raise UserError(f"--adapter-alpha {settings.alpha}: must be a positive number")
 
