@@ -8,7 +8,8 @@ import pytest
 from dtpshard.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-STUDIES = ["smollm2-l3-d1", "smollm2-l3-d1-long", "smollm2-l3-d2", "smollm2-l3-d1-random16", "smollm2-l3-d1-seeds"]
+STUDIES = ["smollm2-l3-d1", "smollm2-l3-d1-long", "smollm2-l3-d2", "smollm2-l3-d1-random16", "smollm2-l3-d1-seeds",
+           "smollm2-l3-d1-adapters", "smollm2-l3-d1-adapters-long"]
 
 
 @pytest.mark.parametrize("name", STUDIES)
