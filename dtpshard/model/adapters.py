@@ -9,7 +9,7 @@ never formed as a matrix: a projection's memory is its frozen weight, A [r, in],
 B starts at zero, so step 0 is the untrained student exactly; A starts as peft's (Kaiming-uniform,
 bound 1/√in), drawn from a generator seeded by the run's seed and the tensor's name, so every
 process and every sharding draws the same A. `merged` gives the weights a student is saved with
-(W + (α/r)·B·A in fp32), `peft_files` the adapters alone in peft's LoRA layout.
+(W + (α/r)·B·A in fp32), `save` the adapters alone in peft's LoRA layout.
 """
 from __future__ import annotations
 
