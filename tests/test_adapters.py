@@ -202,19 +202,15 @@ def test_two_processes_match_one_process(dp, how):
         assert memory["setup"]["sharded"] and memory["parts"]["adapters"] > 0
 
 
-def test_a_sharded_adapter_run_resumes_after_a_kill_with_only_the_adapters_saved(dp, tmp_path, capsys):
+def test_a_sharded_adapter_run_resumes_after_a_kill_with_only_the_adapters_saved(dp, tmp_path, capsys, monkeypatch):
     from test_distill_ddp import ddp_args
 
     s, one = dp
     out = tmp_path / "run"
     args = ddp_args(s, out) + ["--nproc", "2", "--fsdp", "--adapters", str(RANK)]
-    import os
-
-    os.environ["DTPSHARD_TEST_CRASH"] = "step:3@1"
-    try:
-        assert main(args) == 2
-    finally:
-        del os.environ["DTPSHARD_TEST_CRASH"]
+    monkeypatch.setenv("DTPSHARD_TEST_CRASH", "step:3@1")
+    assert main(args) == 2
+    monkeypatch.delenv("DTPSHARD_TEST_CRASH")
     assert "died" in capsys.readouterr().err
     import torch.distributed.checkpoint as dcp
 

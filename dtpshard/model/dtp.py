@@ -50,6 +50,7 @@ class DTPModel(PretrainedMixin, Decoder):
         self.settings = settings.check(self.shape)
         self.devices, self.delay, self.stage3 = settings.devices, settings.delay, settings.stage3
         self.steps = schedule_for(self.shape.modules, settings)
+        self.dense_steps = schedule_for(self.shape.modules, DENSE)  # the teacher's, in an adapter run
 
     def dtp_settings(self) -> dict[str, Any]:
         return self.settings.to_json()
@@ -59,7 +60,7 @@ class DTPModel(PretrainedMixin, Decoder):
                attention_mask: torch.Tensor | None = None, dense: bool = False) -> torch.Tensor:
         """h = mean_l FinalNorm(x_l): [B, T, D], the LM head's input (Decoder.head_input). dense: the
         same weights run as the dense model (L = 1, δ = 0), whatever this model's settings."""
-        steps, devices = (schedule_for(self.shape.modules, DENSE), 1) if dense else (self.steps, self.devices)
+        steps, devices = (self.dense_steps, 1) if dense else (self.steps, self.devices)
         exchange = Exchange(steps, DeviceAxis(), devices)
         return self.head_input(self.run_streams(input_ids, devices, exchange, cache, attention_mask), exchange)
 
