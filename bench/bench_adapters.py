@@ -33,14 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = ROOT / "docs" / "results" / "smollm2-l3-d1" / "layouts" / "optimised.json"
 
 
-def resident() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def one_arm(arm: str, rank: int, steps: int, checkpointed: bool) -> dict:
+    import psutil
     import torch
     from torch import nn
     from torch.nn.utils import parametrize
@@ -83,6 +77,7 @@ def one_arm(arm: str, rank: int, steps: int, checkpointed: bool) -> dict:
     net = Student(student)
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
+
     def step(k: int) -> tuple[float, float, float]:  # its locals die with it, as distill's (loop.accumulate)
         b = ids[k]
         t0 = time.perf_counter()
@@ -95,7 +90,7 @@ def one_arm(arm: str, rank: int, steps: int, checkpointed: bool) -> dict:
         opt.zero_grad(set_to_none=True)
         return t1 - t0, t2 - t1, time.perf_counter() - t2
 
-    before, peaks = resident(), PhasePeaks("cpu")
+    before, peaks = psutil.Process().memory_info().rss, PhasePeaks("cpu")
     with peaks.phase("training"):
         split = [step(k) for k in range(len(ids))]  # per step: forward with the loss, backward, optimizer
     parts = [statistics.median(s[i] for s in split[2:]) for i in range(3)]
@@ -119,9 +114,12 @@ def main() -> None:
     if a.arm:
         print(json.dumps(one_arm(a.arm, a.rank, a.steps, a.one_checkpointed)))
         return
-    arms = ([("full", 0, False)] + [(kind, r, False) for r in a.ranks
-                                     for kind in ("lowrank", "parametrize")[:1 + a.parametrized]]
-            + [("full", 0, True), ("lowrank", min(a.ranks), True)] * a.checkpointed)
+    if min(a.steps, a.repeats, *a.ranks) < 1:
+        ap.error("--steps, --repeats and every rank must be at least 1")
+    kinds = ("lowrank", "parametrize") if a.parametrized else ("lowrank",)
+    arms = [("full", 0, False)] + [(kind, r, False) for r in a.ranks for kind in kinds]
+    if a.checkpointed:
+        arms += [("full", 0, True), ("lowrank", min(a.ranks), True)]
     load = os.getloadavg()[0]
     runs: list[list[dict]] = []  # per repeat, per arm; the arms interleaved, so a slow spell hits all of them
     for rep in range(a.repeats):
@@ -139,6 +137,7 @@ def main() -> None:
     print("| arm | trained parameters | s / step (forward, backward, AdamW) | × full (range) | peak RSS | × full "
           "| step's own | × full |")
     print("|---|---|---|---|---|---|---|---|")
+    full_peak, full_own = med(rep[0]["peak_rss"] for rep in runs), med(rep[0]["own"] for rep in runs)
     for i, r in enumerate(runs[0]):
         name = "full" if r["arm"] == "full" else f"rank {r['rank']}" + (", parametrized" if r["arm"] == "parametrize"
                                                                           else "")
@@ -147,10 +146,10 @@ def main() -> None:
         times = [e["seconds"] / rep[0]["seconds"] for e, rep in zip(each, runs)]
         parts = ", ".join(f"{med(e['parts'][j] for e in each):.2f}" for j in range(3))
         peak, own = med(e["peak_rss"] for e in each), med(e["own"] for e in each)
-        full_peak, full_own = med(rep[0]["peak_rss"] for rep in runs), med(rep[0]["own"] for rep in runs)
         print(f"| {name} | {r['trainable'] / 1e6:.2f} M | {med(e['seconds'] for e in each):.2f} ({parts}) | "
               f"{med(times):.2f} ({min(times):.2f}–{max(times):.2f}) | {peak / GiB:.2f} GiB | {peak / full_peak:.2f} "
               f"| {own / GiB:.2f} GiB | {own / full_own:.2f} |")
+
 
 if __name__ == "__main__":
     main()

@@ -15,7 +15,7 @@ RUN/memory.json. The plan counts live tensors; a CPU's resident set also holds w
 keeps after a free (its mmap threshold rises to the largest block freed, so later blocks up to
 32 MB come from a heap it does not hand back). At SmolLM2 scale a checkpointed forward leaves
 80 MB of tensors live and 760 MB more resident (90 MB with MALLOC_MMAP_THRESHOLD_=131072, which
-costs 30-46% more time a step); checkpointed CPU runs there measure 1.4-1.5x their plan.
+costs 30-46% more time a step); checkpointed CPU runs there measure 1.45-1.53x their plan.
 """
 from __future__ import annotations
 
