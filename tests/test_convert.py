@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from dtpshard.cli import main
 from dtpshard.training import convert as convert_mod
 from test_distill import random_docs
-from tiny import command_line
+from tiny import command_line, copy_owned
 
 HOOKS = Path(__file__).parent / "hooks" / "sitecustomize.py"
 STAGE_FILES = ("convert.json", "affinity.safetensors", "layout.json", "run", "student", "timings.json")
@@ -154,7 +154,7 @@ def test_sigterm_ends_it_in_one_line(setup, tmp_path, point):
 
 def test_a_changed_setting_is_refused_naming_it(setup, straight, tmp_path, capsys):
     out = tmp_path / "other"
-    shutil.copytree(straight, out)
+    copy_owned(straight, out)
     assert main(args_for(setup, out, devices=4)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "devices 2 (now 4)" in err[0] and "--force" in err[0], err

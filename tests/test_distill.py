@@ -6,7 +6,6 @@ import math
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from dtpshard.model.dtp import DTPModel
 from dtpshard.training import rundir
 from dtpshard.training.distill import DistillConfig, lr_factor, resolve, train_blocks_for
 from dtpshard.training.evaluate import eval_blocks_for, evaluate
-from tiny import command_line
+from tiny import command_line, copy_owned
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_KEYS = {"kind", "step", "tokens", "loss", "kl", "ce", "lr", "grad_norm", "wall"}
@@ -224,7 +223,7 @@ def test_resume_after_sigkill_at_an_arbitrary_moment(setup, straight, tmp_path):
 
 def test_finished_run_is_not_redone(setup, straight, tmp_path, capsys):
     run = tmp_path / "done"
-    shutil.copytree(straight, run)
+    copy_owned(straight, run)
     before = (run / "metrics.jsonl").read_bytes()
     assert main(args_for(setup, run)) == 0
     assert "already finished" in capsys.readouterr().err
@@ -240,7 +239,7 @@ def _one_error_line(capsys, *what):
 
 def test_other_settings_are_refused_unless_force(setup, straight, tmp_path, capsys):
     run = tmp_path / "other"
-    shutil.copytree(straight, run)
+    copy_owned(straight, run)
     assert main(args_for(setup, run, lr=2e-3, seed=1)) == 2
     line = _one_error_line(capsys, "lr 0.001 (now 0.002)", "seed 0 (now 1)", "--force")
     assert "steps" not in line

@@ -2,7 +2,6 @@
 process with the same global batch, resume after a kill, each rank holding half the state."""
 import dataclasses
 import json
-import shutil
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from dtpshard.training.evaluate import evaluate
 from dtpshard.training.recipe import FROZEN
 from test_distill import rows_without_wall
 from test_distill_ddp import assert_same_curves, ddp_args, setup, single  # noqa: F401 - fixtures
+from tiny import copy_owned
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_a_run_from_before_the_flag_is_not_refused(setup, single, tmp_path, caps
     from test_distill_ddp import STEPS
 
     old = tmp_path / "old"
-    shutil.copytree(single, old)
+    copy_owned(single, old)
     cfg = json.loads((old / "config.json").read_text())
     del cfg["fsdp"]
     (old / "config.json").write_text(json.dumps(cfg))

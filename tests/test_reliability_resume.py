@@ -18,7 +18,7 @@ from dtpshard.cli import main
 from test_convert import args_for as convert_args
 from test_distill import random_docs
 from test_experiment import config_text
-from tiny import command_line
+from tiny import command_line, copy_owned
 
 
 def one_line(capsys, *words):
@@ -68,7 +68,7 @@ def test_force_clears_only_what_dtpshard_made(setup, converted, tmp_path, capsys
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
-    linked = Path(shutil.copytree(converted, tmp_path / "linked"))
+    linked = Path(copy_owned(converted, tmp_path / "linked"))
     shutil.rmtree(linked / "run")
     (linked / "run").symlink_to(mine)
     foreign = tmp_path / "foreign"
@@ -123,7 +123,7 @@ def test_a_resume_refuses_a_teacher_whose_weights_changed(setup, teacher, tmp_pa
 def test_an_edited_layout_is_not_republished(setup, converted, tmp_path, capsys):
     """units swapped and J rewritten by hand in DIR/layout.json, the student removed: the rerun
     would publish the run's old layout hash beside the new J."""
-    out = Path(shutil.copytree(converted, tmp_path / "edited"))
+    out = Path(copy_owned(converted, tmp_path / "edited"))
     layout = json.loads((out / "layout.json").read_text())
     kv = layout["layers"][0]["kv_perm"]
     kv[0], kv[-1] = kv[-1], kv[0]
@@ -138,13 +138,13 @@ def test_an_edited_layout_is_not_republished(setup, converted, tmp_path, capsys)
 def test_a_stage_is_skipped_or_published_only_over_whole_output(setup, converted, tmp_path, capsys):
     """The issue's case: student/ and run/final's weights removed, then rerun; and a student whose
     weights went missing."""
-    out = Path(shutil.copytree(converted, tmp_path / "halved"))
+    out = Path(copy_owned(converted, tmp_path / "halved"))
     shutil.rmtree(out / "student")
     (out / "run" / "final" / "model.safetensors").unlink()
     assert main(convert_args(setup, out)) == 2
     one_line(capsys, f"{out / 'run'}: marked finished (DONE), but its student is damaged", "--force")
     assert not (out / "student").exists()
-    out = Path(shutil.copytree(converted, tmp_path / "student-only"))
+    out = Path(copy_owned(converted, tmp_path / "student-only"))
     (out / "student" / "model.safetensors").unlink()
     assert main(convert_args(setup, out)) == 2
     one_line(capsys, f"{out / 'student'}: is damaged", "--force")

@@ -112,3 +112,24 @@ def with_nan(affinity_file: Path, out: Path, edge: tuple[int, int], index: tuple
     tensors[f"edge.{edge[0]}.{edge[1]}"][index] = np.nan
     save_file(tensors, str(out), metadata=meta)
     return out
+
+
+def copy_owned(src, dst):
+    """A copy of a directory dtpshard wrote, owned where it lies, as if dtpshard had written it
+    there: each mark rebound to its directory's and its own inode (core/owned.py binds a mark to
+    both, so a plain copy is nobody's). Tests use it to give each case its own finished run."""
+    import json
+    import os
+    import shutil
+    from pathlib import Path
+
+    from dtpshard.core.owned import MARK
+
+    dst = Path(shutil.copytree(src, dst, symlinks=True))
+    for mark in dst.rglob(MARK):
+        data = json.loads(mark.read_text())
+        data["dir"], data["ino"] = os.lstat(mark.parent).st_ino, os.lstat(mark).st_ino
+        with open(mark, "r+") as f:  # in place: the file keeps its inode
+            f.write(json.dumps(data))
+            f.truncate()
+    return dst

@@ -39,6 +39,7 @@ _OS_WHAT = {
     errno.EROFS: ("read-only file system", "write elsewhere"),
     errno.ENOENT: ("no such file or directory", "check the path"),
     errno.EFBIG: ("file too large for this process's file-size limit", "raise `ulimit -f`, or write less"),
+    errno.ELOOP: ("a symbolic link, which dtpshard never writes through", "remove the link, or write elsewhere"),
 }
 _WRITING = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 
@@ -49,7 +50,7 @@ def _os_line(exc: OSError, path: str | Path | None) -> str:
     todo = f" ({todo})" if todo else ""
     if path is None:
         return f"{what}{todo}"
-    where = "writing" if exc.errno in _WRITING else "on" if exc.errno != errno.ENOENT else ":"
+    where = "writing" if exc.errno in _WRITING else "on" if exc.errno not in (errno.ENOENT, errno.ELOOP) else ":"
     return f"{what} {where} {public_path(path)}{todo}".replace(" : ", ": ")
 
 

@@ -119,6 +119,9 @@ def check_replaceable(out: Path, own: Callable[[Path], bool], what: str, *, forc
     out = Path(out)
     if not os.path.lexists(out):
         return False
+    if out.is_symlink():  # replacing it would replace the link, never what it points at: neither is ours
+        raise UserError(f"{flag} {out}: is a symbolic link (to {os.readlink(out)}), which dtpshard never replaces; "
+                        f"nothing was touched (give the real path, or choose another {flag})")
     if force is False:
         raise UserError(f"output {out} exists (use --force to replace it)")
     try:

@@ -51,14 +51,54 @@ def _tmp_sibling(path: Path, suffix: str = "") -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}{suffix}")
 
 
-def _pid_alive(pid: int) -> bool:
+PID_MAX = 1 << 22  # Linux's largest pid_max: a larger number in a file name is no process's
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` may be running (a zombie is not). A number no process can have (a
+    name planted by hand) counts as running: what it names is left alone, never removed."""
+    if not 0 < pid <= PID_MAX:
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
         return True
-    return True
+    try:  # a dead child its parent has not reaped yet still answers kill(0)
+        stat = read_text(f"/proc/{pid}/stat", 4096, "a process's status")
+    except (OSError, UserError):
+        return True
+    return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
+
+
+_ROOTS: list[Path] = []  # the output directories this process writes (core/lock.py registers them)
+
+
+@contextlib.contextmanager
+def output_root(d: Path) -> Iterator[None]:
+    """While inside: every name written under `d` is checked for symbolic links from `d` down."""
+    d = Path(os.path.abspath(d))
+    _ROOTS.append(d)
+    try:
+        yield
+    finally:
+        _ROOTS.remove(d)
+
+
+def refuse_links(path: str | Path) -> None:
+    """A name a command writes, locks or appends to is never reached through a symbolic link: not
+    the name itself, nor a directory on the way to it inside the output directory (a registered
+    `output_root`, itself included; elsewhere the name's own directory). One line naming it."""
+    path = Path(os.path.abspath(path))
+    inside = [r for r in _ROOTS if r == path or r in path.parents]
+    stop = max(inside, key=lambda r: len(r.parts)) if inside else path.parent
+    for p in (path, *path.parents):
+        if p.is_symlink():
+            raise UserError(f"{p}: is a symbolic link (to {os.readlink(p)}); dtpshard never writes through one "
+                            f"(it would write someone else's files): give the real path, or remove the link")
+        if p == stop:
+            return
 
 
 def remove_stale_temporaries(path: Path) -> None:
@@ -69,7 +109,7 @@ def remove_stale_temporaries(path: Path) -> None:
         return
     for p in parent.iterdir():
         pid = p.name[len(prefix):].split("-")[0].split(".")[0] if p.name.startswith(prefix) else ""
-        if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+        if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
             continue  # not ours, or its writer still runs
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
@@ -109,6 +149,7 @@ def check_writable_dir(path: Path, create: bool = True) -> None:
     ancestor is checked instead, and nothing is left behind) and a file can be created in it;
     else one line. Call it before an expensive pass whose result goes to `path`."""
     path = Path(path)
+    refuse_links(path)
     parent = path.parent if str(path.parent) else Path(".")
     blocker = next((p for p in [parent, *parent.parents] if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
@@ -152,6 +193,15 @@ def _disk_full(exc: BaseException, where: Path) -> bool:
     return isinstance(exc, (OSError, RuntimeError)) and st.f_bavail * st.f_frsize < _FULL_BYTES
 
 
+def _size_limited(exc: BaseException) -> bool:
+    """A library's failed write (torch's "file write failed", which drops errno) under a finite
+    `ulimit -f`: the limit is what stopped it."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return isinstance(exc, RuntimeError) and "write failed" in str(exc) and limit != resource.RLIM_INFINITY
+
+
 @contextlib.contextmanager
 def writing(path: str | Path) -> Iterator[None]:
     """A write to `path` that fails for lack of space (whatever library did it) raises
@@ -167,7 +217,7 @@ def writing(path: str | Path) -> Iterator[None]:
         where = path if path.is_dir() else path.parent
         if _disk_full(e, where if str(where) else Path(".")):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from e
-        if "File too large" in str(e) or "os error 27" in str(e):  # EFBIG: past `ulimit -f`
+        if "File too large" in str(e) or "os error 27" in str(e) or _size_limited(e):  # EFBIG: past `ulimit -f`
             raise OSError(errno.EFBIG, os.strerror(errno.EFBIG), str(path)) from e
         raise
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dtpshard.core.errors import UserError, naming
-from dtpshard.core.io import check_writable_dir, writing
+from dtpshard.core.io import check_writable_dir, output_root, writing
 
 LOCK = ".lock"
 
@@ -23,8 +23,9 @@ LOCK = ".lock"
 def locked(run: Path, flag: str = "--out") -> Iterator[None]:
     """Hold RUN/.lock exclusively, or refuse: "RUN is in use by process PID". The OS releases it
     when the process dies, however it dies; a clean exit also removes the file. Also the check
-    that RUN can be written, made before any expensive work. A RUN this call created that holds
-    nothing afterwards (a refused start) is removed again."""
+    that RUN can be written, made before any expensive work, and that no link is on the way
+    (RUN/.lock, RUN itself: core/io.py's refuse_links, which then guards every write under RUN).
+    A RUN this call created that holds nothing afterwards (a refused start) is removed again."""
     run = Path(run).absolute()
     if run.exists() and not run.is_dir():
         raise UserError(f"{flag} {run}: exists and is not a directory")
@@ -33,7 +34,8 @@ def locked(run: Path, flag: str = "--out") -> Iterator[None]:
     path = run / LOCK
     fd = _lock(path, run)
     try:
-        yield
+        with output_root(run):  # every name written under RUN is checked for links (core/io.py)
+            yield
     finally:
         path.unlink(missing_ok=True)  # while still holding it: a waiting opener re-checks the inode
         os.close(fd)
@@ -45,7 +47,7 @@ def locked(run: Path, flag: str = "--out") -> Iterator[None]:
 def _lock(path: Path, run: Path) -> int:
     while True:
         with naming(path), writing(path):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # a planted link: ELOOP
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

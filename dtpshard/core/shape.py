@@ -220,6 +220,9 @@ def rope_thetas(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+CONFIG_DTYPES = ("float32", "float16", "bfloat16", "float64")  # config.json's dtype, as the weights may be stored
+
+
 def check_numbers(raw: dict[str, Any], where: str = "config.json") -> None:
     """A config.json's numbers checked as a model's, before transformers or anything else reads them:
     every dimension a positive integer, eps and rope θ finite and positive, heads x head_dim
@@ -237,6 +240,11 @@ def check_numbers(raw: dict[str, Any], where: str = "config.json") -> None:
         if not _is_number(v) or not math.isfinite(v) or v <= 0:
             raise UserError(f"{where}: {name}={quote(v)} must be a finite number > 0")
     check_scales(raw, where)
+    for name in ("dtype", "torch_dtype"):  # read through getattr(torch, ...) by transformers: typed first
+        v = raw.get(name)
+        if v is not None and v not in CONFIG_DTYPES:
+            raise UserError(f"{where}: {name}={quote(v)} is not a dtype dtpshard computes in (one of "
+                            f"{', '.join(CONFIG_DTYPES)}; a quantised checkpoint must be dequantised first)")
     heads, hidden = raw["num_attention_heads"], raw["hidden_size"]
     kv = raw.get("num_key_value_heads") or heads
     if heads % kv:

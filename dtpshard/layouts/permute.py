@@ -28,7 +28,7 @@ from dtpshard.core.io import (
 )
 from dtpshard.core.layout import Layout, is_layout_file
 from dtpshard.core.memory import size_text
-from dtpshard.core.owned import MARK, foreign, mark, read_mark, refuse
+from dtpshard.core.owned import MARK, read_mark, refuse, refuse_link, seal, sealed
 from dtpshard.core.permutation import stored_indices
 from dtpshard.model.checkpoint import canonical, is_student, open_checkpoint, tensor_names
 
@@ -48,12 +48,13 @@ def is_permuted_checkpoint(path: Path) -> bool:
 
 
 def _refuse_foreign_files(out: Path) -> None:
-    """--force swaps the whole directory out: refused, naming it, when it holds a file that permute
-    did not write there (one its mark does not list)."""
-    mark = read_mark(out, COMMAND) if out.is_dir() else None
-    extra = foreign(out, mark.get("names") or []) if mark is not None else []
-    if extra:
-        raise refuse(out / extra[0], f"the {MARK} of {out} does not list it")
+    """--force swaps the whole directory out: refused, naming it, when anything in it, at any
+    depth, is not a file permute wrote there (one its mark does not list), or `out` is a link."""
+    if out.is_symlink():
+        raise refuse_link(out)
+    first = sealed(COMMAND)(out) if out.is_dir() and read_mark(out, COMMAND) is not None else None
+    if first is not None:
+        raise refuse(first, f"the {MARK} of {out} does not list it")
 
 
 def permute(model: Path, layout: Path, out: Path, force: bool = False, check: str = "construction",
@@ -89,7 +90,7 @@ def permute(model: Path, layout: Path, out: Path, force: bool = False, check: st
                 for i, n in enumerate(permute_file(src, tmp / src.name, gathers)):
                     counts[i] += n
             (tmp / LAYOUT_JSON).write_text(dumps(lay.to_json(), indent=1) + "\n")
-            mark(tmp, COMMAND, [p.name for p in tmp.iterdir()])  # what a later --force may replace
+            seal(tmp, COMMAND)  # what a later --force may replace
             if check == "construction":
                 for src in weights:
                     check_file(src, tmp / src.name, gathers)

@@ -127,10 +127,13 @@ def peft_name(name: str) -> str:
     return f"base_model.model.{base}.lora_{which}.weight"
 
 
-def peft_config(settings: AdapterSettings, base_model: str) -> dict[str, Any]:
+def peft_config(settings: AdapterSettings) -> dict[str, Any]:
     """adapter_config.json as peft writes a LoRA's (the keys its LoraConfig reads). Its base is
-    the teacher permuted by the run's layout (`dtpshard permute`), not the teacher as it is."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+    the teacher permuted by the run's layout (`dtpshard permute`), which exists nowhere until a
+    user makes it: base_model_name_or_path is null, so that peft's auto classes never load the
+    teacher as it is (its neurons in another order) and merge onto it; dtpshard.json says what
+    the base is."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None,
             "r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": 0.0, "bias": "none",
             "target_modules": sorted(TARGETS[t][1] for t in settings.targets), "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True}
@@ -145,14 +148,15 @@ def save(directory: Path, model: nn.Module, full: Callable[[torch.Tensor], torch
     order); the one that `write`s writes."""
     from safetensors.torch import save_file
 
-    from dtpshard.core.io import atomic_dir, dumps
+    from dtpshard.core.io import dumps
+    from dtpshard.core.owned import replacing
 
     tensors = {peft_name(n): full(p).float().contiguous() for n, p in model.named_parameters() if is_adapter(n)}
     if not write:
         return
-    with atomic_dir(directory, force=True) as tmp:
+    with replacing(directory, "distill") as tmp:  # sealed: what --force may remove
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (tmp / "adapter_config.json").write_text(dumps(peft_config(model.adapters, str(base["teacher"])),
+        (tmp / "adapter_config.json").write_text(dumps(peft_config(model.adapters),
                                                        indent=1) + "\n")
         (tmp / "dtpshard.json").write_text(dumps({"base": "the teacher permuted by the layout (dtpshard permute "
                                                   "TEACHER LAYOUT)", **base}, indent=1) + "\n")

@@ -144,8 +144,6 @@ EXPERIMENT_DIR = "an experiment directory"  # what the refusals call it
 def _prepare_dir(out: Path, cfg: Experiment, force: bool) -> None:
     """config.json in place: a rerun of the same experiment resumes (in a directory that is its
     own); --force starts one over, removing only the experiment's own files (core/owned.py)."""
-    from dtpshard.training.rundir import made_by_dtpshard
-
     saved = out / "config.json"  # run_experiment has refused another command's or unrelated files
     data = record(cfg)
     names = (LAYOUT_DIR, ZEROSHOT, RUNS, TEACHER_CACHE, SCORES, TIMINGS, PROVENANCE, "report.md", "figures",
@@ -162,8 +160,7 @@ def _prepare_dir(out: Path, cfg: Experiment, force: bool) -> None:
                             "(use --force to start it over)")
     elif out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory")
-    marks = {**dict.fromkeys(names, made_by_dtpshard), **CLEARABLE}
-    data[ID] = claim(out, "experiment", names, "config.json", force, marks)
+    data[ID] = claim(out, "experiment", names, "config.json", force, CLEARABLE)
     if not saved.is_file() or force:
         atomic_write_text(saved, dumps(data, indent=1) + "\n")
 

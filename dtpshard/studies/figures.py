@@ -19,8 +19,8 @@ from dtpshard.studies.adapters import draw_adapters
 from dtpshard.studies.compare import head_start, rolling_median
 from dtpshard.studies.seeds import MIN_LAYOUTS, seeded_random
 from dtpshard.studies.stats import correlate, mean_curve, rank_correlate
+from dtpshard.studies.study import FIGURES, layout_kl, mid_step
 from dtpshard.studies.study import distinct as distinct_layouts
-from dtpshard.studies.study import layout_kl, mid_step
 
 if TYPE_CHECKING:
     from dtpshard.studies.study import LayoutInfo, Study
@@ -309,9 +309,8 @@ def draw_all(study: Study, figures: Path) -> dict[str, Path]:
     matplotlib.use("Agg")
     figures.mkdir(parents=True, exist_ok=True)
     out = {}
-    for key, fn in (("curves", draw_curves), ("j_vs_kl", draw_j_vs_kl), ("proxies", draw_proxies),
-                    ("up_edge", draw_up_edge), ("head_start", draw_head_start), ("seeds", draw_seeds),
-                    ("adapters", draw_adapters)):
+    for key, fn in zip(FIGURES, (draw_curves, draw_j_vs_kl, draw_proxies, draw_up_edge, draw_head_start, draw_seeds,
+                                 draw_adapters), strict=True):
         p = fn(study, figures / f"{key}.png")
         if p is not None:
             out[key] = p

@@ -12,6 +12,7 @@ from typing import Any
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import read_json_object
 from dtpshard.core.layout import Layout, is_layout_file
+from dtpshard.core.owned import every
 from dtpshard.core.vocab import LAYOUT_KINDS
 from dtpshard.studies.config import Experiment, read_record
 from dtpshard.studies.provenance import LAYOUT_DIR, PROVENANCE, RUNS, SCORES, TEACHER_CACHE, TIMINGS, ZEROSHOT
@@ -265,31 +266,31 @@ def layout_kl(info: LayoutInfo, step: int) -> float | None:
 
 
 # -- what --force may clear ----------------------------------------------------------------------
-def _every(check: Any) -> Any:
-    """A directory's marker: every entry but a temporary passes `check` (one that cannot be read fails)."""
-    def marked(d: Path) -> bool:
+FIGURES = ("curves", "j_vs_kl", "proxies", "up_edge", "head_start", "seeds", "adapters")  # figures/NAME.png
+
+
+def _file(check: Any) -> Any:
+    """The check of one entry that must be a regular file `check` accepts (unreadable: not ours)."""
+    def entry(p: Path) -> Path | None:
         try:
-            return all(check(p) for p in d.iterdir() if ".tmp-" not in p.name)
+            return None if p.is_file() and not p.is_symlink() and check(p) else p
         except (OSError, UserError):
-            return False
-    return marked
+            return p
+    return entry
 
 
-def _is_cache(d: Path) -> bool:
-    from dtpshard.training.teacher_cache import is_cache
+def _run(p: Path) -> Path | None:
+    from dtpshard.training.rundir import RUN_TREE
 
-    try:
-        return not any(d.iterdir()) or is_cache(d)
-    except (OSError, UserError):
-        return False
+    return RUN_TREE(p) if p.is_dir() and not p.is_symlink() else p
 
 
-def _is_run(p: Path) -> bool:
-    from dtpshard.training.rundir import made_by_dtpshard
+def _cache(d: Path) -> Path | None:
+    from dtpshard.training.teacher_cache import CACHE_TREE
 
-    return p.is_dir() and made_by_dtpshard(p)
+    return None if not any(d.iterdir()) else CACHE_TREE(d)
 
 
-# the directories `experiment --force` may clear, each by what the experiment writes into it
-CLEARABLE = {LAYOUT_DIR: _every(is_layout_file), RUNS: _every(_is_run), TEACHER_CACHE: _is_cache,
-             "figures": _every(lambda p: p.suffix == ".png")}
+# the directories `experiment --force` may clear, each by what the experiment writes into it, at every depth
+CLEARABLE = {LAYOUT_DIR: every(_file(lambda p: p.suffix == ".json" and is_layout_file(p))), RUNS: every(_run),
+             TEACHER_CACHE: _cache, "figures": every(_file(lambda p: p.suffix == ".png" and p.stem in FIGURES))}

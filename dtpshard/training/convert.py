@@ -37,7 +37,6 @@ from dtpshard.core.devices import config_dtype
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, local_paths
 from dtpshard.core.io import (
-    atomic_dir,
     atomic_write_text,
     copy_regular,
     dumps,
@@ -45,7 +44,7 @@ from dtpshard.core.io import (
     read_json_object,
     read_text,
 )
-from dtpshard.core.owned import ID
+from dtpshard.core.owned import ID, MARK, replacing
 from dtpshard.model.student import serving_commands
 from dtpshard.training import convert_state as state
 from dtpshard.training.convert_state import AFFINITY, OWNED, STAGES, Paths, check_record  # noqa: F401 (importable here)
@@ -131,9 +130,9 @@ def student_stage(p: Paths, cfg: DistillConfig) -> None:
 
     final = p.run / FINAL
     check_finished(p.run)  # nothing is published that is not whole
-    with _stage(p, 4, f"{p.student}"), atomic_dir(p.student) as tmp:
+    with _stage(p, 4, f"{p.student}"), replacing(p.student, state.COMMAND) as tmp:  # sealed: what --force may remove
         for f in sorted(final.iterdir()):
-            if f.name == "README.md":
+            if f.name in ("README.md", MARK):
                 continue
             if f.is_dir():
                 shutil.copytree(f, tmp / f.name, copy_function=_place)

@@ -116,11 +116,12 @@ def check_dir(out: Path, force: bool) -> None:
 def claim(p: Paths, force: bool) -> str:
     """DIR's id (core/owned.py): its own when DIR is convert's; a new one when DIR holds none of
     convert's files yet, or after --force removed them (only from a DIR that is convert's own)."""
-    from dtpshard.training.rundir import made_by_dtpshard, start_over
+    from dtpshard.training.rundir import RUN_TREE, start_over
 
+    inside = {RUN: RUN_TREE, STUDENT: owned.sealed(COMMAND)}  # what --force may remove, at every depth
     if force:
-        return start_over(p.out, OWNED, command=COMMAND, record=RECORD)
-    return owned.claim(p.out, COMMAND, OWNED, RECORD, False, dict.fromkeys(OWNED, made_by_dtpshard))
+        return start_over(p.out, OWNED, inside, command=COMMAND, record=RECORD)
+    return owned.claim(p.out, COMMAND, OWNED, RECORD, False, inside)
 
 
 # -- what a rerun trusts ------------------------------------------------------------------------

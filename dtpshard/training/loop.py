@@ -29,10 +29,10 @@ from tqdm import tqdm
 
 from dtpshard.core.devices import dtype_name
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import atomic_dir, atomic_write_text, dumps
+from dtpshard.core.io import atomic_write_text, dumps
 from dtpshard.core.layout import as_layout
 from dtpshard.core.memory import return_freed_memory
-from dtpshard.core.owned import ID
+from dtpshard.core.owned import ID, replacing
 from dtpshard.core.shape import check_seq_len, family_config
 from dtpshard.model import adapters
 from dtpshard.model.checkpoint import load_hf_config, open_checkpoint
@@ -217,6 +217,8 @@ def _setup(cfg: DistillConfig, d: Dist) -> _Run | None:
             return None
         _build(r)
         state = strategy.restore(r.dir, r.net0, r.named, r.opt)
+        if state is not None:  # before the metrics are rewound to it: a foreign checkpoint changes nothing
+            rundir.check_state(strategy.checkpoint_path(r.dir), state, r.config, cfg.steps)
     _resume(r, state)
     return r
 
@@ -252,6 +254,8 @@ def _open_run_dir(r: _Run) -> bool:
         if not resuming:
             r.config[ID] = rundir.start_over(run)  # the run's record holds its directory's id
             rundir.write_config(run, r.config)
+    if resuming:  # every rank: a checkpoint is bound to this id (rundir.check_state)
+        r.config[ID] = rundir.run_id(run)
         rundir.clean_temporaries(run)
         clean(run)
     d.barrier()
@@ -356,7 +360,7 @@ def _save_student(r: _Run) -> None:
     source = Path(cfg.tokenizer or cfg.teacher)
 
     def write(weights: Weights) -> None:
-        with atomic_dir(r.dir / rundir.FINAL, force=True) as tmp:
+        with replacing(r.dir / rundir.FINAL, "distill") as tmp:  # sealed: what --force may remove
             card = student_card(r.dir, {"family": family_config(student.hf_config).model_type,
                                         **student.dtp_block()}, r.hashes, dtype_name(dtype))
             student.save_pretrained(tmp, source, weights, dtype, cfg.max_shard_size, card=card)

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +33,24 @@ from dtpshard.core.io import (
     loads,
     read_bytes,
     read_json,
+    refuse_links,
+    remove_stale_temporaries,
     writing,
 )
 from dtpshard.core.lock import LOCK, locked  # noqa: F401 (a run's lock; importable here)
-from dtpshard.core.owned import MARK, claim, is_ours
-from dtpshard.training.settings import FORMAT, require_tensorboard
+from dtpshard.core.owned import (
+    ID,
+    MARK,
+    Inside,
+    claim,
+    is_ours,
+    own_entries,
+    read_mark,
+    refuse_linked,
+    refuse_other,
+    sealed,
+)
+from dtpshard.training.settings import FORMAT, compared_keys, require_tensorboard
 
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
@@ -84,6 +96,8 @@ def refuse_foreign(out: Path, expect: str = "", what: str = "a distillation run"
     is left to --force."""
     if not expect:
         expect = FORMAT.split("/")[0] + "/"
+    if out.is_dir():
+        refuse_other(out, expect.removeprefix("dtpshard.").removesuffix("/"))  # its mark: another command's
     try:
         old = read_json(out / CONFIG, "run config")
     except (OSError, UserError):  # damaged, or beyond the bounds of a config: left to --force
@@ -129,6 +143,8 @@ def check_run(run: Path, config: dict[str, Any], compared: list[str], force: boo
         raise UserError(f"--out {run}: exists and is not a directory")
     if force:  # distill() has refused another command's directory and unrelated files
         return False
+    if run.is_dir():
+        refuse_linked(run, (*OWNED, LOCK))
     if not (run / CONFIG).is_file():
         if run.is_dir() and any(p.name in OWNED for p in run.iterdir()):
             raise UserError(f"--out {run}: has run files but no {CONFIG} (use --force to start it over)")
@@ -151,40 +167,52 @@ def check_run(run: Path, config: dict[str, Any], compared: list[str], force: boo
     return True
 
 
-def made_by_dtpshard(d: Path) -> bool:
-    """Whether directory `d` carries dtpshard's own marker, so that --force may clear it: empty, a
-    dtpshard directory or student (its config.json's format, or a `dtp` block), or a sharded
-    checkpoint (its LATEST pointer and step directories)."""
-    names = [p.name for p in d.iterdir()]
-    if not names or set(names) <= {"LATEST"} | {n for n in names if n.startswith(("step-", ".step-"))}:
-        return True
-    try:
-        config = read_json(d / CONFIG, "config") if (d / CONFIG).is_file() else None
-    except UserError:
-        return False
-    return isinstance(config, dict) and (str(config.get("format", "")).startswith("dtpshard.")
-                                         or isinstance(config.get("dtp"), dict))
+def _sharded_checkpoint(d: Path) -> Path | None:
+    """checkpoint.dcp/ (training/fsdp.py): LATEST and step directories of torch's sharded files."""
+    for p in sorted(d.iterdir()):
+        if p.name == "LATEST" and p.is_file() and not p.is_symlink():
+            continue
+        step = p.name.removeprefix(".").removesuffix(".tmp")
+        if not (step.startswith("step-") and step[5:].isdigit()) or p.is_symlink() or not p.is_dir():
+            return p
+        inner = next((q for q in sorted(p.iterdir()) if q.is_symlink() or not q.is_file()
+                      or not (q.suffix == ".distcp" or q.name in (".metadata", "extra.pt") or ".tmp-" in q.name)), None)
+        if inner is not None:
+            return inner
+    return None
 
 
-def start_over(run: Path, owned: tuple[str, ...] = OWNED,
-               marks: dict[str, Callable[[Path], bool]] | None = None, command: str = "distill",
-               record: str = CONFIG) -> str:
+# What --force may remove in a run, at every depth: its own files by name, its student and adapters
+# as sealed when they were written, its sharded checkpoint's step directories.
+INSIDE: dict[str, Inside] = {FINAL: sealed("distill"), ADAPTERS: sealed("distill"),
+                             SHARDED_CHECKPOINT: _sharded_checkpoint}
+RUN_TREE = own_entries("distill", CONFIG, OWNED, INSIDE, extra=(LOCK,))  # a run inside another's directory
+
+
+def start_over(run: Path, owned: tuple[str, ...] = OWNED, inside: dict[str, Inside] | None = None,
+               command: str = "distill", record: str = CONFIG) -> str:
     """Remove this run's own files, `owned` (never anything else in the directory), and mark it
     anew: returns its new id, for its record (core/owned.py). Nothing is removed when the
-    directory is not the command's own, or one of them is not what the command makes: a symbolic
-    link, or a directory without dtpshard's marker (`marks[name]`, default `made_by_dtpshard`)."""
-    dir_id = claim(run, command, owned, record, True, marks or dict.fromkeys(owned, made_by_dtpshard))
+    directory is not the command's own, or anything under one of them is not what the command
+    wrote there (`inside`, default a run's INSIDE)."""
+    dir_id = claim(run, command, owned, record, True, INSIDE if inside is None else inside)
     clean_temporaries(run, owned)
     return dir_id
 
 
 def clean_temporaries(run: Path, owned: tuple[str, ...] = OWNED) -> None:
-    """Leftovers of a kill during an atomic write (.NAME.tmp-PID files and directories)."""
+    """Leftovers of a kill during an atomic write (.NAME.tmp-PID files and directories whose
+    process is gone; a name no process could have made is left alone)."""
     if not run.is_dir():
         return
-    for p in run.iterdir():
-        if p.name.startswith(".") and ".tmp-" in p.name and p.name[1:].split(".tmp-")[0] in owned:
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    for name in owned:
+        remove_stale_temporaries(run / name)
+
+
+def run_id(run: Path) -> str | None:
+    """The id of a run directory that is distill's own (core/owned.py), else None."""
+    mark = read_mark(run, "distill")
+    return mark["id"] if mark is not None else None
 
 
 def write_config(run: Path, config: dict[str, Any]) -> None:
@@ -250,10 +278,14 @@ class Metrics:
             self.path.touch()
 
     def append(self, row: dict[str, Any]) -> None:
-        with writing(self.path), open(self.path, "a", encoding="utf-8") as f:
-            f.write(dumps(row) + "\n")  # strict JSON: a NaN is written null
-            f.flush()
-            os.fsync(f.fileno())
+        refuse_links(self.path)
+        with writing(self.path):  # appended, never through a link (O_NOFOLLOW: a link planted since, ELOOP)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+            try:
+                os.write(fd, (dumps(row) + "\n").encode())  # strict JSON: a NaN is written null
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         if self.writer is not None:
             kind = row.get("kind", "train")
             for key, value in row.items():
@@ -316,6 +348,30 @@ def save_checkpoint(run: Path, state: dict[str, Any]) -> None:
     """torch.save to a temporary sibling, fsync, rename: the old checkpoint stays until the new one is whole."""
     with atomic_path(run / CHECKPOINT) as tmp:
         torch.save(state, tmp)
+
+
+def check_state(path: Path, state: dict[str, Any], config: dict[str, Any], steps: int) -> None:
+    """A checkpoint's extras (its step, wall time, metrics length, RNG, scheduler and the run's
+    config) typed, and the checkpoint bound to this run: the run's settings and its directory's id
+    (a checkpoint copied from another run, even of the same teacher, is not resumed), its step
+    within --steps. One line naming the file; --force starts over."""
+    def bad(why: str) -> UserError:
+        return UserError(f"{path}: {why}; use --force to start the run over")
+
+    kinds = {"step": int, "wall": (int, float), "metrics_bytes": int, "rng": dict, "scheduler": dict, "config": dict}
+    for key, kind in kinds.items():
+        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
+            raise bad(f"no valid {key!r} (a damaged checkpoint)")
+    saved = state["config"]
+    if saved.get(ID) is not None and saved.get(ID) != config.get(ID):
+        raise bad("was written by another run (its directory id differs): a checkpoint copied in")
+    diff = config_differences(saved, config, [k for k in compared_keys() if k in saved])
+    if diff:
+        raise bad(f"was written by a run of other settings ({'; '.join(diff)[:300]})")
+    if not 0 < state["step"] <= steps:
+        raise bad(f"its step {state['step']} is not within this run's 1..{steps}")
+    if not 0 <= state["metrics_bytes"] <= METRICS_BYTES or not 0 <= state["wall"] < float("inf"):
+        raise bad("its metrics length or wall time is out of range (a damaged checkpoint)")
 
 
 def load_checkpoint(run: Path) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dtpshard.core.errors import UserError
+from dtpshard.core.errors import UserError, first_line
 from dtpshard.core.layout import Layout
 from dtpshard.core.permutation import layout_indices
 from dtpshard.core.settings import DENSE
@@ -90,6 +90,9 @@ class Strategy(Protocol):
     def restore(self, run: Path, net: Student, named: list, opt: torch.optim.Optimizer) -> dict[str, Any] | None:
         """The checkpoint's state put in place; the rest of it returned (None: no checkpoint)."""
 
+    def checkpoint_path(self, run: Path) -> Path:
+        """The file or directory a refusal of the checkpoint names."""
+
     def checkpoint_due(self, due: bool) -> bool: ...
 
     def save(self, run: Path, step: int, net: Student, named: list, opt: torch.optim.Optimizer,
@@ -150,14 +153,31 @@ class Replicated:
         state = rundir.load_checkpoint(run)
         if state is None:
             return None
-        missing = [n for n, _ in named if n not in state["student"]]
-        if missing:
-            raise UserError(f"{run / rundir.CHECKPOINT}: has no tensor {missing[0]!r}; use --force to start over")
+        path = self.checkpoint_path(run)
+        student, optimizer = state.get("student"), state.get("optimizer")
+        if not isinstance(student, dict) or not isinstance(optimizer, dict):
+            raise UserError(f"{path}: no {'student' if not isinstance(student, dict) else 'optimizer'} state "
+                            "(a damaged checkpoint); use --force to start over")
+        for n, p in named:
+            t = student.get(n)
+            if not isinstance(t, torch.Tensor):
+                raise UserError(f"{path}: has no tensor {n!r}; use --force to start over")
+            if t.shape != p.shape:
+                raise UserError(f"{path}: tensor {n!r} has shape {list(t.shape)}, the student's {list(p.shape)} "
+                                "(another model's checkpoint?); use --force to start over")
         with torch.no_grad():
             for n, p in named:
-                p.copy_(state["student"][n])
-        opt.load_state_dict(state["optimizer"])
+                p.copy_(student[n])
+        try:
+            _check_optimizer(optimizer, [p for g in opt.param_groups for p in g["params"]])
+            opt.load_state_dict(optimizer)
+        except (KeyError, ValueError, TypeError, IndexError) as e:
+            raise UserError(f"{path}: unusable optimizer state ({first_line(e, 120)}); use --force to start "
+                            "over") from None
         return state
+
+    def checkpoint_path(self, run: Path) -> Path:
+        return run / rundir.CHECKPOINT
 
     def checkpoint_due(self, due: bool) -> bool:
         return due
@@ -248,6 +268,9 @@ class Sharded:
         """Saving is collective: rank 0's clock decides for all."""
         return bool(self.d.sum(torch.tensor([float(due and self.d.main)]))[0] > 0)
 
+    def checkpoint_path(self, run: Path) -> Path:
+        return fsdp.latest(run) or run / fsdp.DIR
+
     def save(self, run: Path, step: int, net: Student, named: list, opt: torch.optim.Optimizer,
              extra: dict[str, Any]) -> None:
         fsdp.save(run, step, net, opt, extra, self.d.main, self.d.barrier)
@@ -267,6 +290,16 @@ class Sharded:
     def full(self, p: torch.Tensor) -> torch.Tensor:
         """A sharded tensor gathered whole on every rank (a collective)."""
         return p.full_tensor()
+
+
+def _check_optimizer(state: dict[str, Any], params: list[torch.Tensor]) -> None:
+    """AdamW's saved moments have their parameters' shapes (load_state_dict does not check them:
+    a wrong one would fail, or broadcast, at the first step); `params` in the optimizer's order,
+    which its state's indices follow."""
+    for i, p in enumerate(params):
+        for key, t in (state.get("state") or {}).get(i, {}).items():
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape != p.shape:
+                raise ValueError(f"{key} of parameter {i} has shape {list(t.shape)}, not {list(p.shape)}")
 
 
 def saved_weights(student: DTPModel, tensors: dict[str, torch.Tensor], dtype: torch.dtype,

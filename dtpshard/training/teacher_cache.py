@@ -43,7 +43,7 @@ from dtpshard.core.io import (
     read_json_object,
     short_sha256,
 )
-from dtpshard.core.owned import ID, claim, is_ours
+from dtpshard.core.owned import ID, claim, is_ours, own_entries
 from dtpshard.model.checkpoint import TOKENIZER_FILES, Checkpoint, open_checkpoint
 from dtpshard.model.dtp import DTPModel
 from dtpshard.training.losses import chunk_tokens, teacher_topk
@@ -128,6 +128,13 @@ def _holds(old: dict[str, Any], plan: dict[str, Any]) -> bool:
 def _read(out: Path, name: str) -> dict[str, Any]:
     keys = MANIFEST_KEYS if name == MANIFEST else PLAN_KEYS
     return read_json_object(out / name, f"teacher cache {name}", keys=keys)
+
+
+def CACHE_TREE(d: Path) -> Path | None:  # noqa: N802 - an owned.Inside, named as rundir.RUN_TREE
+    """A teacher cache inside another command's directory (an experiment's): its own, holding only
+    its plan, manifest and shards (and the lock, or a kill's leftovers of them)."""
+    shards = [p.name for p in d.glob("shard-*.safetensors")]
+    return own_entries(COMMAND, PLAN, (PLAN, MANIFEST, *shards), extra=(LOCK,))(d)
 
 
 def is_cache(path: Path) -> bool:

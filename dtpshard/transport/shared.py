@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.io import pid_alive, read_text
 from dtpshard.core.launch import RankFailure
-from dtpshard.core.reading import read_text
 
 SEGMENTS = Path("/dev/shm")
 NAME = re.compile(r"^dtpshard-exchange-(?P<pid>\d+)-[0-9a-f]{16}$")  # <creator's pid>-<random>
@@ -71,26 +71,12 @@ def ring_slots(schedule) -> int:
     return most + 1
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a dead child its parent has not reaped yet still answers kill(0)
-        stat = read_text(f"/proc/{pid}/stat", 4096, "a process's status")
-    except (OSError, UserError):
-        return True
-    return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
-
-
 def remove_leftovers() -> list[Path]:
     """Remove the segments of runs whose creator has died (killed before every rank mapped it)."""
     gone = []
     for f in SEGMENTS.glob("dtpshard-exchange-*") if SEGMENTS.is_dir() else ():
         m = NAME.match(f.name)
-        if m and not _alive(int(m["pid"])):
+        if m and not pid_alive(int(m["pid"])):
             try:
                 f.unlink()
                 gone.append(f)
@@ -208,7 +194,7 @@ class SharedRing:
         who, before = f"rank {peer}, pid {pid}", f"before it {what} sum #{seq} of the exchange"
         if self.words[self._rank_word(peer) + 1] == CLOSED:
             raise RankFailure(f"rank {self.rank}: another rank ended ({who}, {before})")
-        if not _alive(pid):
+        if not pid_alive(pid):
             raise RankFailure(f"rank {self.rank}: another rank died ({who}, {before})")
         if waited > self.timeout:
             raise RankFailure(f"rank {self.rank}: another rank hung or was stopped ({who}, has not {what} sum #{seq} "
