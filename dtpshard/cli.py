@@ -11,6 +11,7 @@ import inspect
 import os
 import signal
 import sys
+import typing
 from collections import namedtuple
 from pathlib import Path
 from typing import Annotated, Any
@@ -20,10 +21,10 @@ from cyclopts.config import Dict
 from cyclopts.help import DefaultFormatter
 
 from dtpshard.commands.text import HINTS, columns, flag, not_utf8, one_line, positional, words_of
-from dtpshard.core.errors import UserError, explain
+from dtpshard.core.errors import UserError, explain, quote
 from dtpshard.core.io import exit_on_sigterm, read_options
 from dtpshard.core.launch_checks import check_launch
-from dtpshard.core.typed import Invalid, check, choices, is_bool, is_list
+from dtpshard.core.typed import Invalid, check, choices, is_bool, is_list, optional_of
 
 # name -> (module:function, its summary in the root --help, which imports no command)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -85,8 +86,27 @@ def _meta(*tokens: Annotated[str, Parameter(show=False, allow_leading_hyphen=Tru
           ) -> Any:
     """A command line, with its --config files as the lowest-priority source of its options."""
     # the first source that sets a key wins: a later file overrides an earlier one
-    APP.config = [Dict(read_options(p), source=str(p), use_commands_as_keys=False) for p in reversed(config or [])]
+    APP.config = [Dict(_text_typed(read_options(p), p), source=str(p), use_commands_as_keys=False)
+                  for p in reversed(config or [])]
     return APP.parse_args(_switches(tokens), exit_on_error=False, print_error=False)
+
+
+def _text_typed(data: dict[str, Any], path: Path, key: str = "") -> dict[str, Any]:
+    """An options file's value for a text or path flag is text: YAML's `prompt: true` or `out: 5`
+    would reach the command as the words "True" and "5" (quote them if meant)."""
+    for k, v in data.items():
+        name = f"{key}.{k}" if key else k
+        if isinstance(v, dict):
+            _text_typed(v, path, name)
+            continue
+        hint = optional_of(HINTS.get("--" + name.replace("_", "-")))
+        base = typing.get_args(hint)[0] if typing.get_origin(hint) is list else hint
+        values = v if isinstance(v, list) else [v]
+        if base in (str, Path) and any(not isinstance(x, str) for x in values):
+            bad = next(x for x in values if not isinstance(x, str))
+            raise UserError(f"--config {path}: {name}: {quote(bad)} is not text (write it in quotes if it is meant "
+                            "as text)")
+    return data
 
 
 def _switches(tokens: tuple[str, ...]) -> list[str]:

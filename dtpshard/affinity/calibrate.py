@@ -26,6 +26,7 @@ from dtpshard.core.devices import pick_device
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, check_replaceable, local_paths
 from dtpshard.core.io import check_output_file, check_writable_dir
+from dtpshard.core.lock import locked_output
 from dtpshard.core.memory import GIB
 from dtpshard.core.settings import DEFAULT
 from dtpshard.core.shape import check_delay, check_seq_len
@@ -121,5 +122,6 @@ def run_calibration(p: CalibrationPlan, proxy: str = "first-order", progress: bo
 def calibrate(model: Path, out: Path, data: CalibrationData = CALIBRATION_DATA, *, delay: float = DEFAULT.delay,
               proxy: str = "first-order", run: PassSettings = PASS_SETTINGS,
               progress: bool = False) -> CalibrationResult:
-    """The whole pass: plan_calibration, then run_calibration."""
-    return run_calibration(plan_calibration(model, out, data, delay=delay, run=run), proxy, progress)
+    """The whole pass: plan_calibration, then run_calibration, one writer of `out` at a time."""
+    with locked_output(out):
+        return run_calibration(plan_calibration(model, out, data, delay=delay, run=run), proxy, progress)

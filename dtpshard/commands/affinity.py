@@ -42,10 +42,12 @@ def affinity_cmd(model: Path, *, out: Path, data: Annotated[CalibrationData, Par
         json: print one JSON object {out, edges, tokens, seconds, ...} on stdout
     """
     from dtpshard.affinity.calibrate import plan_calibration, run_calibration
+    from dtpshard.core.lock import locked_output
 
-    pass_ = plan_calibration(model, out, data, delay=delay, run=run)
-    print(pass_.describe(), file=sys.stderr)
-    result = run_calibration(pass_, proxy, progress)
+    with locked_output(out):  # a second writer of --out is refused before the pass, not at the rename
+        pass_ = plan_calibration(model, out, data, delay=delay, run=run)
+        print(pass_.describe(), file=sys.stderr)
+        result = run_calibration(pass_, proxy, progress)
     print(f"wrote {out}: {result.edges} edges, {result.tokens} tokens ({data.blocks} x {data.seq_len}), "
           f"{result.seconds:.1f} s on {result.device}", file=sys.stderr)
     if json:

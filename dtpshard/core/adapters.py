@@ -9,14 +9,13 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.family import PROJECTIONS
 
-# target name -> (the layer's submodule, its projection); o and down are read by columns
-TARGETS = {"q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"), "v": ("self_attn", "v_proj"),
-           "o": ("self_attn", "o_proj"), "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"),
-           "down": ("mlp", "down_proj")}
+TARGETS = PROJECTIONS  # target name -> (the layer's submodule, its projection); o and down are read by columns
 AdapterTarget = Literal["q", "k", "v", "o", "gate", "up", "down"]  # a flag's choices: TARGETS' keys
 DEFAULT_TARGETS: tuple[str, ...] = get_args(AdapterTarget)
 DEFAULT_ALPHA = 32.0  # fixed α, so that α/r makes the best learning rate nearly independent of r
+SCALES = (1e-4, 1e4)  # the α/r a run may use: peft's defaults give 1/8 to 32
 
 
 @dataclass(frozen=True)
@@ -52,6 +51,10 @@ def check_adapters(settings: AdapterSettings, shape: Any) -> None:
                         f"{min(out, inp)}, the {target} projection's: {out} x {inp})")
     if not math.isfinite(settings.alpha) or settings.alpha <= 0:
         raise UserError(f"--adapter-alpha {settings.alpha}: must be a positive number")
+    if not SCALES[0] <= settings.scale <= SCALES[1]:  # B·A's update scaled to nothing, or to overflow
+        raise UserError(f"--adapter-alpha {settings.alpha:g}: α/r = {settings.scale:g} at rank {settings.rank}, "
+                        f"outside [{SCALES[0]:g}, {SCALES[1]:g}] (below, the adapters train nothing; above, their "
+                        "term overflows)")
 
 
 def projection_shape(s: Any, target: str) -> tuple[int, int]:

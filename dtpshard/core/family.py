@@ -63,6 +63,12 @@ MOVED = {"self_attn.q_proj.weight": ("attn", 0, "group"), "self_attn.q_proj.bias
          "mlp.up_proj.weight": ("ffn", 0, "neuron"), "mlp.down_proj.weight": ("ffn", 1, "neuron")}
 
 
+# a projection by its short name (an adapter target, `--adapter-targets`) -> (its submodule, its name)
+PROJECTIONS = {"q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"), "v": ("self_attn", "v_proj"),
+               "o": ("self_attn", "o_proj"), "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"),
+               "down": ("mlp", "down_proj")}
+
+
 def layer_name(i: int, key: str) -> str:
     """Layer i's tensor `key` (canonical or stored) under its checkpoint name."""
     return f"model.layers.{i}.{key}"

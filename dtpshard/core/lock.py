@@ -9,14 +9,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
+import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 from dtpshard.core.errors import UserError, naming
 from dtpshard.core.io import check_writable_dir, output_root, writing
 
 LOCK = ".lock"
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -42,6 +46,33 @@ def locked(run: Path, flag: str = "--out") -> Iterator[None]:
         if created:
             with contextlib.suppress(OSError):
                 run.rmdir()  # only if empty
+
+
+@contextlib.contextmanager
+def locked_output(out: Path) -> Iterator[None]:
+    """One writer of a file or whole-directory output (affinity, layout, permute) at a time, decided
+    before the work: .NAME.lock beside it, flock'ed and removed as `locked` does. Two commands given
+    the same --out never both work and report "wrote"; the second is refused by name at once."""
+    out = Path(out).absolute()
+    path = out.with_name(f".{out.name}.lock")
+    check_writable_dir(path)
+    fd = _lock(path, out)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def one_writer(fn: Callable[..., T]) -> Callable[..., T]:
+    """`fn` run holding `locked_output` of its `out` argument, for its whole call."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> T:
+        with locked_output(signature.bind(*args, **kwargs).arguments["out"]):
+            return fn(*args, **kwargs)
+    return call
 
 
 def _lock(path: Path, run: Path) -> int:

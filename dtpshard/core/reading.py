@@ -244,13 +244,34 @@ def _yaml_loader() -> type:
 
     class Bounded(yaml.SafeLoader):
         """SafeLoader whose aliases (`*name`) may repeat a value, but not without bound: nine nested
-        aliases of nine items each stand for 9**9 values wherever a reader walks them."""
+        aliases of nine items each stand for 9**9 values wherever a reader walks them. Only plain
+        data: text, numbers, booleans, null, lists and mappings whose keys are text and appear
+        once (YAML 1.2 forbids duplicates; a later one silently winning is a typo unreported)."""
 
         def compose_document(self) -> Any:
             node = super().compose_document()
             _expanded(node)
             return node
 
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            self.flatten_mapping(node)
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if not isinstance(key, str):
+                    raise _Bomb(f"line {key_node.start_mark.line + 1}: key {quote(key)} is not text "
+                                "(a key names an option or a field)")
+                if key in seen:
+                    raise _Bomb(f"line {key_node.start_mark.line + 1}: key {quote(key)} appears twice")
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    def plain_only(loader: Any, node: Any) -> Any:
+        raise _Bomb(f"line {node.start_mark.line + 1}: tag {node.tag.replace('tag:yaml.org,2002:', '!!')} is not "
+                    "plain data (text, numbers, booleans, null, lists and mappings only)")
+
+    for tag in ("binary", "set", "timestamp", "omap", "pairs"):
+        Bounded.add_constructor(f"tag:yaml.org,2002:{tag}", plain_only)
     return Bounded
 
 

@@ -40,6 +40,8 @@ Count = Annotated[int, Constraint(lambda n: n >= 1, "int >= 1", "an integer >= 1
 NonNegativeInt = Annotated[int, Constraint(lambda n: n >= 0, "int >= 0", "an integer >= 0")]  # 0: often "automatic"
 Seed = Annotated[int, Constraint(lambda n: 0 <= n < 2 ** 63, "int >= 0", "an integer >= 0")]
 PositiveNumber = Annotated[float, Constraint(lambda x: 0 < x < math.inf, "number > 0", "a finite number > 0")]
+# AdamW moves a weight by about lr a step: above 1, by more than any weight's size (and 1e300 overflows)
+LearningRate = Annotated[float, Constraint(lambda x: 0 < x <= 1, "number in (0, 1]", "a number > 0 and at most 1")]
 NonNegativeNumber = Annotated[float, Constraint(lambda x: 0 <= x < math.inf, "number >= 0", "a finite number >= 0")]
 Fraction = Annotated[float, Constraint(lambda x: 0 <= x <= 1, "number in [0, 1]", "a number in [0, 1]")]
 Beta = Annotated[float, Constraint(lambda x: 0 <= x < 1, "number in [0, 1)", "a number in [0, 1)")]

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from dtpshard.core.errors import UserError, first_line
-from dtpshard.core.reading import read_text
+from dtpshard.core.reading import loads, read_text
 from dtpshard.data.corpus import corpus_source, stdlib_documents
 from dtpshard.data.hub import hub_offline, offline_reason
 from dtpshard.data.local import TEXT_BYTES, is_local_dataset, read_local_dataset, read_parquet
@@ -180,7 +180,7 @@ def _read_jsonl(raw: str, path: Path, field: str) -> list[str]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = loads(line, f"{path}:{n}")  # the one bounded JSON reader: depth, integers
         except json.JSONDecodeError as e:
             raise UserError(f"{path}:{n}: not JSON ({e.msg})") from None
         except RecursionError:
@@ -215,7 +215,7 @@ def _read_json(raw: str, path: Path, field: str) -> list[str]:
     """A JSON array of objects with `field` (or of strings), as `datasets`' to_json(lines=False)
     writes; a file that is not one JSON value is read as JSON lines."""
     try:
-        obj = json.loads(raw)
+        obj = loads(raw, str(path))
     except json.JSONDecodeError:
         return _read_jsonl(raw, path, field)
     except RecursionError:

@@ -16,6 +16,7 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, check_replaceable
 from dtpshard.core.io import check_output_file
 from dtpshard.core.layout import Layout, is_layout_file
+from dtpshard.core.lock import one_writer
 from dtpshard.core.settings import DEFAULT, DTPSettings, plain_delay
 from dtpshard.core.shape import UnitShape, check_delay, check_devices
 from dtpshard.core.vocab import FIXED_KINDS, LAYOUT_KINDS, OPTIMISING_KINDS
@@ -57,6 +58,7 @@ def make_layout(model: UnitShape, settings: DTPSettings, kind: str, *, affinity:
     return layout
 
 
+@one_writer
 def write_layout(source: Path, out: Path, devices: int = DEFAULT.devices, delay: float = DEFAULT.delay,
                  kind: str = "optimised", layers: int | None = None, restarts: int = 1, seed: int = 0,
                  kv_search: str = "assignment", max_sweeps: int = 20) -> Layout:

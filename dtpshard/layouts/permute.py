@@ -27,6 +27,7 @@ from dtpshard.core.io import (
     open_safetensors,
 )
 from dtpshard.core.layout import Layout, is_layout_file
+from dtpshard.core.lock import one_writer
 from dtpshard.core.memory import size_text
 from dtpshard.core.owned import MARK, read_mark, refuse, refuse_link, seal, sealed
 from dtpshard.core.permutation import stored_indices
@@ -57,6 +58,7 @@ def _refuse_foreign_files(out: Path) -> None:
         raise refuse(first, f"the {MARK} of {out} does not list it")
 
 
+@one_writer
 def permute(model: Path, layout: Path, out: Path, force: bool = False, check: str = "construction",
             check_tokens: int = 256, tolerance: float = CHECK_TOL) -> dict:
     """`dtpshard permute`: write the permuted checkpoint of `model` under `layout` into `out`,

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from dtpshard.core.errors import UserError, config_errors, first_line, naming, typed_config
+from dtpshard.core.errors import UserError, config_errors, first_line, naming, quote, typed_config
 from dtpshard.core.family import FAMILY, stored_shapes
 from dtpshard.core.io import SMALL_JSON, copy_regular, dumps, file_hashes, open_safetensors, read_json, read_json_object
 from dtpshard.core.memory import check_fits
@@ -76,6 +76,11 @@ def load_hf_config(path: str | Path) -> Any:
 
         return typed_config(DTPConfig, raw, where)
     if raw.get("model_type") in FAMILIES:  # what AutoConfig does with the file's dict for these
+        if raw.get("auto_map"):  # transformers would run its own class instead, silently: never what was meant
+            named = next(iter(raw["auto_map"].values()), "") if isinstance(raw["auto_map"], dict) else raw["auto_map"]
+            raise UserError(f"{where}: auto_map names Python of its own ({quote(named)}), which dtpshard never runs; "
+                            f"it would run transformers' built-in {raw['model_type']!r} in its place. If that is the "
+                            "model, remove auto_map from config.json (or copy the checkpoint without it)")
         return typed_config(CONFIG_MAPPING[raw["model_type"]], raw, where)
     try:  # any other model is refused by name (core.shape), after transformers has read it its own way
         return load(AutoConfig, path)

@@ -17,6 +17,7 @@ DTPForCausalLM is in model/remote.py.
 """
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 import yaml
@@ -114,11 +115,12 @@ def serving_commands(student: Any, devices: int, dtype: str, python: str = "pyth
     serves an fp32 student in bf16, which changes its tokens (docs/serving.md)."""
     vllm_args = f"--tensor-parallel-size {devices} --dtype {dtype}"
     cpu_env = " ".join(f"{k}={v}" for k, v in VLLM_CPU_ENV.items())
-    return {"vllm": f"vllm serve {student} {vllm_args}",
+    path = shlex.quote(str(student))  # a shell word whatever the path holds (a space, a quote, `$(...)`)
+    return {"vllm": f"vllm serve {path} {vllm_args}",
             "vllm_cpu": f"{cpu_env} $({python} -m dtpshard.serve.env) -m vllm.entrypoints.openai.api_server "
-                        f"--model {student} {vllm_args}",
-            "transformers": f'AutoModelForCausalLM.from_pretrained("{student}", trust_remote_code=True)',
-            "dtpshard": f"torchrun --nproc-per-node {devices} -m dtpshard run {student} --prompt TEXT"}
+                        f"--model {path} {vllm_args}",
+            "transformers": f"AutoModelForCausalLM.from_pretrained({str(student)!r}, trust_remote_code=True)",
+            "dtpshard": f"torchrun --nproc-per-node {devices} -m dtpshard run {path} --prompt TEXT"}
 
 
 def front_matter(extra: dict[str, Any] | None = None) -> str:

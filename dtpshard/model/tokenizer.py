@@ -47,6 +47,12 @@ def _check_tokenizer_json(obj: dict[str, Any], where: str, text: str) -> None:
         if not (isinstance(t, dict) and isinstance(t.get("content"), str) and isinstance(t.get("id"), int)
                 and not isinstance(t.get("id"), bool) and t["id"] >= 0):
             raise _bad(where, f"added_tokens[{i}] must be an object with a content and an id", t)
+    _check_model(obj.get("model"), where)
+    growth = _growth(obj.get("normalizer"))
+    if growth > MAX_GROWTH:
+        raise UserError(f"{where}: its normalizer can make a text {growth:.3g} times longer (its replacements "
+                        f"feed each other), more than any real tokenizer's {MAX_GROWTH}; tokenizing would exhaust "
+                        "memory (a damaged or hostile tokenizer file)")
     from tokenizers import Tokenizer
 
     try:  # the Rust reader checks the model, the merges and the rest as it parses them
@@ -54,6 +60,50 @@ def _check_tokenizer_json(obj: dict[str, Any], where: str, text: str) -> None:
     except Exception as e:  # tokenizers raises a bare Exception with serde's message
         raise UserError(f"{where}: not a tokenizer the tokenizers library reads "
                         f"({quote(first_line(e), False)})") from None
+
+
+MAX_GROWTH = 1024  # how many times longer a normalizer may make a text (NFKC: 18; Llama's ▁ for ' ': 1)
+_UNICODE_GROWTH = {"NFKC": 18, "NFKD": 18, "NFC": 3, "NFD": 4}  # Unicode's longest decompositions, per character
+
+
+def _growth(normalizer: Any) -> float:
+    """An upper bound on how many times longer `normalizer` (tokenizer.json's) makes a text: a
+    replacement by k characters can match every single character, and in a sequence the bounds
+    multiply. A Prepend or the like adds a constant, counted as one more time the text."""
+    if not isinstance(normalizer, dict):
+        return 1.0
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        total = 1.0
+        for part in normalizer.get("normalizers") or []:
+            total *= _growth(part)
+        return total
+    if kind == "Replace":
+        content = normalizer.get("content")
+        return float(max(1, len(content))) if isinstance(content, str) else 1.0
+    if kind in ("Prepend", "Append"):
+        return 2.0
+    return float(_UNICODE_GROWTH.get(kind, 1))
+
+
+def _check_model(model: Any, where: str) -> None:
+    """What the tokenizers library accepts but no evaluation survives: BPE-dropout (a training-time
+    augmentation: every encoding random) and an unknown-token that is not in the vocabulary (the
+    first unknown word a panic)."""
+    if not isinstance(model, dict):
+        return
+    dropout = model.get("dropout")
+    if dropout not in (None, 0, 0.0):
+        raise UserError(f"{where}: model.dropout = {quote(dropout)} makes every tokenization random (BPE-dropout, "
+                        "for training a tokenizer's user): calibration, training and evaluation would read other "
+                        "tokens each time; set it to null")
+    vocab, unk = model.get("vocab"), model.get("unk_token")
+    if isinstance(vocab, dict) and isinstance(unk, str) and unk not in vocab:
+        raise UserError(f"{where}: model.unk_token {quote(unk)} is not in its vocab (the first unknown word "
+                        "would fail to encode)")
+    unk_id = model.get("unk_id")
+    if isinstance(vocab, list) and unk_id is not None and not (isinstance(unk_id, int) and 0 <= unk_id < len(vocab)):
+        raise UserError(f"{where}: model.unk_id {quote(unk_id)} is not an index of its vocab of {len(vocab)}")
 
 
 def _check_config(obj: dict[str, Any], where: str) -> None:

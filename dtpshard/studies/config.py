@@ -31,8 +31,8 @@ from dtpshard.core.vocab import (
     Device,
     KvSearch,
     LayoutKind,
+    LearningRate,
     NonNegativeInt,
-    PositiveNumber,
     Proxy,
     Seed,
     Stage3,
@@ -113,7 +113,7 @@ class Arm:
     proxy: Proxy | None = None
     name: str | None = None
     adapters: Count | None = None
-    lr: PositiveNumber | None = None
+    lr: LearningRate | None = None
 
 
 @dataclass(kw_only=True)
@@ -136,7 +136,7 @@ class ArmPlan:
     seeds: list[Seed]
     layouts: list[LayoutSpec]
     adapters: Count | None = None
-    lr: PositiveNumber | None = None
+    lr: LearningRate | None = None
 
     def run_name(self, layout: str, seed: int) -> str:
         """runs/NAME: the layout's name, the adapters' rank, the seed."""

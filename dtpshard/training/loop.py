@@ -192,7 +192,7 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
         _save_student(r)
     _record_memory(r.dir, r.plan, r.peaks, d)
     if d.main:
-        _mark_done(r.dir, r.cfg)
+        rundir.finish(r.dir, r.cfg.steps)
     d.barrier()
     return r.dir
 
@@ -393,12 +393,3 @@ def _record_memory(run: Path, plan: memory.MemoryPlan, peaks: memory.PhasePeaks,
               else "peak allocated by torch per phase, plus the CUDA runtime",
               "measured_over_planned": None if peak is None else peak / plan.total}
     atomic_write_text(run / rundir.MEMORY, dumps(record, indent=1) + "\n")
-
-
-def _mark_done(run: Path, cfg: DistillConfig) -> None:
-    """DONE, then drop the checkpoint: a kill anywhere here is resumable."""
-    rows = rundir.read_metrics(run)
-    last_eval = next((r for r in reversed(rows) if r["kind"] == "eval"), {})
-    rundir.mark_done(run, {"steps": cfg.steps, "eval_kl": last_eval.get("eval_kl"),
-                           "eval_ppl": last_eval.get("eval_ppl")})
-    rundir.remove_checkpoint(run)

@@ -23,6 +23,7 @@ from dtpshard.core.vocab import (
     Delay,
     Device,
     Fraction,
+    LearningRate,
     NonNegativeInt,
     NonNegativeNumber,
     PositiveNumber,
@@ -86,7 +87,7 @@ class Recipe:
     seq_len: Count = 1024
     micro_batch: Count = 4
     grad_accum: Count = 4
-    lr: PositiveNumber = 5e-5
+    lr: LearningRate = 5e-5
     warmup: NonNegativeInt = 100
     min_lr_ratio: Fraction = 0.1
     weight_decay: NonNegativeNumber = 0.0
