@@ -8,6 +8,7 @@ and the caller holds out by content hash (blocks.is_eval_doc).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from dtpshard.core.errors import UserError, first_line
 from dtpshard.core.reading import open_regular
@@ -37,8 +38,22 @@ def read_parquet(path: Path, field: str, where: str | None = None) -> list[str]:
             raise UserError(f"{path}: not a readable parquet file ({first_line(e, named=True)})") from None
         if field not in names:
             raise UserError(f"{path}: no column {field!r} (columns: {', '.join(names)}); pick one with --text-field")
-        column = table.read(columns=[field]).column(field)
+        kind = table.schema_arrow.field(field).type
+        if not _is_text(kind):
+            raise UserError(f"{path}: column {field!r} holds {kind}, not text; pick a text column with --text-field")
+        try:  # a page's data is read only now: a corrupt one fails here, in pyarrow's own words
+            column = table.read(columns=[field]).column(field)
+        except Exception as e:
+            raise UserError(f"{path}: column {field!r} is unreadable ({first_line(e, named=True)}): a damaged "
+                            "parquet file") from None
     return [d for d in column.to_pylist() if isinstance(d, str)]
+
+
+def _is_text(kind: Any) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind) \
+        or pa.types.is_dictionary(kind) and _is_text(kind.value_type)
 
 
 def _column(ds, field: str, where: str) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dtpshard.core.errors import UserError
 from dtpshard.core.family import split_fused
 from dtpshard.core.layout import as_layout
 from dtpshard.core.permutation import apply_layout
@@ -92,6 +93,13 @@ class DTPModel(PretrainedMixin, Decoder):
         shape = shape_from_hf_config(hf_config)
         where = f"layout {layout}" if isinstance(layout, (str, Path)) else "layout"  # name the file when there is one
         layout = as_layout(layout)
+        if layout is not None and record is not None:  # a student holds its layout in its weights already
+            if layout.content_sha256() != record.get("layout_sha256"):
+                raise UserError(f"{where}: the student was distilled under another layout (sha256 "
+                                f"{record.get('layout_sha256') or 'none: contiguous'}, this one's "
+                                f"{layout.content_sha256()}); its weights are in its own layout's order already: "
+                                "leave --layout out")
+            layout = None  # the same layout: applied when the student was made, never twice
         if layout is not None:
             layout.check_model(shape, where=where)
         given = {"devices": devices, "delay": delay, "stage3": stage3} if settings is None else settings.to_json()

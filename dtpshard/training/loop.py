@@ -254,10 +254,10 @@ def _open_run_dir(r: _Run) -> bool:
         if not resuming:
             r.config[ID] = rundir.start_over(run)  # the run's record holds its directory's id
             rundir.write_config(run, r.config)
-    if resuming:  # every rank: a checkpoint is bound to this id (rundir.check_state)
-        r.config[ID] = rundir.run_id(run)
         rundir.clean_temporaries(run)
         clean(run)
+    if resuming:  # every rank: a checkpoint is bound to this id (rundir.check_state)
+        r.config[ID] = rundir.run_id(run)
     d.barrier()
     if not rundir.is_done(run):
         return True
