@@ -117,6 +117,9 @@ def test_the_adapters_alone_rebuild_the_student_in_dtpshard_and_transformers(set
     files = run / rundir.ADAPTERS
     config = json.loads((files / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == RANK and config["lora_alpha"] == 32.0
+    # issue 54: the base is the permuted teacher, which exists nowhere yet: never the teacher as it is
+    assert config["base_model_name_or_path"] is None
+    assert json.loads((files / "dtpshard.json").read_text())["layout"] == str(setup["layout"])
     tensors = load_file(files / "adapter_model.safetensors")
     model = DTPModel.from_pretrained(setup["model"], layout=Layout.load(setup["layout"]))
     adapters.attach(model, adapters.AdapterSettings(RANK))

@@ -230,3 +230,33 @@ def test_a_checkpoint_past_the_file_size_limit_is_one_line(tiny_dirs, tmp_path, 
     err = [ln for ln in proc.stderr.strip().splitlines() if "Traceback" in ln or "error" in ln]
     assert proc.returncode != 0 and len(err) == 1 and "file-size limit" in err[0], proc.stderr[-2000:]
     assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+
+
+# -- smaller ---------------------------------------------------------------------------------------
+def test_serving_commands_are_shell_words_whatever_the_path():
+    import shlex
+
+    from dtpshard.model.student import serving_commands
+
+    odd = "/tmp/my student's $(dir)"
+    cmds = serving_commands(odd, 2, "float32")
+    for key in ("vllm", "vllm_cpu", "dtpshard"):
+        assert odd in shlex.split(cmds[key]), cmds[key]
+
+
+def test_affinity_refuses_a_foreign_out_before_any_work(tiny_dirs, tmp_path, capsys, monkeypatch):
+    mine = tmp_path / "mine.safetensors"
+    mine.write_bytes(b"not an affinity file")
+
+    def never(*a, **k):
+        raise AssertionError("the text was read before --out was checked")
+
+    monkeypatch.setattr("dtpshard.affinity.calibrate.load_texts", never)
+    assert main(["affinity", str(tiny_dirs["llama"]), "--out", str(mine), "--blocks", "1", "--seq-len", "8",
+                 "--no-progress"]) == 2
+    one_line(capsys, str(mine), "is not an affinity file")
+    assert mine.read_bytes() == b"not an affinity file"
+
+
+def test_the_readme_stays_a_map():
+    assert len((ROOT / "README.md").read_text().split()) <= 2500

@@ -194,12 +194,13 @@ def _disk_full(exc: BaseException, where: Path) -> bool:
 
 
 def _size_limited(exc: BaseException) -> bool:
-    """A library's failed write (torch's "file write failed", which drops errno) under a finite
+    """A library's failed write (torch's "file write failed" or "iostream error", no errno) under a finite
     `ulimit -f`: the limit is what stopped it."""
     import resource
 
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    return isinstance(exc, RuntimeError) and "write failed" in str(exc) and limit != resource.RLIM_INFINITY
+    words = ("write failed", "iostream error", "inline_container")  # torch's zip writer, by version and place
+    return isinstance(exc, RuntimeError) and any(w in str(exc) for w in words) and limit != resource.RLIM_INFINITY
 
 
 @contextlib.contextmanager

@@ -55,8 +55,8 @@ def locked_output(out: Path) -> Iterator[None]:
     the same --out never both work and report "wrote"; the second is refused by name at once."""
     out = Path(out).absolute()
     path = out.with_name(f".{out.name}.lock")
-    check_writable_dir(path)
-    fd = _lock(path, out)
+    check_writable_dir(out)  # a full disk or a read-only folder is the output's, in the refusal too
+    fd = _lock(path, out, shown=out)
     try:
         yield
     finally:
@@ -75,9 +75,9 @@ def one_writer(fn: Callable[..., T]) -> Callable[..., T]:
     return call
 
 
-def _lock(path: Path, run: Path) -> int:
+def _lock(path: Path, run: Path, shown: Path | None = None) -> int:
     while True:
-        with naming(path), writing(path):
+        with naming(shown or path), writing(shown or path):
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # a planted link: ELOOP
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -94,7 +94,12 @@ def _lock(path: Path, run: Path) -> int:
         if not same:  # its holder removed it between our open and our lock: take the new one
             os.close(fd)
             continue
-        with writing(path):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            with writing(shown or path):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:  # a full disk: the lock this call made is not left behind
+            path.unlink(missing_ok=True)
+            os.close(fd)
+            raise
         return fd

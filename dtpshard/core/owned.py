@@ -219,7 +219,8 @@ def refuse(path: Path, why: str, flag: str = "--out") -> UserError:
 
 def refuse_link(p: Path, flag: str = "--out") -> UserError:
     return UserError(f"{p}: is a symbolic link (to {os.readlink(p)}), which dtpshard did not make and never "
-                     f"follows or replaces; nothing was touched (remove or move it yourself, or choose another {flag})")
+                     f"follows or replaces; nothing was removed or written (remove or move it yourself, or choose "
+                     f"another {flag})")
 
 
 def refuse_linked(d: Path, names: Iterable[str], flag: str = "--out") -> None:
