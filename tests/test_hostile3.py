@@ -260,3 +260,15 @@ def test_affinity_refuses_a_foreign_out_before_any_work(tiny_dirs, tmp_path, cap
 
 def test_the_readme_stays_a_map():
     assert len((ROOT / "README.md").read_text().split()) <= 2500
+
+
+def test_a_planted_segment_with_an_impossible_pid_breaks_nothing(tmp_path, monkeypatch):
+    from dtpshard.transport import shared
+
+    monkeypatch.setattr(shared, "SEGMENTS", tmp_path)
+    planted = tmp_path / f"dtpshard-exchange-{10 ** 30}-{'a' * 16}"
+    planted.write_bytes(b"mine")
+    dead = tmp_path / f"dtpshard-exchange-{2 ** 22}-{'b' * 16}"  # no process has pid_max's largest value here
+    dead.write_bytes(b"")
+    assert shared.remove_leftovers() in ([dead], [])  # no OverflowError; what no process made is left alone
+    assert planted.read_bytes() == b"mine"
