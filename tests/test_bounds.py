@@ -193,12 +193,25 @@ def test_dumps_is_strict_json():
     assert strict(text) == {"a": None, "b": [1.5, None], "c": 2.5, "d": None}
 
 
-def test_a_diverged_run_stops_with_one_line(model, tmp_path, capsys):
-    """`distill --lr 1e30`: the first update blows the weights up, its evaluation is NaN: exit 2,
-    one line naming the step; no final/, no DONE, metrics.jsonl strict JSON (null, not NaN)."""
+def test_a_diverged_run_stops_with_one_line(model, tmp_path, capsys, monkeypatch):
+    """An update that blows the weights up (`--lr 1e30` once did; a learning rate above 1 is now
+    refused at the flag, so the blow-up is made by hand): its evaluation is NaN: exit 2, one line
+    naming the step; no final/, no DONE, metrics.jsonl strict JSON (null, not NaN)."""
     run, text = tmp_path / "run", corpus(tmp_path / "t.txt")
-    assert main(["distill", str(model), "--out", str(run), "--text", str(text), "--steps", "4", "--lr", "1e30",
-                 "--json", *DISTILL]) == 2
+    argv = ["distill", str(model), "--out", str(run), "--text", str(text), "--steps", "4", "--json", *DISTILL]
+    assert main(argv + ["--lr", "1e30"]) == 2 and "--lr 1e30: must be" in capsys.readouterr().err
+    step = torch.optim.AdamW.step
+
+    def blow_up(self, *a, **k):
+        out = step(self, *a, **k)
+        with torch.no_grad():
+            for g in self.param_groups:
+                for p in g["params"]:
+                    p.mul_(1e30)
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", blow_up)
+    assert main(argv) == 2
     out = capsys.readouterr()
     assert out.out == ""
     line = out.err.strip()
