@@ -25,6 +25,7 @@ import numpy as np
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_write_text, check_keys, dumps, loads, read_bytes, short_sha256
+from dtpshard.core.owned import read_mark
 from dtpshard.core.settings import DEFAULT
 from dtpshard.core.shape import UNIT_FIELDS, UnitShape, check_devices
 from dtpshard.core.vocab import SHARED_BY
@@ -36,6 +37,8 @@ HASH_KEY = "layout_sha256"  # the one key of a layout's content hash (content_sh
 READ_KEYS = (*KEYS, *SHARED_KEYS, HASH_KEY, "sha256")  # a file may record its hash, under the key or the older "sha256"
 LAYER_KEYS = ("kv_perm", "ffn_perm", "shared")
 SHARED = -1  # the device of a shared neuron: every device's
+PERMUTED_JSON = "layout.json"  # the layout a permuted checkpoint was made with, beside its weights (permute)
+PERMUTE_COMMAND = "permute"  # the mark (core/owned.py) of a directory `dtpshard permute` wrote
 MAX_BYTES = 1 << 30  # before the model it is for is known: a 405B model's layout is ~50 MB
 
 
@@ -310,3 +313,11 @@ def _check_perm(values: Any, size: int, where: str) -> np.ndarray:
         missing = int(np.flatnonzero(counts == 0)[0])
         raise UserError(f"{where}: index {dup} appears {counts[dup]} times and {missing} is missing")
     return arr
+
+
+def permuted_shared(path: Path) -> int:
+    """The shared neurons a permuted checkpoint holds last (its layout.json's count; docs/design.md
+    §6): 0 for any directory `dtpshard permute` did not write."""
+    if read_mark(Path(path), PERMUTE_COMMAND) is None or not (Path(path) / PERMUTED_JSON).is_file():
+        return 0
+    return Layout.load(Path(path) / PERMUTED_JSON).shared

@@ -130,6 +130,7 @@ def read_record(saved: Any, where: str) -> dict[str, Any] | None:
               and 0 <= v < 1e9,
               "stage3": lambda v: v in STAGE3,
               "layout_sha256": lambda v: v is None or isinstance(v, str) and len(v) <= 64,
+              "shared": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_UNITS,
               "family": lambda v: v in FAMILIES}  # the base family of a model_type "dtp" student
     unknown = sorted(str(k) for k in saved if k not in checks)  # a typo ("delays") must not pass silently
     if unknown:

@@ -172,8 +172,9 @@ def _rotary_dim(cfg: Any, head_dim: int) -> int | None:
 
 
 def shape_from_hf_config(cfg: Any) -> ModelShape:
-    """Validate a transformers config (a DTP student's: its base family's) and return its shape;
-    refuse anything DTP cannot run."""
+    """Validate a transformers config (a DTP student's: its base family's, with the shared neurons
+    its dtp block records) and return its shape; refuse anything DTP cannot run."""
+    shared = student_shared(cfg)
     cfg = family_config(cfg)
     family = _get(cfg, "model_type")
     if family not in FAMILIES:
@@ -200,7 +201,21 @@ def shape_from_hf_config(cfg: Any) -> ModelShape:
         kv_groups=kv, head_dim=head_dim, neurons=cfg.intermediate_size, vocab=cfg.vocab_size,
         rms_eps=float(_get(cfg, "rms_norm_eps", 1e-6)), tied=bool(_get(cfg, "tie_word_embeddings", False)),
         qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm, act=act, rotary_dim=_rotary_dim(cfg, head_dim), window=window,
-        **spec.scalar_values(cfg))
+        shared=_check_recorded_shared(shared, cfg.intermediate_size), **spec.scalar_values(cfg))
+
+
+def student_shared(cfg: Any) -> Any:
+    """The shared neurons a DTP student's dtp block records (docs/design.md §6): 0 for any other
+    config, or a student that records none."""
+    block = getattr(cfg, "dtp", None) if _get(cfg, "model_type") == STUDENT_TYPE else None
+    return block.get("shared", 0) if isinstance(block, dict) else 0
+
+
+def _check_recorded_shared(shared: Any, neurons: int) -> int:
+    if not _is_int(shared) or not 0 <= shared < neurons:
+        raise UserError(f"config.json: dtp.shared={quote(shared)} must be an integer from 0 to intermediate_size - 1 "
+                        f"= {neurons - 1} (the student's weights have {neurons} neurons a layer)")
+    return shared
 
 
 _DIMENSIONS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
