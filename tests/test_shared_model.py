@@ -139,3 +139,112 @@ def test_shared_layout_of_another_shape_is_refused(tmp_path, capsys):
     assert "neurons=102" in err and len(err.splitlines()) == 1 and not (tmp_path / "p").exists()
     with pytest.raises(UserError, match="neurons=102"):
         DTPModel.from_pretrained(src, devices=4, delay=1, layout=tmp_path / "l.json")
+
+
+def _runtime_worker(model_dir, layout_path, permuted_dir, out_dir):
+    """One rank: the logits of the shared model from the checkpoint and the layout, and from the
+    permuted checkpoint alone, at each δ, with a cached decode."""
+    from dtpshard.core.launch import process_group, set_threads
+    from dtpshard.core.settings import resolve_dtp
+    from dtpshard.runtime.ranks import RankModel, check_world
+
+    set_threads()
+    ids = ids_for()
+    with process_group(timeout=120) as (rank, world):
+        res = {}
+        for name, (path, layout) in {"layout": (model_dir, layout_path), "permuted": (permuted_dir, None)}.items():
+            ckpt, lay = check_world(path, world, layout)
+            net = RankModel(ckpt, rank, resolve_dtp(ckpt.shape, devices=world, delay=0), lay, timeout=120)
+            res[name, "shared"] = net.shape.shared
+            for delay in (0, 1, 1.5):
+                net.set_delay(delay)
+                res[name, delay] = net(ids)
+            cache = net.new_cache()
+            res[name, "cached"] = torch.cat([net(ids[:, :6], cache)] + [net(ids[:, t:t + 1], cache)
+                                                                         for t in range(6, ids.shape[1])], 1)
+        torch.save(res, f"{out_dir}/rank{rank}.pt")
+    return 0
+
+
+def test_runtime_equals_the_simulator_at_two_ranks(tmp_path, capsys):
+    from dtpshard.core.launch import launch_local
+
+    src = save_tiny(tmp_path / "m", "qwen2", seed=6, intermediate_size=98)
+    lay = shared_layout(open_checkpoint(src).shape, 2, 10, seed=4)  # 98 - 10 = 88 = 2 x 44
+    lay.save(tmp_path / "l.json")
+    assert main(["permute", str(src), str(tmp_path / "l.json"), "--out", str(tmp_path / "p")]) == 0
+    capsys.readouterr()
+    codes = launch_local(2, _runtime_worker, (str(src), str(tmp_path / "l.json"), str(tmp_path / "p"), str(tmp_path)),
+                         grace=30, deadline=240)
+    assert [e.code for e in codes] == [0, 0], [e.traceback or e.said for e in codes]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ids = ids_for()
+    ref = DTPModel.from_pretrained(src, devices=2, delay=0, layout=tmp_path / "l.json")
+    with torch.no_grad():
+        for delay in (0, 1, 1.5):
+            ref.set_dtp(2, delay)
+            want = ref(ids).logits
+            for r in range(2):
+                for name in ("layout", "permuted"):
+                    assert ranks[r][name, "shared"] == 10
+                    assert rel(ranks[r][name, delay], want) <= TOL, (name, delay, r)
+        for r in range(2):
+            assert rel(ranks[r]["permuted", "cached"], want) <= TOL  # the last δ set: 1.5
+
+
+# -- training: adapters, FSDP and the memory plan on a shared layout ------------------------------
+@pytest.fixture(scope="module")
+def train_setup(tmp_path_factory):
+    from test_distill import random_docs
+
+    root = tmp_path_factory.mktemp("shared-train")
+    (root / "docs.txt").write_text("\n\n".join(random_docs(300, 3)))
+    model = save_tiny(root / "m", "qwen3", seed=7, intermediate_size=98)
+    shared_layout(open_checkpoint(model).shape, 2, 10, seed=5).save(root / "shared.json")  # 88 = 2 x 44
+    Layout.random(open_checkpoint(model).shape, 2, 1, seed=5).save(root / "plain.json")
+    return {"root": root, "model": model, "text": root / "docs.txt", "layout": root / "shared.json"}
+
+
+def test_adapters_on_a_shared_layout_equal_the_merged_weights(train_setup):
+    from dtpshard.model import adapters
+    from test_adapters import with_random_adapters
+
+    model = with_random_adapters(DTPModel.from_pretrained(train_setup["model"], layout=train_setup["layout"]), seed=3)
+    assert model.shape.shared == 10
+    params = dict(model.named_parameters())
+    whole = {n: f() for n, f in adapters.merged(params, lambda t: t.detach(), model.adapters.scale).items()}
+    plain = DTPModel.from_state_dict(model.hf_config, whole, settings=model.settings, shared=10)
+    ids = ids_for()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("extra", [["--adapters", "4"], []], ids=["adapters", "full"])
+def test_fsdp_run_equals_one_process_and_saves_a_shared_student(train_setup, extra):
+    from test_distill import args_for
+    from test_distill_ddp import assert_same_curves, ddp_args
+
+    one, two = (train_setup["root"] / f"{n}{len(extra)}" for n in ("one", "two"))
+    steps = {"steps": 2, "eval-every": 2, "checkpoint-every": 2}
+    assert main(args_for(train_setup, one, **steps) + extra) == 0  # 2 x 2: the batch of 2 x (1 x 2)
+    assert main(ddp_args(train_setup, two, **steps) + ["--nproc", "2", "--fsdp", *extra]) == 0
+    assert_same_curves(one, two)
+    for run in (one, two):
+        student = DTPModel.from_pretrained(run / "final")
+        assert student.shape.shared == 10 and (student.devices, student.delay) == (2, 1)
+    a, b = (DTPModel.from_pretrained(r / "final").state_dict() for r in (one, two))
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6)
+
+
+def test_the_memory_plan_counts_the_replicated_slice(train_setup, capsys):
+    from test_distill import args_for
+
+    plans = {}
+    for name in ("shared", "plain"):
+        s = {**train_setup, "layout": train_setup["root"] / f"{name}.json"}
+        assert main(args_for(s, train_setup["root"] / f"plan-{name}") + ["--plan", "--json"]) == 0
+        plans[name] = json.loads(capsys.readouterr().out)
+    # every device computes the 10 shared neurons' activations: more saved than with none replicated
+    assert plans["shared"]["parts"]["activations"] > plans["plain"]["parts"]["activations"]
+    assert not (train_setup["root"] / "plan-shared").exists()
