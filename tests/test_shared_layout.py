@@ -130,3 +130,30 @@ def test_model_directory_shares_at_random_only(tmp_path, capsys):
     assert main(["layout", str(model), "--kind", "random", "--shared", "0.01", "--shared-by", "random",
                  "--out", str(out)]) == 0
     assert Layout.load(out).shared == 2
+
+
+def test_experiment_arms_take_shared(tmp_path, tiny_dirs, capsys):
+    from dtpshard.model.dtp import DTPModel
+    from test_experiment import config_text, corpus
+
+    text = config_text(tiny_dirs["llama"], corpus(tmp_path / "corpus.txt"))
+    text = text[:text.index("[[arms]]")] + "\n".join([
+        "[[arms]]", 'kind = "optimised"', "seeds = [0]", "shared = 0.1",
+        "[[arms]]", 'kind = "contiguous"', "seeds = []", "shared = 0.1", 'shared_by = "dn"',
+        "[[arms]]", 'kind = "optimised"', "seeds = []"]) + "\n"
+    (tmp_path / "study.toml").write_text(text)
+    out = tmp_path / "exp"
+    assert main(["experiment", str(tmp_path / "study.toml"), "--out", str(out)]) == 0
+    layouts = {p.stem: Layout.load(p) for p in (out / "layouts").glob("*.json")}
+    assert sorted(layouts) == ["contiguous-shared10", "optimised", "optimised-shared10"]
+    assert (layouts["optimised-shared10"].shared, layouts["optimised-shared10"].shared_by) == (10, "fo")  # 96 -> 86
+    assert (layouts["contiguous-shared10"].shared, layouts["contiguous-shared10"].shared_by) == (10, "dn")
+    assert layouts["optimised"].shared == 0 and layouts["optimised-shared10"].kind == "optimised-shared10"
+    student = DTPModel.from_pretrained(out / "runs" / "optimised-shared10-s0" / "final")
+    assert student.shape.shared == 10
+    bad = text.replace("shared = 0.1", "shared = 1.0", 1)
+    (tmp_path / "bad.toml").write_text(bad)
+    capsys.readouterr()
+    assert main(["experiment", str(tmp_path / "bad.toml"), "--out", str(tmp_path / "exp2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "shared" in err and len(err.splitlines()) == 1 and not (tmp_path / "exp2").exists()

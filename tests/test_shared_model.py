@@ -248,3 +248,22 @@ def test_the_memory_plan_counts_the_replicated_slice(train_setup, capsys):
     # every device computes the 10 shared neurons' activations: more saved than with none replicated
     assert plans["shared"]["parts"]["activations"] > plans["plain"]["parts"]["activations"]
     assert not (train_setup["root"] / "plan-shared").exists()
+
+
+def test_remote_code_equals_dtpshard_on_a_shared_student(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = save_tiny(tmp_path / "m", "granite", seed=8, intermediate_size=98)
+    lay = shared_layout(open_checkpoint(src).shape, 4, 6, seed=6)
+    student = tmp_path / "s"
+    DTPModel.from_pretrained(src, devices=4, delay=1.5, layout=lay).save_pretrained(student, source=src)
+    ref = DTPModel.from_pretrained(student)
+    hf = AutoModelForCausalLM.from_pretrained(str(student), trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "DTPForCausalLM"
+    ids = ids_for()
+    with torch.no_grad():
+        want = ref(ids).logits
+        assert rel(hf(ids).logits, want) <= 1e-6
+        literal = literal_dtp_logits(tiny_hf_model("granite", seed=8, intermediate_size=98), ids, 4, 1.5,
+                                     units=units_of_layout_file(lay.to_json(), 4))
+        assert rel(want, literal) <= TOL
