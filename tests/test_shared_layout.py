@@ -157,3 +157,15 @@ def test_experiment_arms_take_shared(tmp_path, tiny_dirs, capsys):
     assert main(["experiment", str(tmp_path / "bad.toml"), "--out", str(tmp_path / "exp2")]) == 2
     err = capsys.readouterr().err.strip()
     assert "shared" in err and len(err.splitlines()) == 1 and not (tmp_path / "exp2").exists()
+
+
+def test_the_shared_study_file_reads_as_its_arms():
+    from pathlib import Path
+
+    from dtpshard.studies.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "dtpshard" / "configs" / "smollm2_shared.toml")
+    arms = {(a.kind, a.layouts[0].shared): a.seeds for a in cfg.arms}
+    assert arms == {(k, f): [0, 1, 2] for k, f in [("optimised", 0), ("optimised", 0.05), ("optimised", 0.1),
+                                                     ("optimised", 0.2), ("contiguous", 0.1), ("contiguous", 0)]}
+    assert [shared_count(1536, cfg.devices, f) for f in (0.05, 0.1, 0.2)] == [78, 156, 309]  # as its comment says
