@@ -2,7 +2,8 @@
 
 TP rank l is device l (docs/design.md §1): the student's weights are already permuted, so vLLM's
 contiguous TP shards (QKVParallelLinear's heads, MergedColumnParallelLinear's neurons,
-RowParallelLinear's input columns) are exactly the layout's device l. The row-parallel outputs
+RowParallelLinear's input columns) are exactly the layout's device l; a shared student's last n
+neurons are every rank's, whole (`DTPFFN`, docs/design.md §6). The row-parallel outputs
 are left unreduced (`reduce_results=False`): each is the rank's partial p_l^m. The rank keeps its
 own residual stream x_l and hands each partial to the exchange (model/exchange.py), the same one
 the simulator and the runtime run:
