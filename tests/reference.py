@@ -2,6 +2,10 @@
 
 Plain Python loops over devices, modules, heads; RoPE and attention written out by hand.
 Slow and obvious on purpose: the tests compare DTPModel against it.
+
+Shared neurons (docs/design.md §6) are transcribed here too, on the UNPERMUTED model: `units`
+says, per layer, which original KV groups and neurons each device holds and which neurons every
+device holds (`units_of_layout_file` reads them off a layout file's JSON by the letter of its format).
 """
 from __future__ import annotations
 
@@ -50,9 +54,40 @@ def _rope(x, theta, factor=1.0):  # x [T, hd], positions 0..T-1; the first facto
     return torch.cat([y * cos + rot * sin, x[:, hd:]], -1)
 
 
-def device_partial(sd, hf_config, m, l, L, x):
+def units_of_layout_file(obj, L):
+    """Per layer {"groups": [device l's KV groups], "neurons": [device l's neurons], "shared": [...]}
+    from a layout file's JSON: position p holds unit perm[p]; the last `shared` positions of
+    ffn_perm are every device's, the rest split in L equal runs."""
+    n = obj.get("shared", 0)
+    out = []
+    for layer in obj["layers"]:
+        kv, ffn = layer["kv_perm"], layer["ffn_perm"]
+        g, k = len(kv) // L, (len(ffn) - n) // L
+        out.append({"groups": [kv[l * g:(l + 1) * g] for l in range(L)],
+                    "neurons": [ffn[l * k:(l + 1) * k] for l in range(L)], "shared": ffn[len(ffn) - n:]})
+    return out
+
+
+def _ffn(sd, hf_config, pre, x, rows):
+    """The FFN of the neurons `rows` on one sequence x [T, D] (pre-norm included)."""
+    W = _weights(sd, pre, hf_config)
+    h = _norm(x, sd[pre + "post_attention_layernorm.weight"], hf_config.rms_norm_eps)
+    g = h @ W["gate"][rows].T
+    u = h @ W["up"][rows].T
+    return (torch.nn.functional.silu(g) * u) @ sd[pre + "mlp.down_proj.weight"][:, rows].T
+
+
+def shared_output(sd, hf_config, i, x, neurons):
+    """What device l adds at once, unscaled, after FFN i: the shared neurons on its own stream x."""
+    if not len(neurons):
+        return torch.zeros_like(x)
+    return _ffn(sd, hf_config, f"model.layers.{i}.", x, list(neurons)) * _mult(hf_config, "residual_multiplier")
+
+
+def device_partial(sd, hf_config, m, l, L, x, units=None):
     """p_l^m = f_m^l(x): device l's heads or neurons of module m, for one sequence x [T, D] (times
-    Granite's residual multiplier: what joins the stream)."""
+    Granite's residual multiplier: what joins the stream). `units`: units_of_layout_file's, else
+    device l holds the l-th contiguous run."""
     H, G, hd, theta, eps, family = _cfg(hf_config)
     r = H // G
     i = m // 2
@@ -60,12 +95,8 @@ def device_partial(sd, hf_config, m, l, L, x):
     W = _weights(sd, pre, hf_config)
     if m % 2 == 1:
         N = W["gate"].shape[0]
-        rows = slice(l * N // L, (l + 1) * N // L)
-        h = _norm(x, sd[pre + "post_attention_layernorm.weight"], eps)
-        g = h @ W["gate"][rows].T
-        u = h @ W["up"][rows].T
-        out = (torch.nn.functional.silu(g) * u) @ sd[pre + "mlp.down_proj.weight"][:, rows].T
-        return out * _mult(hf_config, "residual_multiplier")
+        rows = list(units[i]["neurons"][l]) if units else slice(l * N // L, (l + 1) * N // L)
+        return _ffn(sd, hf_config, pre, x, rows) * _mult(hf_config, "residual_multiplier")
     h = _norm(x, sd[pre + "input_layernorm.weight"], eps)
     T = x.shape[0]
     out = torch.zeros_like(x)
@@ -75,7 +106,7 @@ def device_partial(sd, hf_config, m, l, L, x):
     hidden = torch.ones(T, T, dtype=torch.bool).triu(1)  # a query does not see later positions
     if window is not None:  # nor those `window` or more before it
         hidden |= torch.ones(T, T, dtype=torch.bool).tril(-window)
-    for g_ in range(l * G // L, (l + 1) * G // L):
+    for g_ in (units[i]["groups"][l] if units else range(l * G // L, (l + 1) * G // L)):
         ks = slice(g_ * hd, (g_ + 1) * hd)
         k = h @ W["k"][ks].T
         v = h @ W["v"][ks].T
@@ -107,8 +138,10 @@ def own_scale(m, M, L, d, stage3):
     return 1.0
 
 
-def literal_dtp_logits(hf_model, ids, L, delta, stage3="sqrt"):
-    """Logits [B, T, V] of the DTP model by the letter of docs/design.md §1."""
+def literal_dtp_logits(hf_model, ids, L, delta, stage3="sqrt", units=None):
+    """Logits [B, T, V] of the DTP model by the letter of docs/design.md §1 (and §6: each device adds
+    the shared neurons' output of its own stream at once, unscaled, and never sends it), `units`
+    as device_partial takes them."""
     sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
     cfg = hf_model.config
     M = 2 * cfg.num_hidden_layers
@@ -120,13 +153,15 @@ def literal_dtp_logits(hf_model, ids, L, delta, stage3="sqrt"):
         xs = [sd["model.embed_tokens.weight"][seq] * _mult(cfg, "embedding_multiplier") for _ in range(L)]
         P = {}
         for m in range(M):
-            P[m] = [device_partial(sd, cfg, m, l, L, xs[l]) for l in range(L)]
+            P[m] = [device_partial(sd, cfg, m, l, L, xs[l], units) for l in range(L)]
+            own = [shared_output(sd, cfg, m // 2, xs[l], units[m // 2]["shared"] if units else [])
+                   if m % 2 else 0 for l in range(L)]
             s = own_scale(m, M, L, d, stage3)
             if a:
                 s = (1 - a) * s + a * own_scale(m, M, L, d + 1, stage3)
             new = []
             for l in range(L):
-                x = xs[l] + s * P[m][l]
+                x = xs[l] + s * P[m][l] + own[l]
                 for k, w in ((m - d, 1 - a), (m - d - 1, a)):
                     if k >= 0 and w > 0:
                         x = x + w * sum(P[k][j] for j in range(L) if j != l)

@@ -82,8 +82,8 @@ def test_partials_sum_to_dense_module_output(hf):
     hf_cos, hf_sin = hf.model.rotary_emb(x, torch.arange(T)[None])
     for m in range(model.shape.modules):
         layer = hf.model.layers[m // 2]
-        p = model.module_partials(m, x.unsqueeze(0).expand(4, *x.shape), cos, sin)
-        assert p.shape == (4, *x.shape)
+        p, local = model.module_partials(m, x.unsqueeze(0).expand(4, *x.shape), cos, sin)
+        assert p.shape == (4, *x.shape) and local is None
         if m % 2:
             dense = layer.mlp(layer.post_attention_layernorm(x))
         else:

@@ -6,14 +6,25 @@ from pathlib import Path
 from dtpshard.core.io import dumps
 from dtpshard.core.layout import HASH_KEY
 from dtpshard.core.settings import DEFAULT
-from dtpshard.core.vocab import Count, Delay, KvSearch, LayoutKind, PermuteCheck, PositiveNumber, Seed
+from dtpshard.core.vocab import (
+    Count,
+    Delay,
+    KvSearch,
+    LayoutKind,
+    PermuteCheck,
+    PositiveNumber,
+    Seed,
+    SharedBy,
+    SharedFraction,
+)
 
 CHECK_TOL = 1e-4  # --check logits' default: layouts/permute.py CHECK_TOL (not imported: --help reads no torch)
 
 
 def layout_cmd(source: Path, *, out: Path, devices: Count = DEFAULT.devices, delay: Delay = DEFAULT.delay,
                kind: LayoutKind = "optimised", layers: Count | None = None, restarts: Count = 1, seed: Seed = 0,
-               kv_search: KvSearch = "assignment", max_sweeps: Count = 20, json: bool = False) -> int:
+               kv_search: KvSearch = "assignment", max_sweeps: Count = 20, shared: SharedFraction = 0.0,
+               shared_by: SharedBy = "fo", json: bool = False) -> int:
     """Make a layout (docs/design.md §3) and write it as JSON; prints J, its random expectation and the time.
 
     Args:
@@ -27,14 +38,20 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = DEFAULT.devices, del
         seed: seed of the random layout, or of the random restarts
         kv_search: KV-group block update: exact assignment, or the paper's exhaustive search over labelled partitions
         max_sweeps: stop after this many sweeps even if J still grows by more than 1e-9
-        json: print one JSON object {out, kind, devices, delay, seed, layout_sha256, score: {J, ...}} instead of text
+        shared: fraction of each layer's neurons replicated on every device (docs/design.md §6), rounded up to
+            leave the rest divisible by L
+        shared_by: the shared neurons: the top by up-edge affinity mass (fo), by down-edge mass (dn), or random
+        json: print one JSON object {out, kind, devices, delay, seed, shared, shared_by, layout_sha256, score: {J, ...}}
+            instead of text
     """
     from dtpshard.layouts.make import describe, write_layout
 
-    layout = write_layout(source, out, devices, delay, kind, layers, restarts, seed, kv_search, max_sweeps)
+    layout = write_layout(source, out, devices, delay, kind, layers, restarts, seed, kv_search, max_sweeps,
+                          shared, shared_by)
     if json:
         print(dumps({"out": str(out), "kind": layout.kind, "devices": layout.devices, "delay": layout.delay,
-                     "seed": layout.seed, HASH_KEY: layout.content_sha256(), "score": layout.score}))
+                     "seed": layout.seed, "shared": layout.shared, "shared_by": layout.shared_by,
+                     HASH_KEY: layout.content_sha256(), "score": layout.score}))
     else:
         print(f"{describe(layout)} -> {out}")
     return 0

@@ -6,6 +6,11 @@ whose units are KV groups; m = 2i + 1: layer i's FFN, whose units are neurons): 
 d holds positions [d·units/L, (d+1)·units/L). A layout is plain data and is saved as JSON
 (`dtpshard.layout/1`, per layer a kv_perm and an ffn_perm); `kv_perms`/`ffn_perms` are the same
 permutations by layer.
+
+A shared layout (docs/design.md §6) replicates `shared` = n neurons of every layer on all devices:
+they are the last n positions of each ffn_perm (the file records n, how they were chosen and,
+per layer, the set, checked against the permutation's tail), and device d holds positions
+[d·(N - n)/L, (d+1)·(N - n)/L) of the rest. Their device is SHARED (-1): co-located with everything.
 """
 from __future__ import annotations
 
@@ -20,14 +25,20 @@ import numpy as np
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_write_text, check_keys, dumps, loads, read_bytes, short_sha256
+from dtpshard.core.owned import raw_mark
 from dtpshard.core.settings import DEFAULT
 from dtpshard.core.shape import UNIT_FIELDS, UnitShape, check_devices
+from dtpshard.core.vocab import SHARED_BY
 
 FORMAT = "dtpshard.layout/1"
 KEYS = ("format", "devices", "delay", "kind", "seed", "model", "layers", "score")  # what a layout file is written with
+SHARED_KEYS = ("shared", "shared_by")  # written only by a shared layout (older readers see no change otherwise)
 HASH_KEY = "layout_sha256"  # the one key of a layout's content hash (content_sha256), wherever it is recorded
-READ_KEYS = (*KEYS, HASH_KEY, "sha256")  # a file may record its hash, under the key or the older "sha256"
-LAYER_KEYS = ("kv_perm", "ffn_perm")
+READ_KEYS = (*KEYS, *SHARED_KEYS, HASH_KEY, "sha256")  # a file may record its hash, under the key or the older "sha256"
+LAYER_KEYS = ("kv_perm", "ffn_perm", "shared")
+SHARED = -1  # the device of a shared neuron: every device's
+PERMUTED_JSON = "layout.json"  # the layout a permuted checkpoint was made with, beside its weights (permute)
+PERMUTE_COMMAND = "permute"  # the mark (core/owned.py) of a directory `dtpshard permute` wrote
 MAX_BYTES = 1 << 30  # before the model it is for is known: a 405B model's layout is ~50 MB
 
 
@@ -53,6 +64,11 @@ class Layout:
     ffn_perms: list[np.ndarray]  # per layer, [N] ints
     seed: int | None = None
     score: dict[str, Any] = field(default_factory=dict)
+    shared: int = 0  # n: the last n positions of every ffn_perm are replicated on all devices
+    shared_by: str | None = None  # how they were chosen (core.vocab.SHARED_BY); None when n = 0
+
+    def __post_init__(self) -> None:
+        check_devices(self.model, self.devices, shared=self.shared)
 
     # -- construction --------------------------------------------------------------------
     @classmethod
@@ -63,18 +79,40 @@ class Layout:
                    [np.arange(model.kv_groups) for _ in range(n)], [np.arange(model.neurons) for _ in range(n)])
 
     @classmethod
-    def random(cls, model: UnitShape, devices: int, delay: float = DEFAULT.delay, seed: int = 0) -> Layout:
-        check_devices(model, devices)
+    def random(cls, model: UnitShape, devices: int, delay: float = DEFAULT.delay, seed: int = 0,
+               shared: list[np.ndarray] | None = None, shared_by: str | None = None) -> Layout:
+        """Seeded uniform permutations; `shared`: each layer's shared neurons, put last (None: none, or
+        with shared_by "random", n of them drawn by the same permutation: its last n)."""
         rng = np.random.default_rng(seed)
         kv = [rng.permutation(model.kv_groups) for _ in range(model.layers)]
         ffn = [rng.permutation(model.neurons) for _ in range(model.layers)]
-        return cls(devices, delay, "random", model.unit_shape(), kv, ffn, seed=seed)
+        if shared is not None:
+            ffn = [shared_last(p, s) for p, s in zip(ffn, shared)]
+        n = 0 if shared is None else len(shared[0])
+        return cls(devices, delay, "random", model.unit_shape(), kv, ffn, seed=seed, shared=n,
+                   shared_by=shared_by if n else None)
+
+    @classmethod
+    def contiguous_shared(cls, model: UnitShape, devices: int, delay: float, shared: list[np.ndarray],
+                          shared_by: str) -> Layout:
+        """The contiguous layout over the sharded neurons (in their order), each layer's `shared` last."""
+        ffn = [shared_last(np.arange(model.neurons), s) for s in shared]
+        kv = [np.arange(model.kv_groups) for _ in range(model.layers)]
+        n = len(shared[0])
+        return cls(devices, delay, "contiguous", model.unit_shape(), kv, ffn, shared=n,
+                   shared_by=shared_by if n else None)
 
     @classmethod
     def from_module_perms(cls, model: UnitShape, devices: int, delay: float, kind: str,
-                          perms: list[np.ndarray], seed: int | None = None) -> Layout:
-        """From perms[m], one per module (2 per layer)."""
-        return cls(devices, delay, kind, model.unit_shape(), list(perms[0::2]), list(perms[1::2]), seed=seed)
+                          perms: list[np.ndarray], seed: int | None = None, shared: int = 0) -> Layout:
+        """From perms[m], one per module (2 per layer); `shared`: the last n of each FFN's are shared."""
+        return cls(devices, delay, kind, model.unit_shape(), list(perms[0::2]), list(perms[1::2]), seed=seed,
+                   shared=shared)
+
+    def with_shared(self, shared: int, shared_by: str | None) -> Layout:
+        """This layout with the last `shared` neurons of every ffn_perm replicated."""
+        return Layout(self.devices, self.delay, self.kind, self.model, self.kv_perms, self.ffn_perms, self.seed,
+                      self.score, shared, shared_by if shared else None)
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -86,8 +124,13 @@ class Layout:
         return (self.kv_perms if m % 2 == 0 else self.ffn_perms)[m // 2]
 
     def device(self, m: int) -> np.ndarray:
-        """[units(m)]: the device of each original unit of module m."""
-        return _device_of(self.perm(m), self.devices)
+        """[units(m)]: the device of each original unit of module m (SHARED for a shared neuron)."""
+        return _device_of(self.perm(m), self.devices, self.shared if m % 2 else 0)
+
+    def shared_neurons(self, layer: int) -> np.ndarray:
+        """The original indices of layer `layer`'s shared neurons, in the order they are stored (last)."""
+        perm = self.ffn_perms[layer]
+        return perm[len(perm) - self.shared:]
 
     def kv_device(self, layer: int) -> np.ndarray:
         """[G]: the device of each original KV group (module 2·layer)."""
@@ -105,7 +148,10 @@ class Layout:
         rescored or saved with other timings keeps its hash: core.io.short_sha256. Published as
         `layout_sha256` everywhere (a layout file, a run's config.json, a student's record)."""
         perms = [[int(i) for i in p] for p in self.kv_perms + self.ffn_perms]
-        data = json.dumps({"devices": self.devices, "perms": perms}, separators=(",", ":"))
+        what: dict[str, Any] = {"devices": self.devices, "perms": perms}
+        if self.shared:  # the same permutations with their tail replicated are another function
+            what["shared"] = self.shared
+        data = json.dumps(what, separators=(",", ":"))
         return short_sha256(data.encode())
 
     def function_key(self) -> str:
@@ -116,20 +162,27 @@ class Layout:
         for d in range(self.devices):
             units = []
             for kv, ffn in zip(self.kv_perms, self.ffn_perms):
-                g, n = len(kv) // self.devices, len(ffn) // self.devices
+                g, n = len(kv) // self.devices, (len(ffn) - self.shared) // self.devices
                 units.append((sorted(int(i) for i in kv[d * g:(d + 1) * g]),
                               sorted(int(i) for i in ffn[d * n:(d + 1) * n])))
             per_device.append(units)
-        return json.dumps(sorted(per_device), separators=(",", ":"))
+        key: list[Any] = sorted(per_device)
+        if self.shared:
+            key = [key, [sorted(int(i) for i in self.shared_neurons(i)) for i in range(self.layers)]]
+        return json.dumps(key, separators=(",", ":"))
 
     # -- serialisation -------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
+        layers = [{"kv_perm": [int(i) for i in k], "ffn_perm": [int(i) for i in f]}
+                  for k, f in zip(self.kv_perms, self.ffn_perms)]
+        shared = {}
+        if self.shared:
+            shared = {"shared": self.shared, "shared_by": self.shared_by}
+            for i, entry in enumerate(layers):  # for a reader: the tail of ffn_perm, sorted
+                entry["shared"] = sorted(int(u) for u in self.shared_neurons(i))
         return {
             "format": FORMAT, "devices": self.devices, "delay": self.delay, "kind": self.kind,
-            "seed": self.seed, "model": self.model.to_json(),
-            "layers": [{"kv_perm": [int(i) for i in k], "ffn_perm": [int(i) for i in f]}
-                       for k, f in zip(self.kv_perms, self.ffn_perms)],
-            "score": self.score,
+            "seed": self.seed, "model": self.model.to_json(), **shared, "layers": layers, "score": self.score,
         }
 
     def save(self, path: str | Path) -> None:
@@ -160,7 +213,12 @@ class Layout:
         score = obj.get("score") or {}
         if not isinstance(score, dict):
             raise UserError(f"{where}: score must be an object, not {type(score).__name__}")
-        check_devices(model, devices, where)
+        shared, shared_by = obj.get("shared", 0), obj.get("shared_by")
+        if not _is_int(shared) or shared < 0:
+            raise UserError(f"{where}: shared={shared!r} must be an integer >= 0")
+        if shared and shared_by not in SHARED_BY:
+            raise UserError(f"{where}: shared_by={shared_by!r} must be one of {', '.join(SHARED_BY)}")
+        check_devices(model, devices, where, shared=shared)
         layers = obj["layers"]
         if not isinstance(layers, list) or len(layers) != model.layers:
             got = len(layers) if isinstance(layers, list) else type(layers).__name__
@@ -172,9 +230,14 @@ class Layout:
             check_keys(entry, LAYER_KEYS, f"{where}: layer {i}")
             kv.append(_check_perm(entry.get("kv_perm"), model.kv_groups, f"{where}: layer {i} kv_perm"))
             ffn.append(_check_perm(entry.get("ffn_perm"), model.neurons, f"{where}: layer {i} ffn_perm"))
+            listed = entry.get("shared", [])
+            tail = sorted(int(u) for u in ffn[-1][model.neurons - shared:])
+            if not isinstance(listed, list) or not all(_is_int(u) for u in listed) or sorted(listed) != tail:
+                raise UserError(f"{where}: layer {i} lists shared neurons other than the last {shared} of its ffn_perm")
         seed = obj.get("seed")
         layout = cls(devices, delay, str(obj.get("kind", "unknown")), model, kv, ffn,
-                     seed=seed if _is_int(seed) else None, score=dict(score))
+                     seed=seed if _is_int(seed) else None, score=dict(score), shared=shared,
+                     shared_by=shared_by if shared else None)
         recorded = obj.get(HASH_KEY, obj.get("sha256"))
         if recorded is not None and recorded != layout.content_sha256():
             raise UserError(f"{where}: records {HASH_KEY} {recorded!r}, but its permutations hash to "
@@ -220,10 +283,19 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a count
 
 
-def _device_of(perm: np.ndarray, devices: int) -> np.ndarray:
+def _device_of(perm: np.ndarray, devices: int, shared: int = 0) -> np.ndarray:
+    sharded = len(perm) - shared
     dev = np.empty(len(perm), dtype=np.int64)
-    dev[perm] = np.arange(len(perm)) // (len(perm) // devices)
+    dev[perm[:sharded]] = np.arange(sharded) // (sharded // devices)
+    dev[perm[sharded:]] = SHARED
     return dev
+
+
+def shared_last(perm: np.ndarray, shared: np.ndarray) -> np.ndarray:
+    """`perm` with the units of `shared` moved to its end (in the order `shared` gives), the rest in
+    the order `perm` has them."""
+    keep = perm[~np.isin(perm, shared)]
+    return np.concatenate([keep, np.asarray(shared, dtype=keep.dtype)])
 
 
 def _check_perm(values: Any, size: int, where: str) -> np.ndarray:
@@ -241,3 +313,14 @@ def _check_perm(values: Any, size: int, where: str) -> np.ndarray:
         missing = int(np.flatnonzero(counts == 0)[0])
         raise UserError(f"{where}: index {dup} appears {counts[dup]} times and {missing} is missing")
     return arr
+
+
+def permuted_shared(path: Path) -> int:
+    """The shared neurons a permuted checkpoint holds last (its layout.json's count; docs/design.md
+    §6): 0 for any directory without permute's mark. The mark is read as data here, bound or not: a
+    permuted checkpoint copied elsewhere still holds its shared neurons last (ownership, which a
+    copy loses, decides only what --force may remove)."""
+    mark = raw_mark(Path(path))
+    if mark is None or mark.get("command") != PERMUTE_COMMAND or not (Path(path) / PERMUTED_JSON).is_file():
+        return 0
+    return Layout.load(Path(path) / PERMUTED_JSON).shared

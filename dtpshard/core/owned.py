@@ -41,7 +41,8 @@ MAX_NAMES = 1 << 16  # files a sealed directory lists (a student has tens)
 Inside = Callable[[Path], "Path | None"]
 
 
-def _raw_mark(d: Path) -> dict[str, Any] | None:
+def raw_mark(d: Path) -> dict[str, Any] | None:
+    """d's mark as data (any command's, bound or not: a copy too), or None."""
     path = Path(d) / MARK
     if path.is_symlink() or not path.is_file():
         return None
@@ -62,7 +63,7 @@ def _bound(mark: dict[str, Any], d: Path) -> bool:
 
 def read_mark(d: Path, command: str) -> dict[str, Any] | None:
     """d's mark if `command` made d (a regular file that parses as one, bound to d), else None."""
-    mark = _raw_mark(d)
+    mark = raw_mark(d)
     ok = mark is not None and mark.get("command") == command and isinstance(mark.get("id"), str)
     return mark if ok and mark["id"] and _bound(mark, d) else None
 
@@ -70,7 +71,7 @@ def read_mark(d: Path, command: str) -> dict[str, Any] | None:
 def other_command(d: Path, command: str) -> str | None:
     """The command whose mark d carries when that is not `command` (a directory of another
     command is never taken, cleared or written into by this one), else None."""
-    mark = _raw_mark(d)
+    mark = raw_mark(d)
     other = mark.get("command") if mark is not None else None
     return other if isinstance(other, str) and other != command else None
 

@@ -35,11 +35,12 @@ class DTPSettings:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
-    def check(self, shape: UnitShape | None) -> DTPSettings:
-        """Refuse settings that `shape` cannot run (L divides G and N, 0 <= δ <= M, a known stage3)."""
+    def check(self, shape: UnitShape | None, shared: int | None = None) -> DTPSettings:
+        """Refuse settings that `shape` cannot run (L divides G and the sharded neurons, 0 <= δ <= M, a
+        known stage3); `shared`: the neurons a layout replicates (None: the shape's own)."""
         check_stage3(self.stage3)
         if shape is not None:
-            check_devices(shape, self.devices)
+            check_devices(shape, self.devices, shared=shared)
         check_delay(shape, self.delay)
         return self
 
@@ -111,8 +112,9 @@ def resolve_dtp(shape: UnitShape | None = None, *, devices: int | None = None, d
                 return value
         return getattr(DEFAULT, name)
 
+    shared = getattr(layout, "shared", 0) or None  # a shared layout's count, else the shape's (docs/design.md §6)
     out = DTPSettings(int(pick("devices", devices)), plain_delay(pick("delay", delay)),
-                      check_stage3(pick("stage3", stage3))).check(shape)
+                      check_stage3(pick("stage3", stage3))).check(shape, shared)
     if layout is not None and layout.devices != out.devices:
         raise UserError(f"{where} was made for devices={layout.devices}, the model runs devices={out.devices}")
     return out
@@ -130,6 +132,7 @@ def read_record(saved: Any, where: str) -> dict[str, Any] | None:
               and 0 <= v < 1e9,
               "stage3": lambda v: v in STAGE3,
               "layout_sha256": lambda v: v is None or isinstance(v, str) and len(v) <= 64,
+              "shared": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_UNITS,
               "family": lambda v: v in FAMILIES}  # the base family of a model_type "dtp" student
     unknown = sorted(str(k) for k in saved if k not in checks)  # a typo ("delays") must not pass silently
     if unknown:

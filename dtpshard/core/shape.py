@@ -86,15 +86,24 @@ class ModelShape(UnitShape):
     logits_scaling: float = 1.0  # logits are divided by it (Granite)
     rotary_dim: int | None = None  # dimensions of each head that rotate (None: all; a partial rotary factor)
     window: int | None = None  # sliding-window attention: each query sees the `window` latest positions
+    # FFN neurons of every layer replicated on all devices, the last `shared` of each layer (docs/design.md
+    # §6): not a config.json key but what a shared layout, or a student recording it, adds
+    shared: int = 0
 
     @property
     def heads(self) -> int:  # H query heads
         return self.kv_groups * self.heads_per_group
 
+    @property
+    def sharded(self) -> int:
+        """Neurons of a layer split over the devices: N less the shared ones."""
+        return self.neurons - self.shared
+
     def shard(self, devices: int) -> ModelShape:
-        """The shape of one device's share: G/L KV groups (with their heads) and N/L neurons."""
+        """The shape of one device's share: G/L KV groups (with their heads), its (N - n)/L sharded
+        neurons and the n shared ones, last."""
         check_devices(self, devices)
-        return replace(self, kv_groups=self.kv_groups // devices, neurons=self.neurons // devices)
+        return replace(self, kv_groups=self.kv_groups // devices, neurons=self.sharded // devices + self.shared)
 
     def layer_params(self) -> int:
         """Weights of one decoder layer's projections (norm gains are negligible)."""
@@ -163,8 +172,9 @@ def _rotary_dim(cfg: Any, head_dim: int) -> int | None:
 
 
 def shape_from_hf_config(cfg: Any) -> ModelShape:
-    """Validate a transformers config (a DTP student's: its base family's) and return its shape;
-    refuse anything DTP cannot run."""
+    """Validate a transformers config (a DTP student's: its base family's, with the shared neurons
+    its dtp block records) and return its shape; refuse anything DTP cannot run."""
+    shared = student_shared(cfg)
     cfg = family_config(cfg)
     family = _get(cfg, "model_type")
     if family not in FAMILIES:
@@ -191,7 +201,21 @@ def shape_from_hf_config(cfg: Any) -> ModelShape:
         kv_groups=kv, head_dim=head_dim, neurons=cfg.intermediate_size, vocab=cfg.vocab_size,
         rms_eps=float(_get(cfg, "rms_norm_eps", 1e-6)), tied=bool(_get(cfg, "tie_word_embeddings", False)),
         qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm, act=act, rotary_dim=_rotary_dim(cfg, head_dim), window=window,
-        **spec.scalar_values(cfg))
+        shared=_check_recorded_shared(shared, cfg.intermediate_size), **spec.scalar_values(cfg))
+
+
+def student_shared(cfg: Any) -> Any:
+    """The shared neurons a DTP student's dtp block records (docs/design.md §6): 0 for any other
+    config, or a student that records none."""
+    block = getattr(cfg, "dtp", None) if _get(cfg, "model_type") == STUDENT_TYPE else None
+    return block.get("shared", 0) if isinstance(block, dict) else 0
+
+
+def _check_recorded_shared(shared: Any, neurons: int) -> int:
+    if not _is_int(shared) or not 0 <= shared < neurons:
+        raise UserError(f"config.json: dtp.shared={quote(shared)} must be an integer from 0 to intermediate_size - 1 "
+                        f"= {neurons - 1} (the student's weights have {neurons} neurons a layer)")
+    return shared
 
 
 _DIMENSIONS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -299,16 +323,42 @@ def check_sizes(sizes: dict[str, int], where: str) -> None:
             raise UserError(f"{where}: {name}={n} is beyond any model (at most {limit}); the file is damaged")
 
 
-def check_devices(shape: UnitShape, devices: int, where: str | None = None) -> None:
-    """L must be at least 1 and divide the KV groups and the neurons (docs/design.md §1). Named as
-    config.json names them for a checkpoint's shape, as the file does for a layout's or affinity's."""
+def check_devices(shape: UnitShape, devices: int, where: str | None = None, shared: int | None = None) -> None:
+    """L must be at least 1 and divide the KV groups and the sharded neurons (docs/design.md §1, §6:
+    the neurons less the `shared` ones, default the shape's own). Named as config.json names them
+    for a checkpoint's shape, as the file does for a layout's or affinity's."""
     prefix = f"{where}: " if where else ""
     if devices < 1:
         raise UserError(f"{prefix}devices={devices} must be at least 1")
+    shared = getattr(shape, "shared", 0) if shared is None else shared
     names = ("num_key_value_heads", "intermediate_size") if isinstance(shape, ModelShape) else ("kv_groups", "neurons")
     for name, n in zip(names, (shape.kv_groups, shape.neurons)):
-        if n % devices:
+        if n % devices and not (shared and name == names[1]):
             raise UserError(f"{prefix}devices={devices} does not divide {name}={n}")
+    check_shared(shape.neurons, devices, shared, prefix)
+
+
+def check_shared(neurons: int, devices: int, shared: int, prefix: str = "") -> None:
+    """n shared neurons of N leave at least one sharded neuron, and N - n divisible by L."""
+    if not 0 <= shared < neurons:
+        raise UserError(f"{prefix}shared={shared} neurons of {neurons}: must leave at least one sharded neuron")
+    if (neurons - shared) % devices:
+        raise UserError(f"{prefix}devices={devices} does not divide the {neurons - shared} sharded neurons "
+                        f"(intermediate_size={neurons} less shared={shared})")
+
+
+def shared_count(neurons: int, devices: int, fraction: float) -> int:
+    """The seed code's count of shared neurons: the smallest n >= fraction·N that leaves N - n
+    divisible by L (10% of 3072 on 4 devices: 308). Refused in one line when it leaves none sharded."""
+    if not 0 <= fraction < 1:
+        raise UserError(f"--shared {fraction:g}: the fraction of neurons shared must be in [0, 1)")
+    n = math.ceil(round(fraction * neurons, 9))  # rounded first: 0.1 x 3070 is 307.00000000000006
+    while (neurons - n) % devices:
+        n += 1
+    if n >= neurons:
+        raise UserError(f"--shared {fraction:g}: {n} of {neurons} neurons shared on {devices} devices leaves no "
+                        "sharded neuron")
+    return n
 
 
 def check_delay(shape: UnitShape | None, delay: float) -> None:

@@ -33,6 +33,10 @@ LoadDType = Literal["auto", "float32", "bfloat16"]  # auto: the checkpoint's own
 AffinityDType = Literal["float32", "float64"]
 CompileMode = Literal["auto", "on", "off"]  # distill --compile: auto compiles where it pays (model/compiled.py)
 PermuteCheck = Literal["construction", "logits", "none"]  # what `permute` reads back
+# which neurons a layout shares (docs/design.md §6): the top by first-order affinity mass (the up
+# edge's column mass), by the down edge's row mass, or chosen at random
+SharedBy = Literal["fo", "dn", "random"]
+SHARED_BY: tuple[str, ...] = get_args(SharedBy)
 
 # -- constrained numbers and strings (parse-time checks) ---------------------------------------
 # NaN fails every comparison, so each test refuses it; `< math.inf` refuses infinity too.
@@ -44,6 +48,7 @@ PositiveNumber = Annotated[float, Constraint(lambda x: 0 < x < math.inf, "number
 LearningRate = Annotated[float, Constraint(lambda x: 0 < x <= 1, "number in (0, 1]", "a number > 0 and at most 1")]
 NonNegativeNumber = Annotated[float, Constraint(lambda x: 0 <= x < math.inf, "number >= 0", "a finite number >= 0")]
 Fraction = Annotated[float, Constraint(lambda x: 0 <= x <= 1, "number in [0, 1]", "a number in [0, 1]")]
+SharedFraction = Annotated[float, Constraint(lambda x: 0 <= x < 1, "number in [0, 1)", "a number in [0, 1)")]
 Beta = Annotated[float, Constraint(lambda x: 0 <= x < 1, "number in [0, 1)", "a number in [0, 1)")]
 TopP = Annotated[float, Constraint(lambda x: 0 < x <= 1, "number in (0, 1]", "a number in (0, 1]")]  # nucleus mass
 Delay = NonNegativeNumber  # δ in modules; fractional allowed, 0 is tensor parallelism

@@ -6,6 +6,10 @@ of every module m shares an edge with (any δ, so several modules). A block upda
 a balanced assignment (U/L units per device) maximising Σ_u gain[u, dev(u)]: a transportation
 problem, solved exactly by cycle cancelling on the L-device residual graph (see
 layouts/assignment.py). Each accepted update is a block optimum, so J never decreases.
+
+A shared layout (docs/design.md §6) fixes each layer's shared neurons before the ascent (chosen by
+affinity mass, `choose_shared`); they sit on every device (SHARED), and only the sharded ones are
+assigned, (N - n)/L per device.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import numpy as np
 
 from dtpshard.affinity.file import Affinity
 from dtpshard.core.errors import UserError
-from dtpshard.core.layout import Layout
+from dtpshard.core.layout import SHARED, Layout
 from dtpshard.core.shape import UnitShape, check_delay, check_devices
 from dtpshard.core.vocab import KV_SEARCHES, OPTIMISING_KINDS, KvSearch
 from dtpshard.layouts.assignment import balanced_assignment
@@ -89,18 +93,20 @@ class Problem:
     delay: float
     edges: Edges
     partners: dict[int, list[tuple[bool, int, Edge]]] = field(default_factory=dict)
+    shared: list[np.ndarray] | None = None  # per layer, the shared neurons (docs/design.md §6), fixed
     # (edge, end) -> (partner devices, product): see `_mass`
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, affinity: Affinity, devices: int, delay: float) -> Problem:
-        check_devices(affinity.model, devices, where="affinity model")
+    def build(cls, affinity: Affinity, devices: int, delay: float,
+              shared: list[np.ndarray] | None = None) -> Problem:
+        check_devices(affinity.model, devices, where="affinity model", shared=0 if shared is None else len(shared[0]))
         edges = normalised_edges(affinity, delay)
         partners: dict[int, list[tuple[bool, int, Edge]]] = {}
         for (a, b), e in edges.items():  # both ends see the edge: a through rows, b through columns
             partners.setdefault(a, []).append((True, b, e))
             partners.setdefault(b, []).append((False, a, e))
-        return cls(affinity.model, devices, delay, edges, partners)
+        return cls(affinity.model, devices, delay, edges, partners, shared)
 
     @property
     def modules(self) -> int:
@@ -142,8 +148,17 @@ class Problem:
         return g
 
     def contiguous(self) -> list[np.ndarray]:
-        return [np.arange(self.model.units(m)) // (self.model.units(m) // self.devices)
-                for m in range(self.modules)]
+        """Each module's units on devices in order; a layer's shared neurons SHARED, the rest in order."""
+        out = []
+        for m in range(self.modules):
+            units = self.model.units(m)
+            dev = np.full(units, SHARED)
+            own = np.ones(units, dtype=bool)
+            if m % 2 and self.shared is not None:
+                own[self.shared[m // 2]] = False
+            dev[own] = np.arange(int(own.sum())) // (int(own.sum()) // self.devices)
+            out.append(dev)
+        return out
 
     def j(self, devs: list[np.ndarray]) -> float:
         """J through the cached products (the final score is recomputed from scratch)."""
@@ -167,8 +182,9 @@ def ascend(problem: Problem, devs: list[np.ndarray], blocks: list[int], maximise
                 gain = sign * problem.block_gain(devs, m)
                 if m % 2 == 0 and kv_search == "exhaustive":
                     devs[m] = exhaustive_assignment(gain, problem.devices, start=devs[m])
-                else:
-                    devs[m] = balanced_assignment(gain, problem.devices, start=devs[m])
+                else:  # the sharded units only: a shared neuron stays on every device
+                    own = np.flatnonzero(devs[m] != SHARED)
+                    devs[m][own] = balanced_assignment(gain[own], problem.devices, start=devs[m][own])
             history.append(problem.j(devs))
             if sign * (history[-1] - history[-2]) < min_gain:
                 break
@@ -194,18 +210,42 @@ def family_blocks(kind: str, n_layers: int, layers: list[int] | None = None) -> 
 def _random_start(problem: Problem, blocks: list[int], rng: np.random.Generator) -> list[np.ndarray]:
     devs = problem.contiguous()
     for m in blocks:
-        devs[m] = rng.permutation(devs[m])
+        own = devs[m] != SHARED
+        devs[m][own] = rng.permutation(devs[m][own])
     return devs
 
 
-def to_layout(problem: Problem, devs: list[np.ndarray], kind: str, seed: int | None = None) -> Layout:
-    return Layout.from_module_perms(problem.model, problem.devices, problem.delay, kind,
-                                    [perm_from_devices(d, problem.devices) for d in devs], seed=seed)
+def to_layout(problem: Problem, devs: list[np.ndarray], kind: str, seed: int | None = None,
+              shared_by: str | None = None) -> Layout:
+    layout = Layout.from_module_perms(problem.model, problem.devices, problem.delay, kind,
+                                      [perm_from_devices(d, problem.devices) for d in devs], seed=seed,
+                                      shared=0 if problem.shared is None else len(problem.shared[0]))
+    return layout.with_shared(layout.shared, shared_by)
+
+
+def choose_shared(affinity: Affinity, count: int, by: str) -> list[np.ndarray]:
+    """Each layer's `count` shared neurons (docs/design.md §6), the highest by affinity mass: "fo"
+    the up edge's column mass (how much the layer's heads feed each neuron), "dn" the down edge's
+    row mass (how much the next layer's q/k/v read from each), fo on the last layer, which has no
+    down edge. Ties keep the lower index. Sorted, as a layout stores them."""
+    out = []
+    for i in range(affinity.model.layers):
+        down = (2 * i + 1, 2 * i + 2)
+        if by == "dn" and down in affinity.edges:
+            mass = np.asarray(affinity.edges[down], dtype=np.float64).sum(1)
+        else:
+            up = (2 * i, 2 * i + 1)
+            if up not in affinity.edges:
+                raise UserError(f"--shared-by {by}: the affinity file has no up edge of layer {i} to rank neurons by")
+            mass = np.asarray(affinity.edges[up], dtype=np.float64).sum(0)
+        out.append(np.sort(np.argsort(-mass, kind="stable")[:count]))
+    return out
 
 
 def optimise_layout(affinity: Affinity, devices: int, delay: float, kind: str = "optimised",
                     layers: int | None = None, restarts: int = 1, seed: int = 0,
-                    kv_search: KvSearch = "assignment", max_sweeps: int = 20) -> Layout:
+                    kv_search: KvSearch = "assignment", max_sweeps: int = 20,
+                    shared: list[np.ndarray] | None = None, shared_by: str | None = None) -> Layout:
     """A layout of optimising family `kind`, scored, the best of `restarts` starts (contiguous and
     random layouts are made, and scored, by dtpshard.layouts.make.make_layout).
 
@@ -223,7 +263,7 @@ def optimise_layout(affinity: Affinity, devices: int, delay: float, kind: str = 
         raise UserError(f"--max-sweeps {max_sweeps}: must be at least 1")
     check_delay(affinity.model, delay)
     t0 = time.perf_counter()
-    problem = Problem.build(affinity, devices, delay)
+    problem = Problem.build(affinity, devices, delay, shared)
     n = problem.model.layers
     chosen = evenly_spaced_layers(n, layers) if layers is not None else None
     if kv_search == "exhaustive" and kind in ("optimised", "anti", "heads-only"):
@@ -239,7 +279,7 @@ def optimise_layout(affinity: Affinity, devices: int, delay: float, kind: str = 
             best = (devs_r, hist_r, r)
     devs, history, best_restart = best
     layout = to_layout(problem, devs, kind if chosen is None else f"{kind}-layers-{layers}",
-                       seed=seed if restarts > 1 else None)
+                       seed=seed if restarts > 1 else None, shared_by=shared_by)
     layout.score = score_record(problem, devs, kind, time.perf_counter() - t0, history, restarts, best_restart,
                                 kv_search, chosen)
     return layout

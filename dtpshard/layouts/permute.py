@@ -26,15 +26,15 @@ from dtpshard.core.io import (
     open_regular,
     open_safetensors,
 )
-from dtpshard.core.layout import Layout, is_layout_file
+from dtpshard.core.layout import PERMUTE_COMMAND, PERMUTED_JSON, Layout, is_layout_file
 from dtpshard.core.lock import one_writer
 from dtpshard.core.memory import size_text
 from dtpshard.core.owned import MARK, read_mark, refuse, refuse_link, seal, sealed
 from dtpshard.core.permutation import stored_indices
 from dtpshard.model.checkpoint import canonical, is_student, open_checkpoint, tensor_names
 
-COMMAND = "permute"  # its output directory's mark (core/owned.py)
-LAYOUT_JSON = "layout.json"  # the applied layout, saved next to the permuted weights
+COMMAND = PERMUTE_COMMAND  # its output directory's mark (core/owned.py)
+LAYOUT_JSON = PERMUTED_JSON  # the applied layout, saved next to the permuted weights
 CHECK_TOL = 1e-4  # --check logits: max |Δlogits| relative to max |logit|, fp32 (docs/design.md §3)
 _CHUNK = 16 << 20  # bytes per read when copying or comparing an unpermuted tensor
 OTHER_BYTES = 1 << 40  # a file copied beside the weights (an original/*.pth may be large, none is a TiB)
@@ -78,6 +78,9 @@ def permute(model: Path, layout: Path, out: Path, force: bool = False, check: st
     ckpt = open_checkpoint(model)
     lay = Layout.load(layout_path, ckpt.shape)
     lay.check_model(ckpt.shape, where=f"layout {layout_path} (model {model})")
+    if ckpt.shape.shared:  # its shared neurons are last already: another permutation would move them
+        raise UserError(f"{model} already holds {ckpt.shape.shared} shared neurons a layer, last; permute the dense "
+                        "model it was made from")
     check_writable_dir(out, create=False)
     gathers = stored_indices(ckpt.shape, lay, fused=not is_student(ckpt.hf_config))
     weights = ckpt.files.files

@@ -5,8 +5,10 @@ whatever the scale of its raw scores, and J = Σ_edges Σ_{(u, v) on the same de
 A layout that ignores the affinity gets n_edges / L in expectation; the maximum is n_edges.
 
 Internally a layout is held as `devs`: for every module m (2i attention, 2i+1 FFN of layer i)
-the device of each original unit. The optimiser works on that form and J is linear in each
-module's one-hot device matrix, which is what makes its block updates exact.
+the device of each original unit, SHARED (-1) for a shared neuron: every device holds it, so it
+is co-located with every unit of each edge it is an end of (docs/design.md §6). The optimiser
+works on that form and J is linear in each module's one-hot device matrix, which is what makes
+its block updates exact.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from threadpoolctl import threadpool_limits
 
 from dtpshard.affinity.file import Affinity
 from dtpshard.core.errors import UserError
-from dtpshard.core.layout import Layout
+from dtpshard.core.layout import SHARED, Layout
 
 
 @dataclass(frozen=True)
@@ -41,9 +43,11 @@ class Edge:
         return self.weight * (self.scores.T @ one_hot(dev_a, devices))  # a view: BLAS transposes
 
     def colocated(self, dev_a: np.ndarray, dev_b: np.ndarray, devices: int) -> float:
-        """Σ Ŝ[u, v] over pairs whose source u and target v sit on the same device."""
+        """Σ Ŝ[u, v] over pairs whose source u and target v sit on the same device (or either is shared)."""
         per_device = self.towards(dev_b, devices)
-        return float(per_device[np.arange(len(dev_a)), dev_a].sum())
+        own = dev_a != SHARED
+        placed = float(per_device[np.flatnonzero(own), dev_a[own]].sum())
+        return placed if own.all() else placed + self.weight * float(self.scores[~own].sum())
 
 
 Edges = dict[tuple[int, int], Edge]
@@ -71,9 +75,11 @@ def normalised_edges(affinity: Affinity, delay: float) -> Edges:
 
 
 def one_hot(dev: np.ndarray, devices: int) -> np.ndarray:
-    """[units, L] float matrix with a 1 at each unit's device."""
+    """[units, L] float matrix with a 1 at each unit's device; a shared unit's row is all ones."""
     m = np.zeros((len(dev), devices))
-    m[np.arange(len(dev)), dev] = 1.0
+    own = dev != SHARED
+    m[np.flatnonzero(own), dev[own]] = 1.0
+    m[~own] = 1.0
     return m
 
 
@@ -83,15 +89,17 @@ def layout_devices(layout: Layout) -> list[np.ndarray]:
 
 
 def perm_from_devices(dev: np.ndarray, devices: int) -> np.ndarray:
-    """The permutation that puts device d's units in positions [d·U/L, (d+1)·U/L).
+    """The permutation that puts device d's units in positions [d·U'/L, (d+1)·U'/L) of the U'
+    sharded ones, and the shared units last.
 
     A stable sort keeps the original order inside each device, so an unchanged module
     (contiguous devices) gets back exactly the identity permutation.
     """
-    counts = np.bincount(dev, minlength=devices)
-    if (counts != len(dev) // devices).any():
+    key = np.where(dev == SHARED, devices, dev)  # shared last
+    counts = np.bincount(key, minlength=devices + 1)[:devices]
+    if (counts != counts.sum() // devices).any():
         raise ValueError(f"unbalanced device assignment: {counts.tolist()}")
-    return np.argsort(dev, kind="stable")
+    return np.argsort(key, kind="stable")
 
 
 def j_of_devices(edges: Edges, devs: list[np.ndarray], devices: int) -> float:

@@ -10,7 +10,7 @@ import functools
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from safetensors import SafetensorError
 from dtpshard.core.errors import UserError, config_errors, first_line, naming, quote, typed_config
 from dtpshard.core.family import FAMILY, stored_shapes
 from dtpshard.core.io import SMALL_JSON, copy_regular, dumps, file_hashes, open_safetensors, read_json, read_json_object
+from dtpshard.core.layout import permuted_shared
 from dtpshard.core.memory import check_fits
 from dtpshard.core.settings import read_record
 from dtpshard.core.shape import (
@@ -333,7 +334,9 @@ def open_checkpoint(path: str | Path, hf_config: Any = None) -> Checkpoint:
     """The checkpoint at `path` (`hf_config`: its config when read already, load_hf_config's)."""
     path = Path(path)
     cfg = load_hf_config(path) if hf_config is None else hf_config
-    shape = shape_from_hf_config(cfg)
+    shape = shape_from_hf_config(cfg)  # a student's shared neurons from its config, a permuted checkpoint's here:
+    if not shape.shared:
+        shape = replace(shape, shared=permuted_shared(path))
     files = TensorFiles(path)
     fused = not is_student(cfg)  # a student keeps the canonical names (its DTPForCausalLM's); a dense model its own
     check_keys(files, shape, fused, path)

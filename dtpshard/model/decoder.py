@@ -26,7 +26,7 @@ from dtpshard.core.family import FAMILY, head_weight, logits
 from dtpshard.core.shape import ModelShape, family_config
 from dtpshard.model.attention import KVCache
 from dtpshard.model.exchange import DeviceAxis, Exchange
-from dtpshard.model.modules import Layer, Trace, sequence
+from dtpshard.model.modules import Layer, Partials, Trace, sequence
 from dtpshard.model.ops import Norm, Proj
 
 
@@ -102,8 +102,9 @@ class Decoder(nn.Module):
         self.rotary = rotary_for(self.hf_config).to(self.lm_head_weight.device)
 
     def module_partials(self, m: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        cache: Any = None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Partials p^m [L, B, T, D] of module m (2i: attention i, 2i+1: FFN i) from the streams x."""
+                        cache: Any = None, mask: torch.Tensor | None = None) -> Partials:
+        """(partials p^m, local) [L, B, T, D] of module m (2i: attention i, 2i+1: FFN i) from the
+        streams x (modules.Module.partials)."""
         return self.sequence[m].partials(x, cos, sin, cache, mask)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -157,13 +158,13 @@ class Decoder(nn.Module):
         for m in range(len(exchange.schedule)) if modules is None else modules:
             if hook is not None:
                 trace: Trace = {}
-                p = self.sequence[m].partials(x, cos, sin, cache, mask, trace)
-                hook(m, x, p, trace)
+                p, local = self.sequence[m].partials(x, cos, sin, cache, mask, trace)
+                hook(m, x, p if local is None else p + local, trace)
             elif ckpt:
-                p = checkpoint(self.module_partials, m, x, cos, sin, None, mask, use_reentrant=False)
+                p, local = checkpoint(self.module_partials, m, x, cos, sin, None, mask, use_reentrant=False)
             else:
-                p = self.module_partials(m, x, cos, sin, cache, mask)
-            x = exchange.update(m, x, p)
+                p, local = self.module_partials(m, x, cos, sin, cache, mask)
+            x = exchange.update(m, x, p, local)
         return x
 
     def _walk_segments(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, exchange: Exchange,
@@ -180,7 +181,7 @@ class Decoder(nn.Module):
                 sub = Exchange(exchange.schedule, exchange.reduce, exchange.devices)
                 sub.pending = {q: [p, None] for q, p in pending.items()}
                 for m in ms:
-                    x = sub.update(m, x, self.module_partials(m, x, cos, sin, None, mask))
+                    x = sub.update(m, x, *self.module_partials(m, x, cos, sin, None, mask))
                 return x, {q: e[0] for q, e in sub.pending.items()}
 
             x, pending = checkpoint(segment, x, {q: e[0] for q, e in exchange.pending.items()}, use_reentrant=False)

@@ -8,6 +8,7 @@ copy. The multi-process runtime (runtime/ranks.py) runs the same decoder, one de
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +37,12 @@ class DTPModel(PretrainedMixin, Decoder):
     `.dtype`, `forward(input_ids, attention_mask=None, labels=None)` returning transformers'
     `CausalLMOutputWithPast` (`.logits`, `.loss`), left-padded batches, `.generate(...)`."""
 
-    def __init__(self, hf_config: Any, settings: DTPSettings | None = None):
-        """`settings`: core.settings.resolve_dtp's (None: its defaults)."""
-        Decoder.__init__(self, hf_config, shape_from_hf_config(hf_config))
+    def __init__(self, hf_config: Any, settings: DTPSettings | None = None, shared: int | None = None):
+        """`settings`: core.settings.resolve_dtp's (None: its defaults); `shared`: the neurons of every
+        layer replicated on all devices, the last ones (docs/design.md §6; None: what a student's
+        config records, else none)."""
+        shape = shape_from_hf_config(hf_config)
+        Decoder.__init__(self, hf_config, shape if shared is None else replace(shape, shared=shared))
         self.layout_sha256: str | None = None  # Layout.content_sha256 of the layout applied (None: contiguous)
         self.use(resolve_dtp(self.shape) if settings is None else settings)
 
@@ -54,7 +58,8 @@ class DTPModel(PretrainedMixin, Decoder):
         self.dense_steps = schedule_for(self.shape.modules, DENSE)  # the teacher's, in an adapter run
 
     def dtp_settings(self) -> dict[str, Any]:
-        return self.settings.to_json()
+        """L, δ, stage3 and, where some are, the shared neurons: what a student records (dtp_block)."""
+        return {**self.settings.to_json(), **({"shared": self.shape.shared} if self.shape.shared else {})}
 
     # -- the forward pass ----------------------------------------------------------------
     def hidden(self, input_ids: torch.Tensor, cache: KVCache | None = None,
@@ -84,12 +89,14 @@ class DTPModel(PretrainedMixin, Decoder):
     def from_state_dict(cls, hf_config: Any, state_dict: dict[str, torch.Tensor], devices: int | None = None,
                         delay: float | None = None, stage3: str | None = None, layout: Any = None,
                         dtype: torch.dtype | str = torch.float32, record: dict[str, Any] | None = None,
-                        settings: DTPSettings | None = None) -> DTPModel:
+                        settings: DTPSettings | None = None, shared: int | None = None) -> DTPModel:
         """The DTP model of a dense (or distilled) state dict (its family's format, fused tensors and
         all, or the canonical one: core/family.py), permuted by `layout` (a Layout or its
         file). L, δ and stage3 as core.settings.resolve_dtp says: `settings` (already resolved) or
         the arguments, else the student's `record`, else the layout's, else the defaults. dtype
-        "auto": the config's, else the weights' (as transformers)."""
+        "auto": the config's, else the weights' (as transformers). `shared`: the neurons the weights
+        already hold last as shared (a permuted checkpoint's; None: a student's record, else 0); a
+        shared `layout` makes its own shared."""
         shape = shape_from_hf_config(hf_config)
         where = f"layout {layout}" if isinstance(layout, (str, Path)) else "layout"  # name the file when there is one
         layout = as_layout(layout)
@@ -100,12 +107,18 @@ class DTPModel(PretrainedMixin, Decoder):
                                 f"{layout.content_sha256()}); its weights are in its own layout's order already: "
                                 "leave --layout out")
             layout = None  # the same layout: applied when the student was made, never twice
+        shared = shape.shared if shared is None else shared
         if layout is not None:
             layout.check_model(shape, where=where)
+            if shared:  # a permutation would move the shared tail the weights were saved with
+                raise UserError(f"{where}: the model already holds {shared} shared neurons a layer, last; a layout "
+                                "applies to the dense model it was made from")
+            shared = layout.shared
+        shape = replace(shape, shared=shared)
         given = {"devices": devices, "delay": delay, "stage3": stage3} if settings is None else settings.to_json()
         settings = resolve_dtp(shape, **given, record=record, layout=layout, where=where)
         with torch.device("meta"):
-            model = cls(hf_config, settings)
+            model = cls(hf_config, settings, shared)
         sd = {k: v for k, v in split_fused(state_dict, shape).items() if not k.endswith("rotary_emb.inv_freq")}
         if model.shape.tied:
             sd.pop("lm_head.weight", None)

@@ -68,8 +68,14 @@ class Exchange:
         for k in self.pending:
             self._sum(k)
 
-    def update(self, m: int, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """x_l ← x_l + s_m·p_l^m + Σ_(k, w) w·(Σ_j p_j^k − p_l^k): the streams after module m."""
+    def update(self, m: int, x: torch.Tensor, p: torch.Tensor, local: torch.Tensor | None = None) -> torch.Tensor:
+        """x_l ← x_l + s_m·p_l^m + Σ_(k, w) w·(Σ_j p_j^k − p_l^k) + local_l: the streams after module m.
+        `local`: what device l adds at once, unscaled, and never sends (a shared FFN's shared
+        neurons, docs/design.md §6), added last in every engine."""
+        x = self._update(m, x, p)
+        return x if local is None else x + local
+
+    def _update(self, m: int, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         step = self.schedule[m]
         if self.devices == 1:  # no other device: nothing is sent and nothing arrives
             return residual_update(x, p, step.own_scale, [])

@@ -103,7 +103,8 @@ class PretrainedMixin:
         """from_pretrained of a checkpoint a command has open already (config.json not read again)."""
         ckpt.check_fits(dtype)
         record = ckpt.record
-        model = cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), devices, delay, stage3, layout, dtype, record)
+        model = cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), devices, delay, stage3, layout, dtype, record,
+                                    shared=ckpt.shape.shared)
         warn_if_other_settings(ckpt.path, record, model.settings)
         model.source_path = Path(ckpt.path)
         model.checkpoint = ckpt  # opened once: its tokenizer, files and record without reading config.json again

@@ -26,9 +26,10 @@ from torch import nn
 from dtpshard.core.family import activation
 from dtpshard.core.shape import ModelShape
 from dtpshard.model.attention import attend
-from dtpshard.model.ops import Norm, Proj, device_matmul, rotary
+from dtpshard.model.ops import Norm, Proj, device_matmul, replicated_matmul, rotary
 
 Trace = dict[str, torch.Tensor]  # what a module computed on the way, when asked (calibration)
+Partials = tuple[torch.Tensor, torch.Tensor | None]  # (sent, local): Module.partials
 
 
 class Attention(nn.Module):
@@ -79,14 +80,24 @@ class FFN(nn.Module):
         self.gate_proj = Proj(s.neurons, s.hidden)
         self.up_proj = Proj(s.neurons, s.hidden)
         self.down_proj = Proj(s.hidden, s.neurons)
+        # docs/design.md §6: the last `shared` neurons are every device's (None: none are)
+        self.sharded = slice(0, s.sharded) if s.shared else None
+        self.shared = slice(s.sharded, s.neurons) if s.shared else None
 
-    def partials(self, h: torch.Tensor, trace: Trace | None = None) -> torch.Tensor:
-        """h [L, B, T, D] -> partials [L, B, T, D]: device l's neurons through its down_proj columns."""
-        g, u = device_matmul(h, self.gate_proj), device_matmul(h, self.up_proj)
+    def partials(self, h: torch.Tensor, trace: Trace | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h [L, B, T, D] -> (partials, local), each [L, B, T, D]: device l's sharded neurons through
+        their down_proj columns, and the shared neurons' whole output on its own stream (None when
+        none are shared), which is never sent."""
+        units = self.sharded
+        g, u = device_matmul(h, self.gate_proj, units=units), device_matmul(h, self.up_proj, units=units)
         act = self.act(g) * u
         if trace is not None:
             trace.update(gate=g, up=u, act=act)
-        return device_matmul(act, self.down_proj, cols=True)
+        p = device_matmul(act, self.down_proj, cols=True, units=units)
+        if self.shared is None:
+            return p, None
+        g, u = replicated_matmul(h, self.gate_proj, self.shared), replicated_matmul(h, self.up_proj, self.shared)
+        return p, replicated_matmul(self.act(g) * u, self.down_proj, self.shared, cols=True)
 
 
 class Layer(nn.Module):
@@ -115,17 +126,21 @@ class Module:
         return self.stack.layers[self.index]
 
     def partials(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, cache: Any = None,
-                 mask: torch.Tensor | None = None, trace: Trace | None = None) -> torch.Tensor:
-        """The partials [L, B, T, D] of this module on the streams x [L, B, T, D]; an attention reads
-        and appends to its own slot of `cache` (slot i for layer i)."""
+                 mask: torch.Tensor | None = None, trace: Trace | None = None) -> Partials:
+        """(partials, local) [L, B, T, D] of this module on the streams x [L, B, T, D]: what is sent,
+        and what each device adds at once unscaled and never sends (a shared FFN's, docs/design.md
+        §6; else None). An attention reads and appends to its own slot of `cache` (slot i for layer i)."""
         layer = self.layer
+        local = None
         if self.attention:
             kv = None if cache is None else cache[self.index]
             p = layer.self_attn.partials(layer.input_layernorm(x), cos, sin, kv, mask, trace)
         else:
-            p = layer.mlp.partials(layer.post_attention_layernorm(x), trace)
+            p, local = layer.mlp.partials(layer.post_attention_layernorm(x), trace)
         scale = layer.self_attn.s.residual_multiplier  # what joins the stream (Granite's residual multiplier)
-        return p if scale == 1 else p * scale
+        if scale == 1:
+            return p, local
+        return p * scale, None if local is None else local * scale
 
 
 def sequence(stack: Any, layers: int) -> tuple[Module, ...]:

@@ -162,11 +162,11 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 def _device_weights(weight: torch.Tensor, devices: int, cols: bool) -> torch.Tensor:
     """Each device's share of a dense [out, in] weight as an [L, in_l, out_l] view (W_l^T): its rows
-    ([L, in, out/L]: q/k/v, gate/up) or its columns ([L, in/L, out]: o_proj, down_proj)."""
-    out, inp = weight.shape
+    ([L, in, out/L]: q/k/v, gate/up) or its columns ([L, in/L, out]: o_proj, down_proj). unflatten,
+    not view: the sharded columns of a shared FFN's down_proj are a strided slice of it."""
     if cols:
-        return weight.view(out, devices, inp // devices).permute(1, 2, 0)
-    return weight.view(devices, out // devices, inp).transpose(1, 2)
+        return weight.unflatten(1, (devices, -1)).permute(1, 2, 0)
+    return weight.unflatten(0, (devices, -1)).transpose(1, 2)
 
 
 class _DeviceMatmul(torch.autograd.Function):
@@ -205,19 +205,40 @@ class _DeviceMatmul(torch.autograd.Function):
         return dx, dw, None, None
 
 
-def device_matmul(x: torch.Tensor, proj: Proj, cols: bool = False) -> torch.Tensor:
+def _units(t: torch.Tensor, units: slice | None, cols: bool) -> torch.Tensor:
+    """The rows (or with `cols` the columns) `units` of t, a view; all of it for None."""
+    return t if units is None else (t[:, units] if cols else t[units])
+
+
+def device_matmul(x: torch.Tensor, proj: Proj, cols: bool = False, units: slice | None = None) -> torch.Tensor:
     """x [L, B, T, in_l] times each device's rows (-> [L, B, T, out/L]) or columns (x [L, B, T, in/L]
-    -> partials [L, B, T, out]) of proj."""
+    -> partials [L, B, T, out]) of proj; `units`: of its rows (columns) in that range only, the
+    sharded neurons of a shared FFN (docs/design.md §6)."""
     L, B, T, _ = x.shape
     flat = x.reshape(L, B * T, -1)
+    weight = _units(proj.weight, units, cols)
     if torch.is_grad_enabled() and (x.requires_grad or proj.weight.requires_grad):
-        y = _DeviceMatmul.apply(flat, proj.weight, L, cols)
+        y = _DeviceMatmul.apply(flat, weight, L, cols)
     else:  # no backward to shape: plain bmm (which autocasts by itself)
-        y = torch.bmm(flat, _device_weights(proj.weight, L, cols))
+        y = torch.bmm(flat, _device_weights(weight, L, cols))
     adapter = proj.adapter
     if adapter is not None and adapter.on:
-        y = low_rank_term(y, flat, adapter.A, adapter.B, adapter.scale, cols)
+        A, B_ = (_units(adapter.A, units, True), adapter.B) if cols else (adapter.A, _units(adapter.B, units, False))
+        y = low_rank_term(y, flat, A, B_, adapter.scale, cols)
     return y.view(L, B, T, -1)
+
+
+def replicated_matmul(x: torch.Tensor, proj: Proj, units: slice, cols: bool = False) -> torch.Tensor:
+    """x [L, B, T, ·] times the rows (or columns) `units` of proj, the same ones on every device:
+    the shared neurons of an FFN (docs/design.md §6), which each device computes whole from its own
+    stream. An adapter adds its share as device_matmul's does, B·A never formed."""
+    weight = _units(proj.weight, units, cols)
+    y = torch.nn.functional.linear(x, weight)
+    adapter = proj.adapter
+    if adapter is not None and adapter.on:
+        A, B = (_units(adapter.A, units, True), adapter.B) if cols else (adapter.A, _units(adapter.B, units, False))
+        y = y + adapter.scale * torch.nn.functional.linear(torch.nn.functional.linear(x, A), B)
+    return y
 
 
 def low_rank_term(y: torch.Tensor, flat: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float,
@@ -230,9 +251,9 @@ def low_rank_term(y: torch.Tensor, flat: torch.Tensor, A: torch.Tensor, B: torch
     through the same views gives these values up to float rounding (model/adapters.py)."""
     L, r = flat.shape[0], A.shape[0]
     if cols:
-        a = torch.bmm(flat, A.view(r, L, -1).permute(1, 2, 0))  # [L, N, in/L] x [L, in/L, r]
+        a = torch.bmm(flat, A.unflatten(1, (L, -1)).permute(1, 2, 0))  # [L, N, in/L] x [L, in/L, r]
         b = B.t().expand(L, r, B.shape[0])
     else:
         a = torch.matmul(flat, A.t())  # [L, N, in] x [in, r]
-        b = B.view(L, -1, r).transpose(1, 2)  # [L, r, out/L]
+        b = B.unflatten(0, (L, -1)).transpose(1, 2)  # [L, r, out/L]
     return torch.baddbmm(y, a, b, alpha=scale)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,17 +44,22 @@ from dtpshard.transport.shared import ring_slots
 def check_world(model: Path | Checkpoint, world: int,
                 layout: Path | Layout | None = None) -> tuple[Checkpoint, Layout | None]:
     """Open the checkpoint (headers only; an open one is taken as it is) and refuse a shape or
-    layout that `world` ranks cannot run (δ is core.settings.resolve_dtp's to check)."""
+    layout that `world` ranks cannot run (δ is core.settings.resolve_dtp's to check). A shared
+    layout's count goes into the returned checkpoint's shape (docs/design.md §6)."""
     ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
-    try:
-        check_devices(ckpt.shape, world)
-    except UserError as e:
-        raise UserError(f"world size {world} does not fit {ckpt.path}: {e}") from None
     lay = as_layout(layout)
     if lay is not None:
         lay.check_model(ckpt.shape, where=f"layout {layout}")
         if lay.devices != world:
             raise UserError(f"layout {layout} was made for devices={lay.devices}, the world size is {world}")
+        if ckpt.shape.shared:  # its shared neurons are last already: a permutation would move them
+            raise UserError(f"layout {layout}: {ckpt.path} already holds {ckpt.shape.shared} shared neurons a layer, "
+                            "last; a layout applies to the dense model it was made from")
+        ckpt = replace(ckpt, shape=replace(ckpt.shape, shared=lay.shared))
+    try:
+        check_devices(ckpt.shape, world)
+    except UserError as e:
+        raise UserError(f"world size {world} does not fit {ckpt.path}: {e}") from None
     return ckpt, lay
 
 
@@ -61,7 +67,8 @@ def check_world(model: Path | Checkpoint, world: int,
 def load_shard(ckpt: Checkpoint, rank: int, world: int, layout: Layout | None,
                dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Rank `rank`'s state dict: its 1/world of every sharded tensor (after the layout's permutation:
-    position p holds original unit perm[p], rank l the positions [l·U/L, (l+1)·U/L)), the rest whole."""
+    position p holds original unit perm[p], rank l the positions [l·U/L, (l+1)·U/L) of the U sharded
+    ones), then the shape's shared neurons (the last positions, every rank's), the rest whole."""
     s = ckpt.shape
     spec = permutation_spec(s)
     out = {}
@@ -72,9 +79,10 @@ def load_shard(ckpt: Checkpoint, rank: int, world: int, layout: Layout | None,
             out[name] = ckpt.files.get(name).to(dtype)
             continue
         m, axis, rows = spec[name]
-        n = s.units(m)
+        n, shared = s.units(m), s.shared if m % 2 else 0
         perm = np.arange(n) if layout is None else np.asarray(layout.perm(m))
-        own = perm[rank * n // world:(rank + 1) * n // world]
+        k = n - shared
+        own = np.concatenate([perm[rank * k // world:(rank + 1) * k // world], perm[k:]])
         out[name] = ckpt.files.get_units(name, unit_index(own, rows).numpy(), axis).to(dtype)
     return out
 
@@ -160,6 +168,8 @@ class RankModel(Decoder):
                  device: str | torch.device = "cpu"):
         """`settings` (core.settings.resolve_dtp's): its devices are the world size."""
         world = settings.devices
+        if layout is not None and layout.shared != ckpt.shape.shared:  # its count into the shape, as run's
+            ckpt, layout = check_world(ckpt, world, layout)
         with torch.device("meta"):
             super().__init__(ckpt.hf_config, ckpt.shape.shard(world))
         self.rank, self.world, self.full_shape = rank, world, ckpt.shape

@@ -2,7 +2,8 @@
 
 TP rank l is device l (docs/design.md §1): the student's weights are already permuted, so vLLM's
 contiguous TP shards (QKVParallelLinear's heads, MergedColumnParallelLinear's neurons,
-RowParallelLinear's input columns) are exactly the layout's device l. The row-parallel outputs
+RowParallelLinear's input columns) are exactly the layout's device l; a shared student's last n
+neurons are every rank's, whole (`DTPFFN`, docs/design.md §6). The row-parallel outputs
 are left unreduced (`reduce_results=False`): each is the rank's partial p_l^m. The rank keeps its
 own residual stream x_l and hands each partial to the exchange (model/exchange.py), the same one
 the simulator and the runtime run:
@@ -40,7 +41,12 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -162,21 +168,34 @@ class DTPAttention(nn.Module):
 
 
 class DTPFFN(nn.Module):
-    """Device l's neurons: gate/up rows, SwiGLU, its down_proj columns; the partial, unreduced."""
+    """Device l's neurons: gate/up rows, SwiGLU, its down_proj columns; the partial, unreduced. With
+    shared neurons (docs/design.md §6) vLLM's TP shards only the first N - n, and every rank holds
+    the last n whole (`shared_gate_up`, `shared_down`, ReplicatedLinear) and adds their output to
+    its own stream at once: the `local` of forward's (partial, local)."""
 
     def __init__(self, s: ModelShape, vllm_config: VllmConfig, prefix: str):
         super().__init__()
         quant = vllm_config.quant_config
-        self.gate_up_proj = MergedColumnParallelLinear(s.hidden, [s.neurons] * 2, bias=False, quant_config=quant,
+        self.gate_up_proj = MergedColumnParallelLinear(s.hidden, [s.sharded] * 2, bias=False, quant_config=quant,
                                                        prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(s.neurons, s.hidden, bias=False, reduce_results=False,
+        self.down_proj = RowParallelLinear(s.sharded, s.hidden, bias=False, reduce_results=False,
                                            quant_config=quant, prefix=f"{prefix}.down_proj")
         self.act_fn = ACT_AND_MUL[s.act]()
+        self.shared = s.shared
+        if s.shared:
+            self.shared_gate_up = ReplicatedLinear(s.hidden, 2 * s.shared, bias=False, quant_config=quant,
+                                                   prefix=f"{prefix}.shared_gate_up")
+            self.shared_down = ReplicatedLinear(s.shared, s.hidden, bias=False, quant_config=quant,
+                                                prefix=f"{prefix}.shared_down")
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         gate_up, _ = self.gate_up_proj(h)
         out, _ = self.down_proj(self.act_fn(gate_up))
-        return out
+        if not self.shared:
+            return out, None
+        gate_up, _ = self.shared_gate_up(h)
+        local, _ = self.shared_down(self.act_fn(gate_up))
+        return out, local
 
 
 class DTPDecoderLayer(nn.Module):
@@ -192,12 +211,15 @@ class DTPDecoderLayer(nn.Module):
         self.residual_multiplier = s.residual_multiplier
 
     def partial(self, attention: bool, positions: torch.Tensor, x: torch.Tensor, exchange: Exchange,
-                split: bool) -> torch.Tensor:
+                split: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(partial, local) as model/modules.py's Module.partials: local is a shared FFN's, else None."""
+        local = None
         if attention:
             p = self.self_attn(positions, self.input_layernorm(x), exchange.settle if split else None)
         else:
-            p = self.mlp(self.post_attention_layernorm(x))
-        return p if self.residual_multiplier == 1 else p * self.residual_multiplier
+            p, local = self.mlp(self.post_attention_layernorm(x))
+        m = self.residual_multiplier
+        return (p, local) if m == 1 else (p * m, None if local is None else local * m)
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0})
@@ -231,8 +253,8 @@ class DTPDecoder(nn.Module):
         x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)  # x_l = embedding
         exchange = Exchange(self.student.schedule, self.reduce, self.student.settings.devices)
         for m in range(len(self.student.schedule)):
-            p = self.layers[m // 2].partial(m % 2 == 0, positions, x, exchange, self.split)  # [tokens, D]
-            x = exchange.update(m, x, p)
+            p, local = self.layers[m // 2].partial(m % 2 == 0, positions, x, exchange, self.split)  # [tokens, D]
+            x = exchange.update(m, x, p, local)
         return exchange.mean(self.norm(x))
 
 
@@ -281,7 +303,7 @@ class DTPForCausalLM(nn.Module):
         parameters, each rank taking its contiguous shard (= its device's units)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in self._split_shared(weights, params, loaded):
             if name.endswith("rotary_emb.inv_freq") or (self.tied and name.startswith("lm_head.")):
                 continue
             shard = None
@@ -299,3 +321,25 @@ class DTPForCausalLM(nn.Module):
                 param.weight_loader(param, tensor, shard)
             loaded.add(name)
         return loaded
+
+    def _split_shared(self, weights: Iterable[tuple[str, torch.Tensor]], params: dict[str, Any],
+                      loaded: set[str]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The weights, a shared student's FFN tensors cut in two (docs/design.md §6): the first
+        N - n neurons on to vLLM's TP loaders, the last n copied whole into every rank's
+        shared_gate_up (gate rows, then up rows) and shared_down."""
+        s = self.model.student.shape
+        halves = {"gate_proj": 0, "up_proj": 1}
+        for name, tensor in weights:
+            stem, _, kind = name.rpartition(".mlp.")
+            if not s.shared or kind not in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+                yield name, tensor
+                continue
+            if kind == "down_proj.weight":
+                target, part = f"{stem}.mlp.shared_down.weight", tensor[:, s.sharded:]
+                params[target].data.copy_(part)
+                yield name, tensor[:, :s.sharded]
+            else:
+                target, half = f"{stem}.mlp.shared_gate_up.weight", halves[kind.partition(".")[0]]
+                params[target].data[half * s.shared:(half + 1) * s.shared].copy_(tensor[s.sharded:])
+                yield name, tensor[:s.sharded]
+            loaded.add(target)

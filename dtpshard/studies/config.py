@@ -35,6 +35,8 @@ from dtpshard.core.vocab import (
     NonNegativeInt,
     Proxy,
     Seed,
+    SharedBy,
+    SharedFraction,
     Stage3,
 )
 from dtpshard.studies import smollm2
@@ -104,7 +106,9 @@ class Arm:
     layouts' seeds, and for optimising kinds the number of optimised layers and the proxy
     optimised (default: the experiment's first). `adapters`: the arm trains low-rank adapters
     of this rank (distill --adapters), its runs named NAME-rRANK-sSEED, with `lr` (default the
-    [training] table's) as its peak learning rate."""
+    [training] table's) as its peak learning rate. `shared`: the fraction of every layer's neurons
+    its layouts replicate (docs/design.md §6; `dtpshard layout --shared`), chosen as `shared_by`
+    says; its layouts are named KIND-sharedPERCENT and form their own group in the report."""
 
     kind: LayoutKind
     seeds: list[Seed] = field(default_factory=lambda: [0])
@@ -114,6 +118,8 @@ class Arm:
     name: str | None = None
     adapters: Count | None = None
     lr: LearningRate | None = None
+    shared: SharedFraction = 0.0
+    shared_by: SharedBy = "fo"
 
 
 @dataclass(kw_only=True)
@@ -125,6 +131,8 @@ class LayoutSpec:
     seed: Seed = 0
     layers: Count | None = None
     proxy: Proxy | None = None
+    shared: SharedFraction = 0.0
+    shared_by: SharedBy = "fo"
 
 
 @dataclass(kw_only=True)
@@ -271,17 +279,23 @@ def _plan(arm: Arm, where: str, proxies: list[str]) -> ArmPlan:
     if kind in OPTIMISING and proxy is None:
         proxy = proxies[0]
     base = arm.name or (kind + ("" if arm.layers is None else f"-layers-{arm.layers}")
-                        + ("" if proxy in (None, proxies[0]) else f"-{proxy}"))
+                        + ("" if proxy in (None, proxies[0]) else f"-{proxy}") + shared_suffix(arm.shared))
+    shared = {"shared": arm.shared, "shared_by": arm.shared_by}
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", base):
         raise UserError(f"{where}.name = {base!r}: use letters, digits, '.', '_' and '-' only")
     if kind == "random":
         layout_seeds = arm.layout_seeds if arm.layout_seeds is not None else [0]
         if not layout_seeds:
             raise UserError(f"{where}.layout_seeds = []: give at least one")
-        layouts = [LayoutSpec(name=f"{base}-{s}", kind=kind, seed=s) for s in layout_seeds]
+        layouts = [LayoutSpec(name=f"{base}-{s}", kind=kind, seed=s, **shared) for s in layout_seeds]
     else:
-        layouts = [LayoutSpec(name=base, kind=kind, layers=arm.layers, proxy=proxy)]
+        layouts = [LayoutSpec(name=base, kind=kind, layers=arm.layers, proxy=proxy, **shared)]
     return ArmPlan(kind=kind, seeds=list(arm.seeds), layouts=layouts, adapters=arm.adapters, lr=arm.lr)
+
+
+def shared_suffix(fraction: float) -> str:
+    """What a shared arm's layouts add to their name and kind: -shared10 for 10% (none for 0)."""
+    return f"-shared{100 * fraction:.4g}" if fraction else ""
 
 
 # -- config.json ------------------------------------------------------------------------------

@@ -79,6 +79,7 @@ from dtpshard.studies.config import (  # noqa: F401
     read_record,
     record,
     resolve_model,
+    shared_suffix,
 )
 from dtpshard.studies.provenance import (
     LAYOUT_DIR,
@@ -211,9 +212,11 @@ def _layouts(cfg: Experiment, affinities: _Affinities, out: Path) -> dict[str, P
         with _timed(out, "layouts"):
             layout = make_layout(affinity.model, cfg.dtp, spec.kind, affinity=affinity,
                                  layers=spec.layers, restarts=lay.restarts if optimising else 1,
-                                 seed=spec.seed, kv_search=lay.kv_search, max_sweeps=lay.max_sweeps)
+                                 seed=spec.seed, kv_search=lay.kv_search, max_sweeps=lay.max_sweeps,
+                                 shared=spec.shared, shared_by=spec.shared_by)
         if optimising and proxy != cfg.proxies[0]:  # its own group in the report
             layout.kind = f"{layout.kind}-{proxy}"
+        layout.kind += shared_suffix(spec.shared)  # so is a shared fraction
         layout.score["name"] = spec.name
         layout.score["proxy"] = proxy if optimising else None
         layout.save(path)

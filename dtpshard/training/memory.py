@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dtpshard.core.adapters import DEFAULT_TARGETS, AdapterSettings, trainable_count
 from dtpshard.core.errors import UserError
+from dtpshard.core.layout import Layout, permuted_shared
 from dtpshard.core.memory import size_text
 from dtpshard.core.reading import read_text
 from dtpshard.core.settings import DTPSettings
@@ -106,18 +107,21 @@ _TRACED: dict[tuple, int] = {}
 
 
 def saved_bytes(hf_config: Any, settings: DTPSettings, micro_batch: int, seq_len: int,
-                dtype: torch.dtype, grad_checkpointing: bool, adapters: AdapterSettings | None = None) -> int:
+                dtype: torch.dtype, grad_checkpointing: bool, adapters: AdapterSettings | None = None,
+                shared: int = 0) -> int:
     """Bytes autograd saves for backward over the student's forward of one micro-batch, traced on
     fake tensors (nothing allocated); each setting traced once per process. `adapters`: only they
-    train (the frozen weights' gradients are not computed, the [N, r] activations are saved)."""
-    key = (id(hf_config), settings, micro_batch, seq_len, dtype, grad_checkpointing, adapters)
+    train (the frozen weights' gradients are not computed, the [N, r] activations are saved).
+    `shared`: the neurons a layer replicates (docs/design.md §6), whose activations every device
+    of the simulator saves, L times n instead of n."""
+    key = (id(hf_config), settings, micro_batch, seq_len, dtype, grad_checkpointing, adapters, shared)
     if key not in _TRACED:
-        _TRACED[key] = _trace(hf_config, settings, micro_batch, seq_len, dtype, grad_checkpointing, adapters)
+        _TRACED[key] = _trace(hf_config, settings, micro_batch, seq_len, dtype, grad_checkpointing, adapters, shared)
     return _TRACED[key]
 
 
 def _trace(hf_config: Any, settings: DTPSettings, micro_batch: int, seq_len: int,
-           dtype: torch.dtype, grad_checkpointing: bool, adapters: AdapterSettings | None) -> int:
+           dtype: torch.dtype, grad_checkpointing: bool, adapters: AdapterSettings | None, shared: int) -> int:
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -130,7 +134,7 @@ def _trace(hf_config: Any, settings: DTPSettings, micro_batch: int, seq_len: int
     with FakeTensorMode():
         torch.set_default_dtype(dtype)  # built in the compute dtype (a .to() would swap fake parameters)
         try:
-            model = DTPModel(hf_config, settings)
+            model = DTPModel(hf_config, settings, shared)
             if adapters is not None:  # computed in that dtype too (their fp32 masters are counted apart)
                 attach(model, adapters)
         finally:
@@ -163,7 +167,7 @@ def plan_memory(shape: ModelShape, hf_config: Any, s: Setup, *, settings: DTPSet
         A = s.adapter_params
         parts = {"process": runtime, "weights": P * frozen_bytes // K, "adapters": 4 * A // K,
                  "gradients": 4 * A // K, "optimizer": 8 * A // K}
-    traced = {c: saved_bytes(hf_config, settings, s.micro_batch, s.seq_len, compute, c, lowrank)
+    traced = {c: saved_bytes(hf_config, settings, s.micro_batch, s.seq_len, compute, c, lowrank, shape.shared)
               for c in (False, True)}
     layer = traced[False] // shape.layers  # one layer's saved set
     # with checkpointing, backward recomputes one segment at a time: its modules' saved sets come back
@@ -305,6 +309,10 @@ def plan_for(cfg: DistillConfig, world: int, device: str, local: int | None = No
     hf_config = load_hf_config(cfg.teacher) if hf_config is None else hf_config
     precision = resolve_precision(cfg.precision, device)
     shape = shape_from_hf_config(hf_config)
+    # the student's shared neurons (docs/design.md §6): its layout's, else a permuted teacher's or a student's
+    shared = Layout.load(cfg.layout, shape).shared if cfg.layout is not None else \
+        shape.shared or permuted_shared(Path(cfg.teacher))
+    shape = dataclasses.replace(shape, shared=shared)
     lowrank = cfg.adapter_settings
     setup = Setup(world, cfg.fsdp and world > 1, precision, cfg.grad_checkpointing, cfg.micro_batch, cfg.seq_len,
                   torch.device(device).type, cfg.adapters, 0 if lowrank is None else trainable_count(shape, lowrank),

@@ -72,6 +72,15 @@ def fill_local(model: DTPModel, ckpt: Checkpoint, layout: Layout | None, rank: i
         local.copy_(part)
 
 
+def student_shared(ckpt: Checkpoint, layout: Layout | None) -> int:
+    """The shared neurons of the student (docs/design.md §6): its layout's, else those the checkpoint
+    holds last already; both is refused, as DTPModel.from_state_dict refuses it."""
+    if layout is not None and ckpt.shape.shared:
+        raise UserError(f"{ckpt.path} already holds {ckpt.shape.shared} shared neurons a layer, last; a layout "
+                        "applies to the dense model it was made from")
+    return ckpt.shape.shared if layout is None else layout.shared
+
+
 class Strategy(Protocol):
     """What the loop asks of where its models live."""
 
@@ -123,7 +132,8 @@ class Replicated:
     def build(self, cfg: Any, ckpt: Checkpoint, layout: Layout | None) -> tuple[Teacher | FrozenBase, Student]:
         if cfg.adapters is not None:  # one copy: the frozen base is the student's and the teacher's
             sd = ckpt.state_dict(param_dtype(self.precision, frozen=True))
-            student = DTPModel.from_state_dict(ckpt.hf_config, sd, layout=layout, settings=cfg.dtp)
+            student = DTPModel.from_state_dict(ckpt.hf_config, sd, layout=layout, settings=cfg.dtp,
+                                               shared=ckpt.shape.shared)
             del sd
             adapters.attach(student, cfg.adapter_settings)
             adapters.init_values(student, cfg.seed)
@@ -134,7 +144,8 @@ class Replicated:
         teacher.requires_grad_(False).eval()
         own = {k: v if k in FROZEN else v.clone() for k, v in sd.items()}
         del sd
-        student = DTPModel.from_state_dict(ckpt.hf_config, own, layout=layout, settings=cfg.dtp)
+        student = DTPModel.from_state_dict(ckpt.hf_config, own, layout=layout, settings=cfg.dtp,
+                                           shared=ckpt.shape.shared)
         for name, p in student.named_parameters():
             p.requires_grad_(name not in FROZEN)
         return Teacher(teacher.to(self.d.device)), Student(student.to(self.d.device))
@@ -220,7 +231,7 @@ class Sharded:
             return self._build_adapters(cfg, ckpt, layout, policy)
         with torch.device("meta"):
             teacher = DTPModel(ckpt.hf_config, DENSE).to(param_dtype(self.precision, frozen=True))
-            student = DTPModel(ckpt.hf_config, cfg.dtp)
+            student = DTPModel(ckpt.hf_config, cfg.dtp, student_shared(ckpt, layout))
         teacher.requires_grad_(False).eval()
         for name, p in student.named_parameters():
             p.requires_grad_(name not in FROZEN)
@@ -241,7 +252,8 @@ class Sharded:
         each module's group; each rank fills its rows from the files and draws its rows of A."""
         dev, rank, world = torch.device(self.d.device), self.d.rank, self.d.world
         with torch.device("meta"):
-            student = DTPModel(ckpt.hf_config, cfg.dtp).to(param_dtype(self.precision, frozen=True))
+            student = DTPModel(ckpt.hf_config, cfg.dtp, student_shared(ckpt, layout)).to(
+                param_dtype(self.precision, frozen=True))
             adapters.attach(student, cfg.adapter_settings)
         if layout is not None:
             student.layout_sha256 = layout.content_sha256()
