@@ -46,7 +46,7 @@ def run(setup):
 
 
 @pytest.fixture
-def fresh_run(setup, run, tmp_path, capsys):
+def fresh_run(setup, tmp_path, capsys):
     """A finished run of its own (a copy would carry no bound mark)."""
     out = tmp_path / "run"
     assert main(distill_args(setup, out)) == 0

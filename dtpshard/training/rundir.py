@@ -36,6 +36,7 @@ from dtpshard.core.owned import (
     MARK,
     Inside,
     claim,
+    is_leftover,
     is_ours,
     own_entries,
     read_mark,
@@ -106,8 +107,7 @@ def refuse_foreign(out: Path, expect: str = "", what: str = "a distillation run"
 
 def _ours(name: str, owned: tuple[str, ...]) -> bool:
     """One of the directory's own names: its files, the lock, or a kill's .NAME.tmp-PID leftover."""
-    return name in owned or name in (LOCK, MARK) or (name.startswith(".") and ".tmp-" in name
-                                              and name[1:].split(".tmp-")[0] in owned)
+    return name in owned or name in (LOCK, MARK) or is_leftover(name, owned)
 
 
 def refuse_unrelated(run: Path, force: bool, owned: tuple[str, ...] = OWNED, what: str = "a dtpshard run",
