@@ -134,26 +134,30 @@ class Decoder(nn.Module):
                 padding_attn_mask(attention_mask, T).repeat(devices, 1, 1, 1))
 
     def run_streams(self, input_ids: torch.Tensor, devices: int, exchange: Exchange, cache: Any = None,
-                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [B, T] -> the devices' final residual streams x [devices, B, T, D] (a rank: devices = 1)."""
+                    attention_mask: torch.Tensor | None = None,
+                    after: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> the devices' final residual streams x [devices, B, T, D] (a rank: devices = 1).
+        `after(m, x)`: sees the streams after each module m (walk's)."""
         emb = self.embed(input_ids)  # [B, T, D]
         cos, sin, mask = self._rope(emb, devices, cache, attention_mask)
         x = emb.unsqueeze(0).expand(devices, *emb.shape)  # every device starts from the embedding
-        x = self.walk(x, cos, sin, exchange, cache, mask)
+        x = self.walk(x, cos, sin, exchange, cache, mask, after=after)
         if cache is not None:
             cache.advance(input_ids.shape[1])
         return x
 
     def walk(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, exchange: Exchange,
              cache: Any = None, mask: torch.Tensor | None = None, modules: range | None = None,
-             hook: Callable[[int, torch.Tensor, torch.Tensor, Trace], None] | None = None) -> torch.Tensor:
+             hook: Callable[[int, torch.Tensor, torch.Tensor, Trace], None] | None = None,
+             after: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
         """The module loop: streams x [L, B, T, D] through `modules` (default all 2n) -> x after them.
 
         `hook(m, x, p, trace)`, when given, sees each module's input streams, its partials and
         what it computed on the way (modules.Trace) before the exchange adds them; without a
-        hook no trace is kept."""
+        hook no trace is kept. `after(m, x)` sees the streams once module m's update is added
+        (a recipe's stream matching, training/recipes.py)."""
         ckpt = self.gradient_checkpointing and torch.is_grad_enabled() and cache is None
-        if ckpt and hook is None and modules is None and isinstance(exchange.reduce, DeviceAxis):
+        if ckpt and hook is None and after is None and modules is None and isinstance(exchange.reduce, DeviceAxis):
             return self._walk_segments(x, cos, sin, exchange, mask)
         for m in range(len(exchange.schedule)) if modules is None else modules:
             if hook is not None:
@@ -165,6 +169,8 @@ class Decoder(nn.Module):
             else:
                 p, local = self.module_partials(m, x, cos, sin, cache, mask)
             x = exchange.update(m, x, p, local)
+            if after is not None:
+                after(m, x)
         return x
 
     def _walk_segments(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, exchange: Exchange,

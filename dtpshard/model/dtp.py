@@ -8,6 +8,8 @@ copy. The multi-process runtime (runtime/ranks.py) runs the same decoder, one de
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -57,18 +59,33 @@ class DTPModel(PretrainedMixin, Decoder):
         self.steps = schedule_for(self.shape.modules, settings)
         self.dense_steps = schedule_for(self.shape.modules, DENSE)  # the teacher's, in an adapter run
 
+    @contextmanager
+    def delayed(self, delay: float) -> Iterator[None]:
+        """This model at δ = `delay` inside the block, at its own settings again after it (a recipe's
+        delay curriculum, training/recipes.py)."""
+        own = self.settings
+        if delay != own.delay:
+            self.use(replace(own, delay=delay))
+        try:
+            yield
+        finally:
+            if self.settings is not own:
+                self.use(own)
+
     def dtp_settings(self) -> dict[str, Any]:
         """L, δ, stage3 and, where some are, the shared neurons: what a student records (dtp_block)."""
         return {**self.settings.to_json(), **({"shared": self.shape.shared} if self.shape.shared else {})}
 
     # -- the forward pass ----------------------------------------------------------------
     def hidden(self, input_ids: torch.Tensor, cache: KVCache | None = None,
-               attention_mask: torch.Tensor | None = None, dense: bool = False) -> torch.Tensor:
+               attention_mask: torch.Tensor | None = None, dense: bool = False,
+               after: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
         """h = mean_l FinalNorm(x_l): [B, T, D], the LM head's input (Decoder.head_input). dense: the
-        same weights run as the dense model (L = 1, δ = 0), whatever this model's settings."""
+        same weights run as the dense model (L = 1, δ = 0), whatever this model's settings.
+        `after(m, x)`: sees the streams [L, B, T, D] after each module m (Decoder.walk)."""
         steps, devices = (self.dense_steps, 1) if dense else (self.steps, self.devices)
         exchange = Exchange(steps, DeviceAxis(), devices)
-        return self.head_input(self.run_streams(input_ids, devices, exchange, cache, attention_mask), exchange)
+        return self.head_input(self.run_streams(input_ids, devices, exchange, cache, attention_mask, after), exchange)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, cache: KVCache | None = None, logits_to_keep: int = 0) -> Any:

@@ -40,6 +40,7 @@ from dtpshard.core.vocab import (
     Stage3,
 )
 from dtpshard.studies import smollm2
+from dtpshard.training.recipes import RecipeName
 from dtpshard.training.settings import Recipe
 from dtpshard.training.settings import check_config as check_recipe
 
@@ -108,7 +109,10 @@ class Arm:
     of this rank (distill --adapters), its runs named NAME-rRANK-sSEED, with `lr` (default the
     [training] table's) as its peak learning rate. `shared`: the fraction of every layer's neurons
     its layouts replicate (docs/design.md §6; `dtpshard layout --shared`), chosen as `shared_by`
-    says; its layouts are named KIND-sharedPERCENT and form their own group in the report."""
+    says; its layouts are named KIND-sharedPERCENT and form their own group in the report.
+    `recipe`: the arm trains with this recipe (distill --recipe; default the [training] table's),
+    its runs named NAME-RECIPE-sSEED; a full-distillation arm's own `lr` is named too
+    (NAME-lrLR-sSEED). Such runs are the report's recipe arms (studies/recipes.py)."""
 
     kind: LayoutKind
     seeds: list[Seed] = field(default_factory=lambda: [0])
@@ -120,6 +124,7 @@ class Arm:
     lr: LearningRate | None = None
     shared: SharedFraction = 0.0
     shared_by: SharedBy = "fo"
+    recipe: RecipeName | None = None
 
 
 @dataclass(kw_only=True)
@@ -145,10 +150,14 @@ class ArmPlan:
     layouts: list[LayoutSpec]
     adapters: Count | None = None
     lr: LearningRate | None = None
+    recipe: RecipeName | None = None
 
     def run_name(self, layout: str, seed: int) -> str:
-        """runs/NAME: the layout's name, the adapters' rank, the seed."""
-        return f"{layout}{'' if self.adapters is None else f'-r{self.adapters}'}-s{seed}"
+        """runs/NAME: the layout's name, the adapters' rank, the arm's own recipe, a full
+        distillation's own lr, the seed."""
+        return (f"{layout}{'' if self.adapters is None else f'-r{self.adapters}'}"
+                f"{'' if self.recipe is None else f'-{self.recipe}'}"
+                f"{'' if self.lr is None or self.adapters is not None else f'-lr{self.lr:g}'}-s{seed}")
 
 
 @dataclass(kw_only=True)
@@ -257,6 +266,10 @@ def check_config(raw: Any) -> Experiment:
             dup.append(spec.name)
     if dup:
         raise UserError(f"arms: layout name {dup[0]!r} appears twice (give the arms distinct names)")
+    names = [arm.run_name(spec.name, seed) for arm in arms for spec in arm.layouts for seed in arm.seeds]
+    again = sorted({n for n in names if names.count(n) > 1})
+    if again:
+        raise UserError(f"arms: run {again[0]!r} is trained by two arms (give them other seeds, or drop one)")
     settings = {f.name: getattr(study, f.name) for f in dataclasses.fields(Settings)}
     return Experiment(**{**settings, "training": training}, arms=arms)
 
@@ -290,7 +303,8 @@ def _plan(arm: Arm, where: str, proxies: list[str]) -> ArmPlan:
         layouts = [LayoutSpec(name=f"{base}-{s}", kind=kind, seed=s, **shared) for s in layout_seeds]
     else:
         layouts = [LayoutSpec(name=base, kind=kind, layers=arm.layers, proxy=proxy, **shared)]
-    return ArmPlan(kind=kind, seeds=list(arm.seeds), layouts=layouts, adapters=arm.adapters, lr=arm.lr)
+    return ArmPlan(kind=kind, seeds=list(arm.seeds), layouts=layouts, adapters=arm.adapters, lr=arm.lr,
+                   recipe=arm.recipe)
 
 
 def shared_suffix(fraction: float) -> str:

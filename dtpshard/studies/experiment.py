@@ -116,9 +116,11 @@ def _compared(data: dict[str, Any]) -> dict[str, Any]:
     """The settings a resumed experiment must share, from a config.json record read as its typed
     Experiment (so a record from before a key existed reads as that key's default): all of them
     but the recipe's operational ones (progress bar, checkpoint cadence, ...), which do not change
-    what is computed."""
+    what is computed, and the arms: arms may be added to a study (a recipe study is planned from
+    its learning-rate sweep), and each run refuses to resume with settings other than its own."""
     out = dataclasses.asdict(read_record(data))
     out["training"] = {k: v for k, v in out["training"].items() if k in compared_fields(Recipe)}
+    out.pop("arms", None)
     return out
 
 
@@ -162,8 +164,9 @@ def _prepare_dir(out: Path, cfg: Experiment, force: bool) -> None:
     elif out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory")
     data[ID] = claim(out, "experiment", names, "config.json", force, CLEARABLE)
-    if not saved.is_file() or force:
-        atomic_write_text(saved, dumps(data, indent=1) + "\n")
+    text = dumps(data, indent=1) + "\n"
+    if not saved.is_file() or force or saved.read_text() != text:  # arms added: the record lists them
+        atomic_write_text(saved, text)
 
 
 def _affinity(cfg: Experiment, model: Path, out: Path) -> dict[str, Path]:
@@ -333,7 +336,8 @@ def _arms(cfg: Experiment, model: Path, layouts: dict[str, Path], out: Path,
                 eval_text=ev.text, eval_dataset=ev.dataset, eval_micro_batch=ev.micro_batch,
                 text_field=cfg.text_field, tokenizer=cfg.tokenizer,
                 tensorboard=None if tensorboard is None else tensorboard / run.name,
-                teacher_cache=cache, **{**recipe, "adapters": arm.adapters, "lr": arm.lr or recipe["lr"]}))
+                teacher_cache=cache, **{**recipe, "adapters": arm.adapters, "lr": arm.lr or recipe["lr"],
+                                         "recipe": arm.recipe or recipe["recipe"]}))
 
 
 def run_experiment(cfg: Experiment, out: Path, force: bool = False, tensorboard: Path | None = None,

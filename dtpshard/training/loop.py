@@ -54,6 +54,7 @@ from dtpshard.training.recipe import (
     set_rng_state,
     train_blocks_for,
 )
+from dtpshard.training.recipes import DEFAULT_RECIPE, Phase, recipe_for
 from dtpshard.training.settings import BEFORE_ADAPTERS
 from dtpshard.training.strategy import Strategy, strategy_for
 from dtpshard.training.teacher_cache import TeacherCache
@@ -71,26 +72,32 @@ def _optimizer(cfg: DistillConfig, student: torch.nn.Module):
 
 
 def accumulate(net, strategy: Strategy, teacher, batches: list[torch.Tensor], cfg: DistillConfig, device: str,
-               cache: Any = None) -> torch.Tensor:
+               cache: Any = None, phase: Phase | None = None) -> torch.Tensor:
     """Forward/backward of this rank's micro-batches [micro, seq_len + 1] of one optimizer step
     (net: a recipe.Student, teacher: a recipe.Teacher; gradients accumulate, DDP reduces after
-    the last one). Returns [loss, kl, ce] sums (float64, on the device: no host sync per
-    micro-batch). With a teacher cache (anything with `lookup(blocks)`, teacher_cache.TeacherCache)
-    the teacher is not run: the loss is the top-k KL + tail."""
-    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    the last one). Returns [loss, kl, ce, stream distance] sums (float64, on the device: no host
+    sync per micro-batch). With a teacher cache (anything with `lookup(blocks)`,
+    teacher_cache.TeacherCache) the teacher is not run for the logits: the loss is the top-k KL +
+    tail. `phase`: the recipe's for this step (training/recipes.py; default the paper's); the
+    teacher runs for its streams where the phase matches them."""
+    phase = Phase(cfg.delay) if phase is None else phase
+    streams = phase.streams > 0
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
     for a, b in enumerate(batches):
         top = None if cache is None else tuple(t.to(device, non_blocking=True) for t in cache.lookup(b))
         b = b.to(device)
         ids, tgt = b[:, :-1], b[:, 1:]
-        h_t = None
-        if top is None:
+        h_t = t_streams = None
+        if top is None or streams:
             with torch.no_grad(), strategy.autocast():
-                h_t = teacher(ids)
+                h_t, t_streams = teacher(ids, streams=True) if streams else (teacher(ids), None)
         with strategy.no_sync(last=a == len(batches) - 1):
             with strategy.autocast():
-                loss, kl, ce = net(ids, h_t, tgt, cfg.ce_weight, top)
+                loss, kl, ce, dist = net(ids, None if top is not None else h_t, tgt, cfg.ce_weight, top,
+                                         streams=t_streams, logits_weight=phase.logits,
+                                         streams_weight=phase.streams)
             (loss / (cfg.micro_batch * cfg.grad_accum * cfg.seq_len)).backward()
-        sums += torch.stack([loss.detach(), kl, ce]).double()
+        sums += torch.stack([loss.detach(), kl, ce, dist]).double()
         del loss  # its spent graph, alive through the next forward, grows glibc's heap (SmolLM2: 0.36 GiB)
     return sums
 
@@ -302,8 +309,10 @@ def _step(r: _Run, step: int) -> dict[str, Any]:
     r.opt.zero_grad(set_to_none=True)
     G = cfg.micro_batch * cfg.grad_accum * d.world
     rows = [step * G + (a * d.world + d.rank) * cfg.micro_batch for a in range(cfg.grad_accum)]
-    sums = accumulate(r.net, r.strategy, r.teacher, [r.train_data[i:i + cfg.micro_batch] for i in rows], cfg,
-                      d.device, r.cache)
+    phase = recipe_for(cfg.recipe).phase(step, cfg.steps, cfg.delay)
+    with r.net0.model.delayed(phase.delay):
+        sums = accumulate(r.net, r.strategy, r.teacher, [r.train_data[i:i + cfg.micro_batch] for i in rows], cfg,
+                          d.device, r.cache, phase)
     params = [p for _, p in r.named]
     grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf))
     sums = d.sum(sums) / (G * cfg.seq_len)
@@ -313,8 +322,11 @@ def _step(r: _Run, step: int) -> dict[str, Any]:
     _stop_if_diverged(done, "gradient norm", grad_norm, r.saved)
     r.opt.step()
     r.sched.step()
-    return {"kind": "train", "step": done, "tokens": done * r.tokens_per_step, "loss": loss, "kl": float(sums[1]),
-            "ce": float(sums[2]), "lr": lr, "grad_norm": grad_norm, "wall": r.wall()}
+    row = {"kind": "train", "step": done, "tokens": done * r.tokens_per_step, "loss": loss, "kl": float(sums[1]),
+           "ce": float(sums[2]), "lr": lr, "grad_norm": grad_norm, "wall": r.wall()}
+    if cfg.recipe != DEFAULT_RECIPE:  # what this step trained on (the paper's rows stay as they were)
+        row.update(delay=phase.delay, stream=float(sums[3]))
+    return row
 
 
 def _eval_row(r: _Run, step: int) -> dict[str, Any]:

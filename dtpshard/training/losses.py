@@ -200,3 +200,14 @@ def teacher_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     flat = logp.reshape(-1, V)
     tail = _masked_lse(flat, top_ids.reshape(-1, top_ids.shape[-1])).reshape(logp.shape[:-1])
     return top_ids, top_logp, tail
+
+
+def stream_distance(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Σ over positions of the mean over devices of ‖x_l − t‖² / ‖t‖²: every device's stream x
+    [L, B, T, D] after a module against the dense teacher's t [1, B, T, D] at the same point (a
+    recipe's stream matching, training/recipes.py). Normalised by the teacher's own norm per
+    position, so every module and position weighs alike although the stream grows with depth;
+    a squared distance, not a cosine, because the stream's scale is part of what the next
+    module reads (x + f(norm(x)): a scaled x changes f's share)."""
+    x, t = x.float(), t.float()
+    return (((x - t) ** 2).sum(-1) / (t ** 2).sum(-1).clamp_min(1e-12)).mean(0).sum()

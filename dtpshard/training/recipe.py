@@ -41,7 +41,7 @@ from dtpshard.model.checkpoint import (
 )
 from dtpshard.model.hf import resolve_dtype
 from dtpshard.training.evaluate import source_blocks
-from dtpshard.training.losses import eval_sums, kl_ce_sums, topk_kl_ce_sums
+from dtpshard.training.losses import eval_sums, kl_ce_sums, stream_distance, topk_kl_ce_sums
 
 # the recipe and a run's settings, defined without torch (the CLI, a study file and the report read them)
 from dtpshard.training.settings import (  # noqa: F401
@@ -82,20 +82,46 @@ class Student(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor, h_t: torch.Tensor | None = None, targets: torch.Tensor | None = None,
                 ce_weight: float = 0.0, top: tuple[torch.Tensor, ...] | None = None, evaluate: bool = False,
-                teacher: bool = False) -> Any:
-        """-> (loss, kl, ce) sums; `top`: a teacher cache's (top_ids, top_logp, tail_logp) of these
-        blocks instead of the teacher's h_t: the top-k KL + tail (losses.topk_kl_ce_sums).
+                teacher: bool = False, streams: list[torch.Tensor] | None = None, logits_weight: float = 1.0,
+                streams_weight: float = 0.0) -> Any:
+        """-> (loss, kl, ce, stream distance) sums; `top`: a teacher cache's (top_ids, top_logp,
+        tail_logp) of these blocks instead of the teacher's h_t: the top-k KL + tail
+        (losses.topk_kl_ce_sums). `streams`: the dense teacher's stream after each module, matched
+        by every device's (losses.stream_distance); the loss is logits_weight·(KL + ce_weight·CE) +
+        streams_weight·distance (training/recipes.py's Phase).
         evaluate: no gradient, [kl, ce, top-1 agreement] sums instead (losses.eval_sums).
-        teacher: an adapter run's teacher, h [B, T, D]: these weights, adapters off, run dense."""
+        teacher: an adapter run's teacher, h [B, T, D] (with `streams`: and its streams, as
+        Teacher's): these weights, adapters off, run dense."""
         if teacher:
             with adapters_off(self.model):
-                return self.model.hidden(ids, dense=True)
+                return run_dense(self.model, ids, streams is not None)
         w = self.model.head_weight  # the LM head with its logit transform (core/family.py)
         if evaluate:
             return eval_sums(self.model.hidden(ids), w, h_t, None if h_t is None else w, targets)
+        distance = torch.zeros((), dtype=torch.float32, device=ids.device)
+        if streams is None:
+            h = self.model.hidden(ids)
+        else:
+            parts: list[torch.Tensor] = []
+            h = self.model.hidden(ids, after=lambda m, x: parts.append(stream_distance(x, streams[m])))
+            distance = torch.stack(parts).mean()
         if top is not None:
-            return topk_kl_ce_sums(self.model.hidden(ids), w, *top, targets, ce_weight)
-        return kl_ce_sums(self.model.hidden(ids), w, h_t, None if h_t is None else w, targets, ce_weight)
+            loss, kl, ce = topk_kl_ce_sums(h, w, *top, targets, ce_weight)
+        else:
+            loss, kl, ce = kl_ce_sums(h, w, h_t, None if h_t is None else w, targets, ce_weight)
+        if (logits_weight, streams_weight) != (1.0, 0.0):  # the paper's loss stays bit for bit
+            loss = logits_weight * loss + streams_weight * distance
+        return loss, kl, ce, distance.detach()
+
+
+def run_dense(model: Any, ids: torch.Tensor, streams: bool) -> Any:
+    """The model's weights run dense: h [B, T, D], or with `streams` (h, [its stream [1, B, T, D]
+    after each module]) for a recipe's stream matching."""
+    if not streams:
+        return model.hidden(ids, dense=True)
+    kept: list[torch.Tensor] = []
+    h = model.hidden(ids, dense=True, after=lambda m, x: kept.append(x))
+    return h, kept
 
 
 class FrozenBase:
@@ -107,19 +133,20 @@ class FrozenBase:
     def __init__(self, net: Student):
         self.net = net
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.net(ids, teacher=True)
+    def __call__(self, ids: torch.Tensor, streams: bool = False) -> Any:
+        return self.net(ids, teacher=True, streams=[] if streams else None)
 
 
 class Teacher(torch.nn.Module):
-    """The frozen dense teacher's LM-head input, h [B, T, D], as a module's forward (FSDP's root)."""
+    """The frozen dense teacher's LM-head input, h [B, T, D], as a module's forward (FSDP's root);
+    with `streams`, (h, its streams after each module) as run_dense gives them."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.hidden(ids)
+    def forward(self, ids: torch.Tensor, streams: bool = False) -> Any:
+        return run_dense(self.model, ids, streams) if streams else self.model.hidden(ids)
 
 
 def save_dtype(cfg: DistillConfig, ckpt: Any) -> torch.dtype:

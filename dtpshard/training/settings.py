@@ -31,6 +31,7 @@ from dtpshard.core.vocab import (
     Seed,
     Stage3,
 )
+from dtpshard.training.recipes import DEFAULT_RECIPE, RecipeName
 
 Precision = Literal["auto", "fp32", "bf16-mixed"]  # resolved per device by training/precision.py
 SaveDType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -62,6 +63,10 @@ class Recipe:
         adam_beta2: AdamW β2
         clip: gradient-norm clip (0: none)
         ce_weight: weight of the next-token cross-entropy added to the KL
+        recipe: what each step trains on (training/recipes.py): paper (KL + CE on the logits, the paper's), streams
+            (each device's residual stream matched to the teacher's after every module for the first 20% of the
+            steps, then paper), curriculum (δ ramped from 0 over the first 30%), layerwise (paper + stream matching
+            at every step)
         eval_every: evaluate every this many steps (and at step 0 and at the end)
         text: local .txt/.jsonl/.json/.parquet training files (their held-out share is never trained on)
         dataset: training dataset: a save_to_disk directory, a parquet file or directory, or a hub name (fineweb-edu,
@@ -95,6 +100,7 @@ class Recipe:
     adam_beta2: Beta = 0.95
     clip: NonNegativeNumber = 1.0
     ce_weight: NonNegativeNumber = 0.1
+    recipe: RecipeName = DEFAULT_RECIPE
     eval_every: Count = 100
     text: list[str] | None = field(default=None, metadata=OPERATIONAL)  # data changes show in the data hashes
     dataset: str | None = None
@@ -112,8 +118,9 @@ class Recipe:
     adapter_targets: list[AdapterTarget] = field(default_factory=lambda: list(DEFAULT_TARGETS))
 
 
-# what a run's config.json held implicitly before adapters existed (rundir.check_run's `added`)
-BEFORE_ADAPTERS = {"adapters": None, "adapter_alpha": DEFAULT_ALPHA, "adapter_targets": list(DEFAULT_TARGETS)}
+# what a run's config.json held implicitly before adapters (and recipes) existed (rundir.check_run's `added`)
+BEFORE_ADAPTERS = {"adapters": None, "adapter_alpha": DEFAULT_ALPHA, "adapter_targets": list(DEFAULT_TARGETS),
+                   "recipe": DEFAULT_RECIPE}
 
 
 @dataclass
