@@ -13,6 +13,12 @@ LM head frozen in all of them, as in distillation):
 - distill, cached teacher: the same student trained from a teacher cache (top-k KL + tail + 0.1·CE; the
   cache is built before timing, in a temporary directory, and read from disk every step as in a run)
 - with --compile, the cached arm again with the student compiled (`distill --compile on`)
+- with --recipes, the cached arm under each distinct step of every recipe (training/recipes.py): the
+  stream-matching steps run the teacher for its streams, the curriculum's fractional δ lands two
+  modules' sums; then a table of each recipe's mean cost of a step over a --steps run, against the
+  paper recipe's (the cached arm), the cost the recipe goals are stated in
+--shape smollm2 times SmolLM2-135M's shapes instead (D 576, 9 / 3 heads, N 1536, 30 layers, its vocabulary
+49152, tied), with L = 3: the recipe study's model.
 Arms are interleaved per repeat so machine load hits them alike; the median is reported. On CUDA
 every arm runs in bf16-mixed (as `distill --precision auto` does), on a CPU in fp32.
 Usage: python bench/bench_distill.py [--seq-len 256] [--repeats 3] [--device cpu]
@@ -36,6 +42,7 @@ from dtpshard.training.loop import accumulate
 from dtpshard.training.losses import kl_ce_sums
 from dtpshard.training.precision import autocast_for, resolve_precision
 from dtpshard.training.recipe import FROZEN, DistillConfig, Student, Teacher
+from dtpshard.training.recipes import Phase
 from dtpshard.training.strategy import Replicated
 
 
@@ -45,6 +52,14 @@ def qwen3_config(vocab: int, layers: int):
     return Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=vocab, tie_word_embeddings=True,
                        max_position_embeddings=4096, use_sliding_window=False)
+
+
+def smollm2_config(layers: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
+                       num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
+                       max_position_embeddings=2048, rope_theta=100000.0, rms_norm_eps=1e-5)
 
 
 def optimizer(model: torch.nn.Module, freeze: set[str]) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
@@ -80,12 +95,17 @@ def main() -> None:
     ap.add_argument("--grad-checkpointing", action="store_true")
     ap.add_argument("--k", type=int, default=64, help="teacher-cache top k")
     ap.add_argument("--compile", action="store_true", help="add the compiled cached arm")
+    ap.add_argument("--recipes", action="store_true", help="add every recipe's steps and their mean cost")
+    ap.add_argument("--steps", type=int, default=50, help="--recipes: the run length each recipe's phases follow")
+    ap.add_argument("--shape", choices=("qwen3", "smollm2"), default="qwen3")
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
     dev = a.device
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(qwen3_config(a.vocab, a.layers), attn_implementation="sdpa")
+    config = qwen3_config(a.vocab, a.layers) if a.shape == "qwen3" else smollm2_config(a.layers)
+    a.vocab = config.vocab_size
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.02) if p.ndim > 1 else p.fill_(1.0)
@@ -146,9 +166,10 @@ def main() -> None:
                                      device=dev, progress=False))
     opt_c, p_c = optimizer(student, frozen)  # the same student: only the step's work matters here
 
-    def cached_step(n=net):
+    def cached_step(n=net, phase=None):
         opt_c.zero_grad(set_to_none=True)
-        accumulate(n, strategy, None, batches, cfg, dev, cache)  # no teacher forward
+        with student.delayed(a.delay if phase is None else phase.delay):
+            accumulate(n, strategy, teacher_net, batches, cfg, dev, cache, phase)  # the teacher: for streams only
         torch.nn.utils.clip_grad_norm_(p_c, 1.0)
         opt_c.step()
 
@@ -160,6 +181,17 @@ def main() -> None:
 
         compiled = compile_module(Student(student))
         arms["  the same, student compiled"] = lambda: cached_step(compiled)
+    phases = {}  # each distinct step of every recipe, timed once
+    if a.recipes:
+        from dtpshard.training.recipes import RECIPES
+
+        for r in RECIPES.values():
+            for s in range(a.steps):
+                ph = r.phase(s, a.steps, a.delay)
+                if ph != Phase(a.delay) and ph not in phases.values():
+                    key = f"  step: δ={ph.delay:g}, logits ×{ph.logits:g}, streams ×{ph.streams:g}"
+                    phases[key] = ph
+                    arms[key] = lambda ph=ph: cached_step(net, ph)
     times: dict[str, list[float]] = {k: [] for k in arms}
     for k, step in arms.items():  # warm-up: allocator, optimizer state, autotuning, compile
         t = time.perf_counter()
@@ -181,6 +213,18 @@ def main() -> None:
     for k, ts in times.items():
         m = statistics.median(ts)
         print(f"| {k:<52} | {m:6.2f} | {m / base:5.2f} |")
+    if phases:
+        from dtpshard.training.recipes import RECIPES
+
+        cached = statistics.median(times[f"distill L={a.devices} δ={a.delay:g}, teacher cache k={a.k}"])
+        cost = {ph: statistics.median(times[k]) for k, ph in phases.items()}
+        print(f"\nmean cost of a step over a {a.steps}-step run, each recipe against the paper's (the cached arm):")
+        print("| recipe | s/step | × paper |")
+        print("|---|---:|---:|")
+        for name, r in RECIPES.items():
+            each = [cost.get(r.phase(s, a.steps, a.delay), cached) for s in range(a.steps)]
+            m = sum(each) / len(each)
+            print(f"| {name} | {m:.2f} | {m / cached:.2f} |")
 
 
 if __name__ == "__main__":

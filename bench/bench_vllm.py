@@ -11,9 +11,10 @@ The same random weights served three ways, each by one engine in its own `torchr
   wrong function, the most the delayed reduce can give;
 - with --collective-arm, the student again with its partials on the collective
   (DTPSHARD_EXCHANGE=collective: gloo here), the transport before the shared-memory ring;
-- with --shared FRACTION, a shared student of the same weights (docs/design.md §6: that fraction of
-  every layer's neurons, drawn at random, replicated on every rank, the rest contiguous), on the
-  same transport and settings as the student; the table then says the weights a rank holds.
+- with --shared FRACTION [FRACTION ...], a shared student of the same weights per fraction
+  (docs/design.md §6: that fraction of every layer's neurons, drawn at random, replicated on every
+  rank, the rest contiguous; which neurons does not change the cost), on the same transport and
+  settings as the student; the table then says the weights a rank holds.
 
 Each row names what each arm's sums travel over (the engine's own report): the student's
 shared-memory ring (transport/shared.py) or a collective, and TP's vLLM communicator (on a CPU
@@ -112,6 +113,11 @@ def tok_s(result: dict, lat: float, b: int, new: int) -> tuple[float, float]:
     return b / step, (med[new][1] - med[1][1]) / (new - 1) / step
 
 
+def shared_arm(fraction: float) -> str:
+    """The arm of a shared student: dtp_shared10 for 10%."""
+    return f"dtp_shared{100 * fraction:.4g}".replace(".", "_")
+
+
 def make_shared(root: Path, devices: int, fraction: float, delay: float = 1, dtype: str = "float32") -> Path:
     """A shared student of make_pair's teacher (it must be made first): `fraction` of every layer's
     neurons drawn at random (seed 0) and replicated, the other units contiguous."""
@@ -120,7 +126,7 @@ def make_shared(root: Path, devices: int, fraction: float, delay: float = 1, dty
     from dtpshard.model.checkpoint import open_checkpoint
     from dtpshard.model.dtp import DTPModel
 
-    teacher, out = root / "teacher", root / f"shared-{devices}"
+    teacher, out = root / "teacher", root / f"{shared_arm(fraction)}-{devices}"
     shape = open_checkpoint(teacher).shape
     sets = shared_sets(shape, devices, fraction, "random")
     if sets is None:
@@ -138,19 +144,19 @@ def rank_weights(model: Path, devices: int) -> int:
     return open_checkpoint(model).shape.shard(devices).params()
 
 
-ARMS = ("dtp", "tp", "nocomm", "dtp_collective", "dtp_shared")  # the last two only when asked for
+ARMS = ("dtp", "tp", "nocomm", "dtp_collective")  # the last only when asked for; then dtp_sharedPCT arms
 
 
 def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], latencies: list[float],
             new: int, repeat: int, threads: int = 0, eager: bool = False, dtype: str = "float32",
             env: dict | None = None, executor: str = "external", collective_arm: bool = False,
-            shared: Path | None = None) -> list[dict]:
+            shared: dict[str, Path] | None = None) -> list[dict]:
     """Rows per (latency, batch). `threads` > 0 pins each rank to that many cores (external launcher)
     or each of vLLM's workers to its own cores (executor "mp": VLLM_CPU_OMP_THREADS_BIND); the
     emulated link (CPU only) is installed when a latency is not 0 (external launcher only: the
     harness lives in the ranks' own processes). `collective_arm` adds the student with its partials
     forced onto the collective (DTPSHARD_EXCHANGE=collective): the transport before the ring.
-    `shared`: a shared student (make_shared), timed as the student is."""
+    `shared`: arm -> a shared student (make_shared), each timed as the student is."""
     from dtpshard.serve.env import runtime_env
 
     g = torch.Generator().manual_seed(0)
@@ -179,8 +185,8 @@ def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], 
         specs["nocomm"] = spec(student, True)
     if collective_arm:
         specs["dtp_collective"] = spec(student, False, {"DTPSHARD_EXCHANGE": "collective"})
-    if shared is not None:
-        specs["dtp_shared"] = spec(shared, False)
+    for arm, path in (shared or {}).items():
+        specs[arm] = spec(path, False)
     results = dict(zip(specs, run_engines(python, list(specs.values()), tp, env, executor)))
     rows = []
     for lat in latencies:
@@ -198,8 +204,11 @@ def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], 
 def table(rows: list[dict]) -> str:
     """The rows, each arm's tok/s and its ratio to TP; then what each arm's sums travel over."""
     arms = [a for a in ARMS if f"{a}_tok_s" in rows[0]]
+    arms += sorted((k.removesuffix("_tok_s") for k in rows[0] if k.startswith("dtp_shared") and k.endswith("_tok_s")),
+                   key=lambda a: float(a.removeprefix("dtp_shared").replace("_", ".")))
     names = {"dtp": "DTP", "tp": "TP", "nocomm": "no-comm", "dtp_collective": "DTP over the collective",
-             "dtp_shared": "DTP shared"}
+             **{a: f"DTP {a.removeprefix('dtp_shared').replace('_', '.')}% shared" for a in arms
+                if a.startswith("dtp_shared")}}
     head = ["executor", "TP", "batch", "latency ms", *(f"{names[a]} tok/s" for a in arms),
             *(f"{names[a]} / TP" for a in arms if a != "tp")]
     if "nocomm" in arms:
@@ -235,8 +244,9 @@ def main() -> int:
                          "executor, each worker pinned to its own cores (latency 0, no no-comm arm)")
     ap.add_argument("--collective-arm", action="store_true",
                     help="also time the student with its partials on the collective (DTPSHARD_EXCHANGE=collective)")
-    ap.add_argument("--shared", type=float, default=None, metavar="FRACTION",
-                    help="also time a shared student: this fraction of every layer's neurons on every rank")
+    ap.add_argument("--shared", type=float, nargs="+", default=[], metavar="FRACTION",
+                    help="also time a shared student per fraction: that fraction of every layer's neurons on "
+                         "every rank")
     ap.add_argument("--json", action="store_true", help="end with the rows as one JSON line")
     args = ap.parse_args()
     python = found_python()
@@ -245,9 +255,8 @@ def main() -> int:
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.tp)
     with tempfile.TemporaryDirectory() as tmp:
         pair = make_pair(Path(tmp), args.tp)
-        shared = None if args.shared is None else make_shared(Path(tmp), args.tp, args.shared)
-        weights = {name: rank_weights(path, args.tp) for name, path in (("DTP", pair[0]), ("DTP shared", shared))
-                   if path is not None}
+        shared = {shared_arm(f): make_shared(Path(tmp), args.tp, f) for f in args.shared}
+        weights = {arm: rank_weights(path, args.tp) for arm, path in (("dtp", pair[0]), *shared.items())}
         load0 = os.getloadavg()
         rows = measure(python, pair, args.tp, args.batch, args.latency_ms, args.new, args.repeat, threads, args.eager,
                        executor=args.executor, collective_arm=args.collective_arm, shared=shared)
@@ -259,7 +268,7 @@ def main() -> int:
     print("weights a rank holds: " + ", ".join(f"{k} {v / 1e6:.1f} M" for k, v in weights.items()))
     if args.json:
         for row in rows:
-            row.update({f"{'dtp_shared' if k == 'DTP shared' else 'dtp'}_rank_weights": v for k, v in weights.items()})
+            row.update({f"{k}_rank_weights": v for k, v in weights.items()})
         print(json.dumps(rows))
     return 0
 

@@ -130,3 +130,25 @@ def test_a_resume_with_another_recipe_is_refused(setup, tmp_path, capsys):
     assert "recipe" in err and len(err.strip().splitlines()) == 1, err
     assert {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.name != ".lock"} == before
     assert not rundir.is_done(run)
+
+
+def test_stream_matching_trains_adapters_against_their_frozen_base(setup, tmp_path):
+    """An adapter run's teacher is its own frozen weights run dense: their streams are the targets."""
+    run = tmp_path / "run"
+    assert main(args_for(setup, run, recipe="layerwise", adapters=2, steps=3, **{"eval-every": 3})) == 0
+    train = [r for r in rundir.read_metrics(run) if r["kind"] == "train"]
+    assert len(train) == 3 and all(r["stream"] > 0 for r in train)
+    assert (run / "final" / "model.safetensors").is_file() or list((run / "final").glob("*.safetensors"))
+
+
+def test_the_memory_plan_counts_the_teachers_streams(setup, tmp_path):
+    """6 modules (3 layers) x 2 x 32 tokens x hidden 64: the teacher's fp32 stream and L = 2 saved differences."""
+    import dataclasses
+
+    from dtpshard.training.memory import plan_for
+    from dtpshard.training.recipe import DistillConfig, resolve
+
+    cfg = resolve(DistillConfig(teacher=setup["model"], out=tmp_path / "run", layout=setup["layout"],
+                                recipe="streams", seq_len=32, micro_batch=2))
+    assert plan_for(cfg, 1, "cpu").parts["streams"] == 6 * 64 * 64 * (4 + 4 * 2)
+    assert "streams" not in plan_for(dataclasses.replace(cfg, recipe="paper"), 1, "cpu").parts

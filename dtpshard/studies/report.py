@@ -26,7 +26,9 @@ from dtpshard.studies.adapters import adapter_lines
 from dtpshard.studies.compare import optional_sections
 from dtpshard.studies.dominance import dominance_lines
 from dtpshard.studies.figures import draw_all
+from dtpshard.studies.recipes import recipe_lines
 from dtpshard.studies.seeds import seed_lines
+from dtpshard.studies.shared import shared_lines
 from dtpshard.studies.stalls import stall_lines
 from dtpshard.studies.stats import (
     bootstrap_pearson,
@@ -278,6 +280,8 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
                  + (" Log step axis: step 0 (the untrained students) is left off it." if c and c.report.log_steps
                     else ""), ""]
     body += adapter_lines(study, figures)
+    body += shared_lines(study, figures)
+    body += recipe_lines(study, figures)
     body += optional_sections(study, figures)
     body += dominance_lines(study)
     first = study.proxies[0]

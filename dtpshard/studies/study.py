@@ -29,6 +29,8 @@ class Run:
     ppl: Curve
     top1: Curve  # agreement with the teacher's argmax (empty for runs evaluated before it was recorded)
     adapters: int | None = None  # the adapters' rank (runs/NAME-rRANK-sSEED); None: full distillation
+    recipe: str = "paper"  # the distillation recipe it trained with (training/recipes.py)
+    lr: float | None = None  # its peak learning rate (config.json; None: not recorded)
 
 
 EDGE_KINDS = ("up", "down", "attention->attention", "FFN->FFN")  # b - a = 1 or 2 (δ <= 2), by the source
@@ -72,6 +74,8 @@ class Study:
     provenance: dict[str, Any] = field(default_factory=dict)  # provenance.json
     sources: dict[str, str] = field(default_factory=dict)  # train_data / eval_data of a run's config.json
     adapter_runs: list[Run] = field(default_factory=list)  # runs that trained adapters: in no layout's runs
+    # full-distillation runs with the recipe or lr of their arm, not the [training] table's: in no layout's runs
+    recipe_runs: list[Run] = field(default_factory=list)
 
 
 # Every file is written by dtpshard; one edited by hand (or damaged) is refused by name here, before
@@ -158,6 +162,21 @@ def _adapters(run: Path) -> int | None:
     return rank
 
 
+def _training(run: Path) -> tuple[str, float | None, str | None]:
+    """(recipe, lr, layout name) a run trained with, from its config.json (a run from before recipes:
+    the paper's)."""
+    from dtpshard.training.recipes import RECIPES
+
+    path = run / "config.json"
+    cfg = _read_json(path, "run config") or {}
+    recipe = cfg.get("recipe", "paper")
+    if recipe not in RECIPES:
+        raise UserError(f"{path}: recipe must be one of {', '.join(RECIPES)}, found {recipe!r}")
+    lr = _num(cfg, "lr", path) if "lr" in cfg else None
+    layout = cfg.get("layout")
+    return recipe, lr, Path(layout).stem if isinstance(layout, str) and layout else None
+
+
 def load_study(directory: Path) -> Study:
     from dtpshard.training.rundir import DONE
 
@@ -173,6 +192,7 @@ def load_study(directory: Path) -> Study:
         layouts[p.stem] = _layout_info(p, zero, d / ZEROSHOT)
     runs: list[Run] = []
     adapter_runs: list[Run] = []
+    recipe_runs: list[Run] = []
     for r in sorted(p for p in (d / RUNS).glob("*-s*") if p.is_dir()):
         layout, _, seed = r.name.rpartition("-s")
         if not seed.isdigit():
@@ -181,11 +201,18 @@ def load_study(directory: Path) -> Study:
         lowrank = _adapters(r)
         if lowrank is not None:
             layout = layout.removesuffix(f"-r{lowrank}")
+        recipe, lr, layout_file = _training(r)
+        own = config is not None and lowrank is None and (recipe, lr) != (config.training.recipe, config.training.lr)
+        if own and layout_file:
+            layout = layout_file
         run = Run(r.name, layout, int(seed), (r / DONE).is_file(),  # finished, even with its weights removed
                   *(make_curve([x["step"] for x in rows], [x.get(k) for x in rows])
-                    for k in ("eval_kl", "eval_ppl", "eval_top1")), adapters=lowrank)
+                    for k in ("eval_kl", "eval_ppl", "eval_top1")), adapters=lowrank, recipe=recipe, lr=lr)
         if lowrank is not None:
             adapter_runs.append(run)
+            continue
+        if own:
+            recipe_runs.append(run)
             continue
         runs.append(run)
         if layout not in layouts:  # a run without its layout file: still shown
@@ -231,7 +258,8 @@ def load_study(directory: Path) -> Study:
         path = d / RUNS / run.name / "config.json"
         cfg = _read_json(path, "run config") or {}
         sources = {k: str(cfg[k]) for k in ("train_data", "eval_data") if cfg.get(k) is not None}
-    return Study(d, config, layouts, runs, steps, list(proxies), timings, provenance, sources, adapter_runs)
+    return Study(d, config, layouts, runs, steps, list(proxies), timings, provenance, sources, adapter_runs,
+                 recipe_runs)
 
 
 GROUP_ORDER = LAYOUT_KINDS  # the paper's order
@@ -266,7 +294,8 @@ def layout_kl(info: LayoutInfo, step: int) -> float | None:
 
 
 # -- what --force may clear ----------------------------------------------------------------------
-FIGURES = ("curves", "j_vs_kl", "proxies", "up_edge", "head_start", "seeds", "adapters")  # figures/NAME.png
+FIGURES = ("curves", "j_vs_kl", "proxies", "up_edge", "head_start", "seeds", "adapters", "recipes",
+           "shared")  # figures/NAME.png
 
 
 def _file(check: Any) -> Any:

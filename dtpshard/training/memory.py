@@ -64,6 +64,7 @@ class Setup:
     adapters: int | None = None  # the adapters' rank (None: every weight trains)
     adapter_params: int = 0  # what the adapters train (model.adapters.trainable_count)
     adapter_targets: tuple[str, ...] = DEFAULT_TARGETS
+    streams: bool = False  # the recipe matches streams on some step (training/recipes.py)
 
 
 @dataclass
@@ -177,6 +178,8 @@ def plan_memory(shape: ModelShape, hf_config: Any, s: Setup, *, settings: DTPSet
     tokens = s.micro_batch * s.seq_len
     loss = LOSS_BUFFERS * min(tokens, chunk_tokens(shape.vocab)) * shape.vocab * 4 + tokens * shape.hidden * 4
     parts["activations"] = act + layer + loss  # + one layer's gradients in flight
+    if s.streams:  # the teacher's stream after every module, and each module's saved difference from it
+        parts["streams"] = shape.modules * tokens * shape.hidden * (compute.itemsize + 4 * settings.devices)
     trained = T if lowrank is None else s.adapter_params
     if s.sharded:  # two groups gathered at once (prefetch), the root (embedding, norms, head) all along,
         # one group's unsharded gradients before their reduce-scatter (an FFN's, the larger group)
@@ -316,7 +319,7 @@ def plan_for(cfg: DistillConfig, world: int, device: str, local: int | None = No
     lowrank = cfg.adapter_settings
     setup = Setup(world, cfg.fsdp and world > 1, precision, cfg.grad_checkpointing, cfg.micro_batch, cfg.seq_len,
                   torch.device(device).type, cfg.adapters, 0 if lowrank is None else trainable_count(shape, lowrank),
-                  DEFAULT_TARGETS if lowrank is None else lowrank.targets)
+                  DEFAULT_TARGETS if lowrank is None else lowrank.targets, uses_streams(cfg.recipe, cfg.steps))
     given = None if cfg.plan_memory is None else parse_size(cfg.plan_memory, "--plan-memory")
     return plan_memory(shape, hf_config, setup, settings=cfg.dtp,
                        available=available_bytes(device, local or local_ranks(), given), runtime=process_bytes(device))

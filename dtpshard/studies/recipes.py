@@ -1,0 +1,131 @@
+"""The report's section on recipe arms (arms with their own `recipe` or `lr`, training/recipes.py):
+every arm's KL, top-1 and perplexity at every evaluation, and step matching against the
+calibrated baseline.
+
+The calibrated baseline is found, not named: of the full-distillation arms that train the paper's
+recipe on the optimised layout with three or more seeds, the one of lowest seed-mean KL at the
+last step (a learning-rate sweep's winner). Every arm's multiplier is the baseline's last step over
+the step at which the arm's seed-mean curve first reaches the baseline's KL there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dtpshard.core.io import atomic_path
+from dtpshard.studies.stats import Curve, mean_curve, mean_sd, step_matching
+from dtpshard.studies.study import Run, Study
+
+SEEDS = 3  # a baseline is a mean over at least this many training seeds
+
+
+@dataclass
+class RecipeArm:
+    layout: str
+    recipe: str
+    lr: float | None
+    adapters: int | None
+    runs: list[Run]
+
+    @property
+    def name(self) -> str:
+        lr = "" if self.lr is None else f", lr {self.lr:g}"
+        return f"{self.layout}, {self.recipe}{lr}" + ("" if self.adapters is None else f", rank {self.adapters}")
+
+    @property
+    def kl(self) -> Curve:
+        return mean_curve([r.kl for r in self.runs])
+
+
+def arms(study: Study) -> list[RecipeArm]:
+    """Every arm of a study with recipe runs (none without): the runs grouped by layout, recipe, lr
+    and adapters' rank, the paper's recipe first, then by name."""
+    if not study.recipe_runs:
+        return []
+    groups: dict[tuple, list[Run]] = {}
+    for run in [*study.runs, *study.recipe_runs, *study.adapter_runs]:
+        groups.setdefault((run.layout, run.recipe, run.lr, run.adapters), []).append(run)
+    keys = sorted(groups, key=lambda k: (k[0] != "optimised", k[0], k[3] is not None, k[1] != "paper", k[1],
+                                         k[2] or 0))
+    return [RecipeArm(*k, groups[k]) for k in keys]
+
+
+def baseline(all_arms: list[RecipeArm], end: float) -> RecipeArm | None:
+    """The calibrated paper recipe (module docstring), None until one has three seeds at `end`."""
+    ready = [a for a in all_arms if a.recipe == "paper" and a.adapters is None and a.layout == "optimised"
+             and sum(r.kl.at(end) is not None for r in a.runs) >= SEEDS and a.kl.at(end) is not None]
+    return min(ready, key=lambda a: a.kl.at(end)) if ready else None
+
+
+def _fmt(values: list[float], digits: int = 3) -> str:
+    return mean_sd(values).format(digits) if values else "–"
+
+
+def _at(runs: list[Run], step: float, what: str) -> list[float]:
+    return [v for v in (getattr(r, what).at(step) for r in runs) if v is not None]
+
+
+def recipe_lines(study: Study, figures: dict[str, str]) -> list[str]:
+    """The section, or nothing for an experiment without recipe arms."""
+    all_arms = arms(study)
+    if not all_arms:
+        return []
+    end = float(study.steps)
+    base = baseline(all_arms, end)
+    steps = sorted({float(s) for a in all_arms for s in a.kl.steps.tolist()})
+    out = ["## Distillation recipes", "",
+           "Arms by layout, recipe (training/recipes.py), peak learning rate and adapters' rank; mean ± sd over "
+           "training seeds. The calibrated baseline is the paper recipe's arm on the optimised layout with "
+           f"{SEEDS}+ seeds and the lowest mean KL at step {end:g}: "
+           + (f"**{base.name}** (KL {base.kl.at(end):.3f})." if base else "none yet."), ""]
+    head = ["arm", "seeds", *(f"KL @ {s:g}" for s in steps if s > 0), f"top-1 @ {end:g}", f"ppl @ {end:g}"]
+    if base:
+        head.append(f"step reaching {base.kl.at(end):.3f} (×)")
+    out += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for a in all_arms:
+        cells = [a.name + (" ‡" if a is base else ""), str(len(a.runs)),
+                 *(_fmt(_at(a.runs, s, "kl")) for s in steps if s > 0),
+                 _fmt(_at(a.runs, end, "top1")), _fmt(_at(a.runs, end, "ppl"), 1)]
+        if base:
+            m = step_matching(a.kl, base.kl, end)
+            cells.append("–" if m is None else m.format())
+        out.append("| " + " | ".join(cells) + " |")
+    out += ["", "‡ the calibrated baseline. Step matching: the first step at which the arm's seed-mean curve "
+            "(linear between evaluations) reaches the baseline's mean KL at its last step; the multiplier is that "
+            "step over the arm's. Only the seeds an arm has are in its mean: an arm of one seed is a pilot.", ""]
+    if "recipes" in figures:
+        out += [f"![KL against step for every recipe arm]({figures['recipes']})", "",
+                "Bold: mean over training seeds; faint: single seeds; dashed grey: the calibrated baseline's KL at "
+                f"step {end:g}.", ""]
+    return out
+
+
+def draw_recipes(study: Study, path: Path) -> Path | None:
+    """KL against step (log KL), one line per recipe arm, one panel per layout."""
+    all_arms = arms(study)
+    if not all_arms:
+        return None
+    import matplotlib.pyplot as plt
+
+    layouts = list(dict.fromkeys(a.layout for a in all_arms))
+    base = baseline(all_arms, float(study.steps))
+    cmap = plt.get_cmap("tab10")
+    fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4.2), sharey=True, squeeze=False)
+    for ax, layout in zip(axes[0], layouts):
+        for i, a in enumerate(x for x in all_arms if x.layout == layout):
+            colour = cmap(i % 10)
+            for r in a.runs:
+                ax.plot(r.kl.steps, r.kl.values, color=colour, alpha=0.25, linewidth=0.8)
+            ax.plot(a.kl.steps, a.kl.values, color=colour, linewidth=2, label=a.name.removeprefix(f"{layout}, "))
+        if base is not None:
+            ax.axhline(base.kl.at(float(study.steps)), color="grey", linestyle="--", linewidth=1)
+        ax.set_title(layout)
+        ax.set_xlabel("step")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(frameon=False, fontsize=7)
+    axes[0][0].set_ylabel("KL(dense ‖ student), nats/token")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=130, bbox_inches="tight")
+    plt.close(fig)
+    return path
