@@ -44,6 +44,7 @@ from dtpshard.model.shards import parse_size
 from dtpshard.training.losses import chunk_tokens
 from dtpshard.training.precision import param_dtype, resolve_precision
 from dtpshard.training.recipe import FROZEN, DistillConfig
+from dtpshard.training.recipes import uses_streams
 
 ADVISED_RANK = 64  # the rank a plan that does not fit suggests (docs/results/smollm2-l3-d1-adapters)
 CUDA_RUNTIME = 1 << 30  # the CUDA context and the allocator's slack, not in any tensor
