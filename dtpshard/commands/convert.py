@@ -14,7 +14,7 @@ from dtpshard.affinity.settings import CalibrationData, PassSettings
 from dtpshard.commands.schema import values, view
 from dtpshard.core.io import dumps
 from dtpshard.core.settings import DEFAULT
-from dtpshard.training.settings import DistillConfig
+from dtpshard.training.settings import NO_SHARING, DistillConfig, Sharing
 
 ConvertFlags = view("ConvertFlags", DistillConfig, drop={"layout"}, positional=("teacher",),
                     doc="What convert takes of a distillation's flags.",
@@ -32,7 +32,7 @@ CALIBRATION_FLAGS = CalibrationFlags()
 
 def convert_cmd(flags: Annotated[ConvertFlags, Parameter(name="*")],  # type: ignore[valid-type]
                 calibration: Annotated[CalibrationFlags, Parameter(name="*")] = CALIBRATION_FLAGS, *,  # type: ignore[valid-type]
-                json: bool = False) -> int:
+                sharing: Annotated[Sharing, Parameter(name="*")] = NO_SHARING, json: bool = False) -> int:
     """Turn the dense checkpoint TEACHER into a DTP student ready to serve, in DIR (--out): the
     calibration pass (--blocks blocks of --seq-len tokens of the training data), the optimised
     layout for L = --devices and δ = --delay (with J of the contiguous and a random layout beside
@@ -45,18 +45,26 @@ def convert_cmd(flags: Annotated[ConvertFlags, Parameter(name="*")],  # type: ig
         json: print one JSON object {out, student, J, kl, seconds, serve, ...} instead of text
     """
     from dtpshard.training import convert_plan
-    from dtpshard.training.convert import _signals_end_in_one_line, calibration_settings, convert, resolved, summary
+    from dtpshard.training.convert import (
+        _signals_end_in_one_line,
+        calibration_settings,
+        check_sharing,
+        convert,
+        resolved,
+        summary,
+    )
 
     cfg = DistillConfig(**values(flags))
     with _signals_end_in_one_line():  # the whole command: one signal, one line, whenever it comes
         teacher = cfg.teacher
         data, run = calibration_settings(cfg, values(calibration))
         if cfg.plan:
+            check_sharing(resolved(teacher, cfg), sharing)
             plans = convert_plan.plan_convert(resolved(teacher, cfg), data, run, timed=True)
             print(dumps([s.to_json() for s in plans]) if json else "\n".join(s.describe() for s in plans))
             convert_plan.refuse_unless_fits(plans)
             return 0
-        p = convert(teacher, cfg, data, run)
+        p = convert(teacher, cfg, data, run, sharing)
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
         result = summary(p, resolved(teacher, cfg))

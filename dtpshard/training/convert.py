@@ -48,7 +48,7 @@ from dtpshard.core.owned import ID, MARK, replacing
 from dtpshard.model.student import serving_commands
 from dtpshard.training import convert_state as state
 from dtpshard.training.convert_state import AFFINITY, OWNED, STAGES, Paths, check_record  # noqa: F401 (importable here)
-from dtpshard.training.settings import DistillConfig, check_config
+from dtpshard.training.settings import NO_SHARING, DistillConfig, Sharing, check_config
 
 PROXY = "first-order"  # the paper's affinity: the layout optimises J under it
 CARD_BYTES = 16 << 20  # the run's model card, read to extend it
@@ -80,9 +80,12 @@ def calibrate_stage(p: Paths, pass_: Any, progress: bool) -> None:
         run_calibration(pass_, PROXY, progress)
 
 
-def layout_stage(p: Paths, cfg: DistillConfig, progress: bool) -> None:
+
+
+def layout_stage(p: Paths, cfg: DistillConfig, progress: bool, sharing: Sharing = NO_SHARING) -> None:
     """The optimised layout from the published affinity file (float32 as saved, so a resumed run
-    optimises the same numbers), with J of the contiguous layout and of a random one."""
+    optimises the same numbers), with J of the contiguous layout and of a random one (each sharing
+    the same neurons, where some are)."""
     from tqdm import tqdm
 
     from dtpshard.affinity.file import Affinity
@@ -92,7 +95,8 @@ def layout_stage(p: Paths, cfg: DistillConfig, progress: bool) -> None:
         affinity = Affinity.load(p.affinity, delay=cfg.delay)
         made = {}
         for kind in tqdm(("optimised", "contiguous", "random"), desc="layout", disable=not progress):
-            made[kind] = make_layout(affinity.model, cfg.dtp, kind, affinity=affinity, seed=cfg.seed)
+            made[kind] = make_layout(affinity.model, cfg.dtp, kind, affinity=affinity, seed=cfg.seed,
+                                     shared=sharing.shared, shared_by=sharing.shared_by)
         layout = made["optimised"]
         layout.score.update(affinity=AFFINITY, contiguous_J=made["contiguous"].score["J"],
                             random_J=made["random"].score["J"], random_seed=cfg.seed)
@@ -193,6 +197,19 @@ def resolved(teacher: Path, cfg: DistillConfig) -> DistillConfig:
     return dataclasses.replace(cfg, devices=dtp.devices, delay=dtp.delay, stage3=dtp.stage3)
 
 
+def check_sharing(cfg: DistillConfig, sharing: Sharing) -> None:
+    """--shared and --shared-by refused before stage 1 (cfg resolved): a fraction outside [0, 1), a
+    count that leaves no sharded neuron or one --devices does not divide, an unknown rule."""
+    from dtpshard.core.shape import check_shared, shared_count
+    from dtpshard.layouts.make import SHARED_BY
+    from dtpshard.model.checkpoint import read_shape
+
+    if sharing.shared_by not in SHARED_BY:
+        raise UserError(f"--shared-by {sharing.shared_by!r}: one of {', '.join(SHARED_BY)}")
+    neurons = read_shape(cfg.teacher).neurons
+    check_shared(neurons, cfg.devices, shared_count(neurons, cfg.devices, sharing.shared), "--shared: ")
+
+
 def preflight(cfg: DistillConfig) -> None:
     """What stages 1 to 3 would refuse, refused before stage 1 (cfg resolved): the teacher's
     weights as data (their headers), --seq-len within its context, its tokenizer, the evaluation
@@ -212,10 +229,11 @@ def preflight(cfg: DistillConfig) -> None:
 
 
 def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = None,
-            run: PassSettings | None = None) -> Paths:
+            run: PassSettings | None = None, sharing: Sharing = NO_SHARING) -> Paths:
     """Every stage not done yet into cfg.out (DIR); returns its paths. Under torchrun every rank
     calls it: rank 0 runs stages 1, 2 and 4 while the others wait for the layout. data, run:
-    the calibration's (default: calibration_settings's, from cfg)."""
+    the calibration's (default: calibration_settings's, from cfg); sharing: the layout's shared
+    neurons."""
     from dtpshard.affinity.calibrate import plan_calibration
     from dtpshard.training import convert_plan
     from dtpshard.training.rundir import locked
@@ -223,6 +241,7 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
     default_data, default_run = calibration_settings(cfg)
     data, run = data or default_data, run or default_run
     cfg = resolved(teacher, cfg)
+    check_sharing(cfg, sharing)
     p = Paths(cfg.out)
     check_outputs({"--out": p.out, "--tensorboard": cfg.tensorboard, "--spill-dir": run.spill_dir},
                   {"the teacher directory": cfg.teacher, "the tokenizer directory": cfg.tokenizer,
@@ -238,7 +257,7 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
         distill(run_config(p, cfg))
         return p
     preflight(cfg)
-    settings = state.record(cfg, data, run, PROXY)
+    settings = state.record(cfg, data, run, PROXY, sharing)
     with locked(p.out):
         # other settings: refused before the directory is claimed (without a record, claim names what is there)
         old = check_record(p, settings) if not cfg.force and p.record.is_file() else None
@@ -249,7 +268,7 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
         state.save(p, settings, trust)
         distilled = state.distilled(p, cfg.teacher, cfg.tokenizer)
         stages = [(pass_ is None, lambda: calibrate_stage(p, pass_, cfg.progress), state.AFFINITY),
-                  (p.layout.is_file(), lambda: layout_stage(p, cfg, cfg.progress), state.LAYOUT),
+                  (p.layout.is_file(), lambda: layout_stage(p, cfg, cfg.progress, sharing), state.LAYOUT),
                   (distilled, lambda: distill_stage(p, cfg), None),
                   (state.student_done(p, distilled), lambda: student_stage(p, cfg), None)]
         for k, (done, run_stage, made) in enumerate(stages, 1):

@@ -59,12 +59,17 @@ def _absolutes(paths: list[str] | None) -> list[str] | None:
     return None if paths is None else [str(_absolute(t)) for t in paths]
 
 
-def record(cfg: DistillConfig, data: CalibrationData, run: PassSettings, proxy: str) -> dict[str, Any]:
+def record(cfg: DistillConfig, data: CalibrationData, run: PassSettings, proxy: str,
+           sharing: Any = None) -> dict[str, Any]:
     """Every compared setting, in the section of the first stage whose result it changes (cfg
-    resolved: L and δ given). A setting shared by stages (--seq-len, --seed, the data) is in the first."""
+    resolved: L and δ given). A setting shared by stages (--seq-len, --seed, the data) is in the
+    first. `sharing`: convert.Sharing, recorded where some neurons are shared (a directory made
+    before --shared existed shares none)."""
     calibration = {"teacher": _absolute(cfg.teacher), "delay": cfg.delay, "proxy": proxy, "dtype": run.dtype,
                    **dataclasses.asdict(data), "text": _absolutes(data.text), "tokenizer": _absolute(data.tokenizer)}
     layout = {"devices": cfg.devices}
+    if sharing is not None and sharing.shared:
+        layout.update(shared=sharing.shared, shared_by=sharing.shared_by)
     earlier = set(calibration) | set(layout)
     distillation = {k: getattr(cfg, k) for k in compared_fields(DistillConfig) if k not in earlier}
     distillation.update(save_dtype=cfg.save_dtype, max_shard_size=cfg.max_shard_size,

@@ -211,6 +211,8 @@ def run_config(cfg: DistillConfig, shape: Any, layout: Any, world: int, device: 
     """config.json: every DistillConfig field plus what was derived from the inputs (Derived)."""
     out = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()}
     G = cfg.micro_batch * cfg.grad_accum * world
+    if layout is not None and layout.shared:  # the student's shape: the layout's shared neurons (docs/design.md §6)
+        shape = dataclasses.replace(shape, shared=layout.shared)
     out.update(dataclasses.asdict(Derived(
         model=shape.to_dict(),
         layout_kind="contiguous (no layout file)" if layout is None else layout.kind,

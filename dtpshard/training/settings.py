@@ -29,6 +29,8 @@ from dtpshard.core.vocab import (
     PositiveNumber,
     Seconds,
     Seed,
+    SharedBy,
+    SharedFraction,
     Stage3,
 )
 from dtpshard.training.recipes import DEFAULT_RECIPE, RecipeName
@@ -226,6 +228,24 @@ class Derived:
     # the intra-op threads each process computed with: the order of a parallel sum, so its rounding
     # (1e-7 relative), which a long or unstable run can grow; another machine may resume with others
     threads: int = field(default=0, metadata=OPERATIONAL)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sharing:
+    """Shared neurons in `convert`'s layout (docs/design.md §6; `dtpshard layout --shared`).
+
+    Args:
+        shared: fraction of each layer's neurons replicated on every device, rounded up to leave the rest divisible
+            by --devices (0: none); the contiguous and random layouts it is compared with share the same ones
+        shared_by: the shared neurons: the top by up-edge affinity mass (fo, the seed code's), by down-edge mass (dn),
+            or random
+    """
+
+    shared: SharedFraction = 0.0
+    shared_by: SharedBy = "fo"
+
+
+NO_SHARING = Sharing()
 
 
 def compared_fields(cls: type) -> list[str]:
