@@ -265,7 +265,7 @@ def test_two_arms_that_name_one_layout_differently_are_refused(tiny_dirs, tmp_pa
     cfg = tmp_path / "study.toml"
     cfg.write_text(text)
     assert main(["experiment", str(cfg), "--out", str(tmp_path / "exp")]) == 2
-    assert "appears twice" in capsys.readouterr().err
+    assert "is trained by two arms" in capsys.readouterr().err
 
 
 def test_the_merged_student_generates_the_adapter_models_tokens(setup, run, capsys):

@@ -258,8 +258,7 @@ def check_config(raw: Any) -> Experiment:
         arm.adapters = training.adapters if arm.adapters is None else arm.adapters
     if not arms:
         raise UserError("arms = []: give at least one arm")
-    names = [arm.run_name(layout.name, 0) for arm in arms for layout in arm.layouts]
-    dup = sorted({n for n in names if names.count(n) > 1})
+    dup: list[str] = []
     specs: dict[str, LayoutSpec] = {}  # arms that train one layout differently (adapters) share its file
     for spec in (s for arm in arms for s in arm.layouts):
         if specs.setdefault(spec.name, spec) != spec:
