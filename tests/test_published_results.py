@@ -9,7 +9,7 @@ from dtpshard.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = ["smollm2-l3-d1", "smollm2-l3-d1-long", "smollm2-l3-d2", "smollm2-l3-d1-random16", "smollm2-l3-d1-seeds",
-           "smollm2-l3-d1-adapters", "smollm2-l3-d1-adapters-long"]
+           "smollm2-l3-d1-adapters", "smollm2-l3-d1-adapters-long", "smollm2-l3-d1-shared"]
 
 
 @pytest.mark.parametrize("name", STUDIES)
