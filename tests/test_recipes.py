@@ -17,7 +17,7 @@ from dtpshard.training import rundir
 from dtpshard.training.losses import stream_distance
 from dtpshard.training.recipe import Student, Teacher
 from dtpshard.training.recipes import RECIPES, Phase, RecipeName, recipe_for
-from test_distill import args_for, random_docs, rows_without_wall
+from test_distill import args_for, rows_without_wall, setup  # noqa: F401 (the fixture)
 from tiny import tiny_hf_model
 
 OTHERS = [n for n in RECIPES if n != "paper"]
@@ -77,17 +77,6 @@ def test_the_curriculum_starts_at_the_teachers_function(pair):
     assert student.delay == 1 and not torch.allclose(student(ids).logits, teacher(ids).logits, atol=1e-3)
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_dirs, tmp_path_factory):
-    root = tmp_path_factory.mktemp("recipes")
-    text = root / "docs.txt"
-    text.write_text("\n\n".join(random_docs(300, 0)))
-    model = tiny_dirs["llama"]
-    layout = Layout.random(DTPModel.from_pretrained(model, 1, 0).shape, devices=2, delay=1, seed=3)
-    layout.save(root / "layout.json")
-    return {"root": root, "model": model, "text": text, "layout": root / "layout.json"}
-
-
 def _cli(args, env_extra=None):
     env = {**os.environ, "PYTHONPATH": os.environ["PYTHONPATH"], "OMP_NUM_THREADS": "1", **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "dtpshard", *args], env=env, capture_output=True, text=True,
@@ -95,7 +84,7 @@ def _cli(args, env_extra=None):
 
 
 @pytest.mark.parametrize("name", OTHERS)
-def test_each_recipe_is_deterministic_and_resumes_bit_for_bit(setup, tmp_path, name):
+def test_each_recipe_is_deterministic_and_resumes_bit_for_bit(setup, tmp_path, name):  # noqa: F811
     """Killed after step 2 and resumed from step 1's checkpoint: inside streams' stream-only
     steps (0, 1 of 12) and the curriculum's ramp (0 to 3)."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
@@ -113,14 +102,14 @@ def test_each_recipe_is_deterministic_and_resumes_bit_for_bit(setup, tmp_path, n
     assert [r["stream"] > 0 for r in train] == [p.streams > 0 for p in phases]
 
 
-def test_an_unknown_recipe_is_refused_in_one_line(setup, tmp_path, capsys):
+def test_an_unknown_recipe_is_refused_in_one_line(setup, tmp_path, capsys):  # noqa: F811
     assert main(args_for(setup, tmp_path / "run", recipe="fast")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--recipe" in err[0] and "paper" in err[0], err
     assert not (tmp_path / "run").exists()
 
 
-def test_a_resume_with_another_recipe_is_refused(setup, tmp_path, capsys):
+def test_a_resume_with_another_recipe_is_refused(setup, tmp_path, capsys):  # noqa: F811
     run = tmp_path / "run"
     first = _cli(args_for(setup, run, recipe="streams"), {"DTPSHARD_TEST_CRASH": "step:5"})
     assert first.returncode == 17, first.stderr
@@ -132,7 +121,7 @@ def test_a_resume_with_another_recipe_is_refused(setup, tmp_path, capsys):
     assert not rundir.is_done(run)
 
 
-def test_stream_matching_trains_adapters_against_their_frozen_base(setup, tmp_path):
+def test_stream_matching_trains_adapters_against_their_frozen_base(setup, tmp_path):  # noqa: F811
     """An adapter run's teacher is its own frozen weights run dense: their streams are the targets."""
     run = tmp_path / "run"
     assert main(args_for(setup, run, recipe="layerwise", adapters=2, steps=3, **{"eval-every": 3})) == 0
@@ -141,7 +130,7 @@ def test_stream_matching_trains_adapters_against_their_frozen_base(setup, tmp_pa
     assert (run / "final" / "model.safetensors").is_file() or list((run / "final").glob("*.safetensors"))
 
 
-def test_the_memory_plan_counts_the_teachers_streams(setup, tmp_path):
+def test_the_memory_plan_counts_the_teachers_streams(setup, tmp_path):  # noqa: F811
     """6 modules (3 layers) x 2 x 32 tokens x hidden 64: the teacher's fp32 stream and L = 2 saved differences."""
     import dataclasses
 
