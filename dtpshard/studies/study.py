@@ -202,7 +202,8 @@ def load_study(directory: Path) -> Study:
         if lowrank is not None:
             layout = layout.removesuffix(f"-r{lowrank}")
         recipe, lr, layout_file = _training(r)
-        own = config is not None and lowrank is None and (recipe, lr) != (config.training.recipe, config.training.lr)
+        own = config is not None and lowrank is None and (  # a run that records no lr trained the study's
+            recipe != config.training.recipe or lr not in (None, config.training.lr))
         if own and layout_file:
             layout = layout_file
         run = Run(r.name, layout, int(seed), (r / DONE).is_file(),  # finished, even with its weights removed
