@@ -66,6 +66,7 @@ from dtpshard.core.guard import check_outputs, local_paths
 from dtpshard.core.io import atomic_write_text, dumps, read_json, read_json_object
 from dtpshard.core.layout import Layout
 from dtpshard.core.owned import ID, claim
+from dtpshard.core.reading import read_text
 from dtpshard.core.settings import DENSE
 from dtpshard.layouts.make import make_layout
 from dtpshard.layouts.score import colocated_score
@@ -165,7 +166,7 @@ def _prepare_dir(out: Path, cfg: Experiment, force: bool) -> None:
         raise UserError(f"--out {out}: exists and is not a directory")
     data[ID] = claim(out, "experiment", names, "config.json", force, CLEARABLE)
     text = dumps(data, indent=1) + "\n"
-    if not saved.is_file() or force or saved.read_text() != text:  # arms added: the record lists them
+    if not saved.is_file() or force or read_text(saved, 1 << 24, "experiment record") != text:  # arms added
         atomic_write_text(saved, text)
 
 

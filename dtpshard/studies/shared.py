@@ -9,13 +9,13 @@ fraction, not on which neurons are shared); without it the section says how to a
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_path
+from dtpshard.core.reading import read_json
 from dtpshard.studies.stats import Curve, mean_curve, mean_sd, step_matching
 from dtpshard.studies.study import Study
 
@@ -58,10 +58,7 @@ def decode_rows(study: Study) -> list[dict[str, Any]]:
     path = study.directory / DECODE
     if not path.is_file():
         return []
-    try:
-        rows = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: not bench/bench_vllm.py's JSON rows ({e})") from None
+    rows = read_json(path, "bench/bench_vllm.py's JSON rows", 1 << 20)
     if not isinstance(rows, list) or not all(isinstance(r, dict) and "tp_tok_s" in r for r in rows):
         raise UserError(f"{path}: not bench/bench_vllm.py's JSON rows (a list of rows with tp_tok_s)")
     return rows

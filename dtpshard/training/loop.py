@@ -73,13 +73,9 @@ def _optimizer(cfg: DistillConfig, student: torch.nn.Module):
 
 def accumulate(net, strategy: Strategy, teacher, batches: list[torch.Tensor], cfg: DistillConfig, device: str,
                cache: Any = None, phase: Phase | None = None) -> torch.Tensor:
-    """Forward/backward of this rank's micro-batches [micro, seq_len + 1] of one optimizer step
-    (net: a recipe.Student, teacher: a recipe.Teacher; gradients accumulate, DDP reduces after
-    the last one). Returns [loss, kl, ce, stream distance] sums (float64, on the device: no host
-    sync per micro-batch). With a teacher cache (anything with `lookup(blocks)`,
-    teacher_cache.TeacherCache) the teacher is not run for the logits: the loss is the top-k KL +
-    tail. `phase`: the recipe's for this step (training/recipes.py; default the paper's); the
-    teacher runs for its streams where the phase matches them."""
+    """Forward/backward of this rank's micro-batches of one step (net: recipe.Student, teacher: recipe.Teacher;
+    DDP reduces after the last) -> [loss, kl, ce, stream distance] sums (float64, on the device). A teacher cache
+    (`lookup(blocks)`) gives the top-k KL + tail; `phase` (default the paper's) may ask for the teacher's streams."""
     phase = Phase(cfg.delay) if phase is None else phase
     streams = phase.streams > 0
     sums = torch.zeros(4, dtype=torch.float64, device=device)
@@ -93,9 +89,8 @@ def accumulate(net, strategy: Strategy, teacher, batches: list[torch.Tensor], cf
                 h_t, t_streams = teacher(ids, streams=True) if streams else (teacher(ids), None)
         with strategy.no_sync(last=a == len(batches) - 1):
             with strategy.autocast():
-                loss, kl, ce, dist = net(ids, None if top is not None else h_t, tgt, cfg.ce_weight, top,
-                                         streams=t_streams, logits_weight=phase.logits,
-                                         streams_weight=phase.streams)
+                loss, kl, ce, dist = net(ids, h_t if top is None else None, tgt, cfg.ce_weight, top,
+                                         streams=t_streams, logits_weight=phase.logits, streams_weight=phase.streams)
             (loss / (cfg.micro_batch * cfg.grad_accum * cfg.seq_len)).backward()
         sums += torch.stack([loss.detach(), kl, ce, dist]).double()
         del loss  # its spent graph, alive through the next forward, grows glibc's heap (SmolLM2: 0.36 GiB)
@@ -322,11 +317,9 @@ def _step(r: _Run, step: int) -> dict[str, Any]:
     _stop_if_diverged(done, "gradient norm", grad_norm, r.saved)
     r.opt.step()
     r.sched.step()
-    row = {"kind": "train", "step": done, "tokens": done * r.tokens_per_step, "loss": loss, "kl": float(sums[1]),
-           "ce": float(sums[2]), "lr": lr, "grad_norm": grad_norm, "wall": r.wall()}
-    if cfg.recipe != DEFAULT_RECIPE:  # what this step trained on (the paper's rows stay as they were)
-        row.update(delay=phase.delay, stream=float(sums[3]))
-    return row
+    trained = {} if cfg.recipe == DEFAULT_RECIPE else {"delay": phase.delay, "stream": float(sums[3])}
+    return {"kind": "train", "step": done, "tokens": done * r.tokens_per_step, "loss": loss, "kl": float(sums[1]),
+            "ce": float(sums[2]), "lr": lr, "grad_norm": grad_norm, "wall": r.wall(), **trained}
 
 
 def _eval_row(r: _Run, step: int) -> dict[str, Any]:
