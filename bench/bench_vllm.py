@@ -114,8 +114,10 @@ def tok_s(result: dict, lat: float, b: int, new: int) -> tuple[float, float]:
 
 
 def shared_arm(fraction: float) -> str:
-    """The arm of a shared student: dtp_shared10 for 10%."""
-    return f"dtp_shared{100 * fraction:.4g}".replace(".", "_")
+    """The arm of a shared student: dtp_shared10 for 10% (the name a study's report reads it by)."""
+    from dtpshard.studies.shared import bench_arm
+
+    return bench_arm(fraction)
 
 
 def make_shared(root: Path, devices: int, fraction: float, delay: float = 1, dtype: str = "float32") -> Path:

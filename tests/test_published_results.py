@@ -1,5 +1,6 @@
 """The published studies (docs/results/*/) are what `dtpshard report` writes from their own
 metrics: the numbers the README quotes come from these files, not from an edited report."""
+import json
 import shutil
 from pathlib import Path
 
@@ -31,3 +32,36 @@ def test_a_relative_compare_from_elsewhere_is_refused_in_one_line(tmp_path, monk
     assert main(["report", str(copy)]) == 2
     err = capsys.readouterr().err
     assert "no such experiment directory" in err and str(tmp_path) in err and "Traceback" not in err
+
+
+def _decode_rows():
+    rows = []
+    for batch in (1, 8):
+        row = {"tp": 2, "batch": batch, "latency_ms": 0, "executor": "external", "tp_tok_s": 50.0 * batch,
+               "dtp_tok_s": 49.0 * batch, "nocomm_tok_s": 52.0 * batch, "dtp_rank_weights": 40_000_000}
+        for pct, slow in ((5, 0.98), (10, 0.95), (20, 0.9)):
+            row[f"dtp_shared{pct}_tok_s"] = 49.0 * batch * slow
+            row[f"dtp_shared{pct}_rank_weights"] = 40_000_000 + pct * 100_000
+        rows.append(row)
+    return rows
+
+
+def test_the_shared_study_adds_its_decode_cost_from_the_bench_rows(tmp_path, capsys):
+    copy = tmp_path / "shared"
+    shutil.copytree(ROOT / "docs" / "results" / "smollm2-l3-d1-shared", copy, ignore=shutil.ignore_patterns("figures"))
+    (copy / "decode.json").write_text(json.dumps(_decode_rows()))
+    assert main(["report", str(copy)]) == 0
+    md = (copy / "report.md").read_text()
+    assert "| 8 | 0 | 400.0 | 392.0 | 384.2 (0.980×) | 372.4 (0.950×) | 352.8 (0.900×) |" in md
+    assert "figures/shared.png" in md and (copy / "figures" / "shared.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("text", ['{"rows": 1}', "[]", '[{"batch": 1, "latency_ms": 0, "tp_tok_s": "fast"}]',
+                                  '[{"batch": 1, "latency_ms": 0, "tp_tok_s": 1, "dtp_shared5_tok_s": null}]', "[1,"])
+def test_a_damaged_decode_record_is_one_line(tmp_path, capsys, text):
+    copy = tmp_path / "shared"
+    shutil.copytree(ROOT / "docs" / "results" / "smollm2-l3-d1-shared", copy, ignore=shutil.ignore_patterns("figures"))
+    (copy / "decode.json").write_text(text)
+    assert main(["report", str(copy)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "decode.json" in err[0] and "Traceback" not in err[0], err

@@ -107,7 +107,8 @@ def arms(study: Study) -> list[Arm]:
     return [_arm(study, layout, rank, groups[(layout, rank)], home) for layout, rank in keys]
 
 
-def _fmt(values: list[float], digits: int = 3) -> str:
+def fmt_seeds(values: list[float], digits: int = 3) -> str:
+    """Mean ± sd of the seeds' values, a dash for none (every arm table of the report)."""
     return mean_sd(values).format(digits) if values else "–"
 
 
@@ -118,7 +119,8 @@ def _eval_steps(all_arms: list[Arm]) -> list[float]:
     return sorted(steps)
 
 
-def _at(runs: list[Run], step: float, what: str = "kl") -> list[float]:
+def seeds_at(runs: list[Run], step: float, what: str = "kl") -> list[float]:
+    """Each run's `what` curve at `step`, the runs without an evaluation there left out."""
     return [v for v in (getattr(r, what).at(step) for r in runs) if v is not None]
 
 
@@ -148,18 +150,18 @@ def _answers(study: Study, all_arms: list[Arm], end: float) -> list[str]:
             o, c = by.get(("optimised", rank)), by.get(("contiguous", rank))
             if o is None or c is None:
                 continue
-            ko, kc = _at(o.runs, end), _at(c.runs, end)
+            ko, kc = seeds_at(o.runs, end), seeds_at(c.runs, end)
             match = step_matching(o.kl, c.kl, end)
             wins = sum(x < y for x in ko for y in kc)
             label = "full" if rank is None else f"rank {rank}"
-            out.append(f"  - {label}: {_fmt(ko)} against {_fmt(kc)}, optimised lower in {wins} of "
+            out.append(f"  - {label}: {fmt_seeds(ko)} against {fmt_seeds(kc)}, optimised lower in {wins} of "
                        f"{len(ko) * len(kc)} seed pairs; reached at step "
                        f"{match.format() if match else '–'}")
     steps = []
     for layout in layouts or sorted({a.layout for a in all_arms}):
         chain = [by[(layout, r)] for r in ranks if (layout, r) in by]
         for lo, hi in zip(chain, chain[1:]):
-            a, b = _at(lo.runs, end), _at(hi.runs, end)
+            a, b = seeds_at(lo.runs, end), seeds_at(hi.runs, end)
             if not a or not b:
                 continue
             gain, spread = mean_sd(a).mean - mean_sd(b).mean, max(mean_sd(a).sd or 0.0, mean_sd(b).sd or 0.0)
@@ -198,17 +200,18 @@ def adapter_lines(study: Study, figures: dict[str, str]) -> list[str]:
             notes.append(f"{a.name}: trained in {', '.join(a.elsewhere)} (copied here with its config.json, "
                          "metrics and DONE); its time per step is from that experiment")
             mark = " †"
-        rss = _fmt([p / 2**30 for p in a.peak_rss], 2) + " GiB" if a.peak_rss else "not recorded"
+        rss = fmt_seeds([p / 2**30 for p in a.peak_rss], 2) + " GiB" if a.peak_rss else "not recorded"
         trained = f"{a.trainable / 1e6:.2f} M" if a.trainable else "–"
         threads = ", ".join(map(str, a.threads)) or "–"
-        head.append(f"| {a.name}{mark} | {len(a.runs)} | {trained} | {_fmt(a.step_seconds, 2)} | {threads} | {rss} |")
+        seconds = fmt_seeds(a.step_seconds, 2)
+        head.append(f"| {a.name}{mark} | {len(a.runs)} | {trained} | {seconds} | {threads} | {rss} |")
     head += [""] + [f"† {n}." for n in notes] + ([""] if notes else [])
     for what, title in (("kl", "KL"), ("top1", "Top-1 agreement with the teacher")):
         head += [f"{title} at every evaluation (mean ± sd over training seeds):", "",
                  "| step | " + " | ".join(a.name for a in all_arms) + " |",
                  "|---|" + "---|" * len(all_arms)]
         for s in steps:
-            head.append(f"| {s:g} | " + " | ".join(_fmt(_at(a.runs, s, what)) for a in all_arms) + " |")
+            head.append(f"| {s:g} | " + " | ".join(fmt_seeds(seeds_at(a.runs, s, what)) for a in all_arms) + " |")
         head.append("")
     head += _answers(study, all_arms, end) + [""]
     if "adapters" in figures:

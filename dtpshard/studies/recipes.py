@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtpshard.core.io import atomic_path
-from dtpshard.studies.stats import Curve, mean_curve, mean_sd, step_matching
+from dtpshard.studies.adapters import fmt_seeds, seeds_at
+from dtpshard.studies.stats import Curve, mean_curve, step_matching
 from dtpshard.studies.study import Run, Study
 
 SEEDS = 3  # a baseline is a mean over at least this many training seeds
@@ -57,14 +58,6 @@ def baseline(all_arms: list[RecipeArm], end: float) -> RecipeArm | None:
     return min(ready, key=lambda a: a.kl.at(end)) if ready else None
 
 
-def _fmt(values: list[float], digits: int = 3) -> str:
-    return mean_sd(values).format(digits) if values else "–"
-
-
-def _at(runs: list[Run], step: float, what: str) -> list[float]:
-    return [v for v in (getattr(r, what).at(step) for r in runs) if v is not None]
-
-
 def recipe_lines(study: Study, figures: dict[str, str]) -> list[str]:
     """The section, or nothing for an experiment without recipe arms."""
     all_arms = arms(study)
@@ -84,8 +77,8 @@ def recipe_lines(study: Study, figures: dict[str, str]) -> list[str]:
     out += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for a in all_arms:
         cells = [a.name + (" ‡" if a is base else ""), str(len(a.runs)),
-                 *(_fmt(_at(a.runs, s, "kl")) for s in steps if s > 0),
-                 _fmt(_at(a.runs, end, "top1")), _fmt(_at(a.runs, end, "ppl"), 1)]
+                 *(fmt_seeds(seeds_at(a.runs, s, "kl")) for s in steps if s > 0),
+                 fmt_seeds(seeds_at(a.runs, end, "top1")), fmt_seeds(seeds_at(a.runs, end, "ppl"), 1)]
         if base:
             m = step_matching(a.kl, base.kl, end)
             cells.append("–" if m is None else m.format())

@@ -16,6 +16,7 @@ from typing import Any
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_path
 from dtpshard.core.reading import read_json
+from dtpshard.studies.adapters import fmt_seeds
 from dtpshard.studies.stats import Curve, mean_curve, mean_sd, step_matching
 from dtpshard.studies.study import Study
 
@@ -59,13 +60,17 @@ def decode_rows(study: Study) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     rows = read_json(path, "bench/bench_vllm.py's JSON rows", 1 << 20)
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and "tp_tok_s" in r for r in rows):
-        raise UserError(f"{path}: not bench/bench_vllm.py's JSON rows (a list of rows with tp_tok_s)")
+
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+    need = ("batch", "latency_ms", "tp_tok_s")
+    if not isinstance(rows, list) or not rows or not all(
+            isinstance(r, dict) and all(number(r.get(k)) for k in need)
+            and all(number(v) for k, v in r.items() if k.endswith(("_tok_s", "_rank_weights"))) for r in rows):
+        raise UserError(f"{path}: not bench/bench_vllm.py's JSON rows (a list of rows with numbers for "
+                        f"{', '.join(need)} and every *_tok_s)")
     return rows
-
-
-def _fmt(values: list[float]) -> str:
-    return mean_sd(values).format(3) if values else "–"
 
 
 def shared_lines(study: Study, figures: dict[str, str]) -> list[str]:
@@ -85,7 +90,7 @@ def shared_lines(study: Study, figures: dict[str, str]) -> list[str]:
     for a in all_arms:
         base = zero.get(a.kind)
         m = step_matching(a.kl, base.kl, end) if base is not None and a.fraction else None
-        out.append(f"| {a.layout} | {a.fraction:.0%} | {a.runs} | {_fmt(a.kl_end)} | "
+        out.append(f"| {a.layout} | {a.fraction:.0%} | {a.runs} | {fmt_seeds(a.kl_end)} | "
                    f"{'–' if m is None else m.format()} |")
     out.append("")
     by = {(a.kind, a.fraction): a for a in all_arms}
