@@ -78,12 +78,14 @@ def _marker(env: Path) -> dict | None:
 
 
 def found_python() -> Path | None:
-    """The environment's python: $DTPSHARD_VLLM_PYTHON, else the cached environment's if it is built."""
+    """The environment's python: $DTPSHARD_VLLM_PYTHON, else the cached environment's if it is built,
+    pointed at this dtpshard (`ensure`): the cache outlives the checkout that last linked it, and a
+    link to another checkout, or to none, serves students with another plugin or none."""
     named = os.environ.get(PYTHON_VAR)
     if named:
         return Path(named)
     env = cache_dir()
-    return python_of(env) if (_marker(env) or {}).get("ready") else None
+    return ensure(env) if (_marker(env) or {}).get("ready") else None
 
 
 def runtime_env(threads_bind: str = "nobind") -> dict[str, str]:
