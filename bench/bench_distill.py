@@ -16,7 +16,8 @@ LM head frozen in all of them, as in distillation):
 - with --recipes, the cached arm under each distinct step of every recipe (training/recipes.py): the
   stream-matching steps run the teacher for its streams, the curriculum's fractional δ lands two
   modules' sums; then a table of each recipe's mean cost of a step over a --steps run, against the
-  paper recipe's (the cached arm), the cost the recipe goals are stated in
+  paper recipe's (the cached arm), the cost the recipe goals are stated in; with --json also as one
+  JSON line of rows {recipe, seconds, ratio}, which a recipe study reads as its cost.json
 --shape smollm2 times SmolLM2-135M's shapes instead (D 576, 9 / 3 heads, N 1536, 30 layers, its vocabulary
 49152, tied), with L = 3: the recipe study's model.
 Arms are interleaved per repeat so machine load hits them alike; the median is reported. On CUDA
@@ -26,6 +27,7 @@ Usage: python bench/bench_distill.py [--seq-len 256] [--repeats 3] [--device cpu
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -98,6 +100,8 @@ def main() -> None:
     ap.add_argument("--recipes", action="store_true", help="add every recipe's steps and their mean cost")
     ap.add_argument("--steps", type=int, default=50, help="--recipes: the run length each recipe's phases follow")
     ap.add_argument("--shape", choices=("qwen3", "smollm2"), default="qwen3")
+    ap.add_argument("--json", action="store_true", help="--recipes: end with each recipe's cost as one JSON line "
+                    "(a study's cost.json: studies/recipes.py)")
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -202,8 +206,10 @@ def main() -> None:
         for k, step in arms.items():
             times[k].append(timed(step, dev))
     n_params = sum(p.numel() for p in p_st)
-    print(f"Qwen3-0.6B widths, {a.layers} layers, vocab {a.vocab} (real: 151936), {n_params / 1e6:.1f} M trained "
-          f"parameters; batch {a.micro_batch}×{a.grad_accum}×{a.seq_len} tokens; device {dev}, "
+    widths = "Qwen3-0.6B widths" if a.shape == "qwen3" else "SmolLM2-135M widths"
+    print(f"{widths}, {a.layers} layers, vocab {a.vocab}, L = {a.devices}, δ = {a.delay:g}, "
+          f"{n_params / 1e6:.1f} M trained parameters; batch {a.micro_batch}×{a.grad_accum}×{a.seq_len} tokens; "
+          f"device {dev}, "
           f"{torch.get_num_threads()} threads, median of {a.repeats}, arms interleaved; load {os.getloadavg()[0]:.2f}")
     if dev.startswith("cuda"):
         print(f"peak CUDA memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB (all three models and optimizers)")
@@ -220,11 +226,15 @@ def main() -> None:
         cost = {ph: statistics.median(times[k]) for k, ph in phases.items()}
         print(f"\nmean cost of a step over a {a.steps}-step run, each recipe against the paper's (the cached arm):")
         print("| recipe | s/step | × paper |")
+        rows = []
         print("|---|---:|---:|")
         for name, r in RECIPES.items():
             each = [cost.get(r.phase(s, a.steps, a.delay), cached) for s in range(a.steps)]
             m = sum(each) / len(each)
             print(f"| {name} | {m:.2f} | {m / cached:.2f} |")
+            rows.append({"recipe": name, "seconds": m, "ratio": m / cached})
+        if a.json:
+            print(json.dumps(rows))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ from dtpshard.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = ["smollm2-l3-d1", "smollm2-l3-d1-long", "smollm2-l3-d2", "smollm2-l3-d1-random16", "smollm2-l3-d1-seeds",
-           "smollm2-l3-d1-adapters", "smollm2-l3-d1-adapters-long", "smollm2-l3-d1-shared"]
+           "smollm2-l3-d1-adapters", "smollm2-l3-d1-adapters-long", "smollm2-l3-d1-shared",
+           "smollm2-l3-d1-recipes"]
 
 
 @pytest.mark.parametrize("name", STUDIES)
@@ -65,3 +66,34 @@ def test_a_damaged_decode_record_is_one_line(tmp_path, capsys, text):
     assert main(["report", str(copy)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "decode.json" in err[0] and "Traceback" not in err[0], err
+
+
+RECIPE_STUDY = ROOT / "docs" / "results" / "smollm2-l3-d1-recipes"
+COSTS = [{"recipe": "paper", "seconds": 4.0, "ratio": 1.0}, {"recipe": "streams", "seconds": 4.4, "ratio": 1.1},
+         {"recipe": "curriculum", "seconds": 4.0, "ratio": 1.0}, {"recipe": "layerwise", "seconds": 5.6, "ratio": 1.4}]
+
+
+def test_the_recipe_study_adds_each_recipes_cost_of_a_step(tmp_path):
+    copy = tmp_path / "recipes"
+    shutil.copytree(RECIPE_STUDY, copy, ignore=shutil.ignore_patterns("figures"))
+    (copy / "cost.json").unlink(missing_ok=True)
+    assert main(["report", str(copy)]) == 0
+    assert "cost of a step" not in (copy / "report.md").read_text()
+    (copy / "cost.json").write_text(json.dumps(COSTS))
+    assert main(["report", str(copy)]) == 0
+    rows = [r for r in (copy / "report.md").read_text().splitlines() if r.startswith("| optimised, layerwise")]
+    assert rows and all(r.endswith("| 1.40× |") for r in rows)
+    head = next(r for r in (copy / "report.md").read_text().splitlines() if r.startswith("| arm | seeds"))
+    assert head.endswith("| cost of a step (× paper) |")
+
+
+@pytest.mark.parametrize("text", ['{"paper": 1}', "[]", '[{"recipe": "paper", "seconds": 1, "ratio": "x"}]',
+                                  '[{"recipe": 3, "seconds": 1, "ratio": 1}]',
+                                  '[{"recipe": "paper", "seconds": 0, "ratio": 1}]', "[{"])
+def test_a_damaged_cost_record_is_one_line(tmp_path, capsys, text):
+    copy = tmp_path / "recipes"
+    shutil.copytree(RECIPE_STUDY, copy, ignore=shutil.ignore_patterns("figures"))
+    (copy / "cost.json").write_text(text)
+    assert main(["report", str(copy)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cost.json" in err[0] and "Traceback" not in err[0], err

@@ -6,18 +6,25 @@ The calibrated baseline is found, not named: of the full-distillation arms that 
 recipe on the optimised layout with three or more seeds, the one of lowest seed-mean KL at the
 last step (a learning-rate sweep's winner). Every arm's multiplier is the baseline's last step over
 the step at which the arm's seed-mean curve first reaches the baseline's KL there.
+
+A step's cost cannot come from the runs: a study's runs share the machine with each other and mix
+machines. cost.json is bench/bench_distill.py --recipes --json's last line, copied in by hand:
+each recipe's mean cost of a step over a run of the study's length against the paper recipe's,
+measured in one process.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtpshard.core.io import atomic_path
+from dtpshard.core.errors import UserError
+from dtpshard.core.io import atomic_path, read_json
 from dtpshard.studies.adapters import fmt_seeds, seeds_at
 from dtpshard.studies.stats import Curve, mean_curve, step_matching
 from dtpshard.studies.study import Run, Study
 
 SEEDS = 3  # a baseline is a mean over at least this many training seeds
+COST = "cost.json"  # bench/bench_distill.py --recipes --json's rows (module docstring)
 
 
 @dataclass
@@ -58,6 +65,21 @@ def baseline(all_arms: list[RecipeArm], end: float) -> RecipeArm | None:
     return min(ready, key=lambda a: a.kl.at(end)) if ready else None
 
 
+def step_costs(study: Study) -> dict[str, float]:
+    """recipe -> the cost of its step over the paper recipe's, from cost.json (none without it)."""
+    path = study.directory / COST
+    if not path.is_file():
+        return {}
+    rows = read_json(path, "bench/bench_distill.py's JSON rows", 1 << 16)
+    if not isinstance(rows, list) or not rows or not all(
+            isinstance(r, dict) and isinstance(r.get("recipe"), str) and all(
+                isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool) and r[k] > 0
+                for k in ("seconds", "ratio")) for r in rows):
+        raise UserError(f"{path}: not bench/bench_distill.py --recipes --json's rows (a list of rows with a recipe "
+                        "name and positive numbers for seconds and ratio)")
+    return {r["recipe"]: float(r["ratio"]) for r in rows}
+
+
 def recipe_lines(study: Study, figures: dict[str, str]) -> list[str]:
     """The section, or nothing for an experiment without recipe arms."""
     all_arms = arms(study)
@@ -71,9 +93,12 @@ def recipe_lines(study: Study, figures: dict[str, str]) -> list[str]:
            "training seeds. The calibrated baseline is the paper recipe's arm on the optimised layout with "
            f"{SEEDS}+ seeds and the lowest mean KL at step {end:g}: "
            + (f"**{base.name}** (KL {base.kl.at(end):.3f})." if base else "none yet."), ""]
+    costs = step_costs(study)
     head = ["arm", "seeds", *(f"KL @ {s:g}" for s in steps if s > 0), f"top-1 @ {end:g}", f"ppl @ {end:g}"]
     if base:
         head.append(f"step reaching {base.kl.at(end):.3f} (×)")
+    if costs:
+        head.append("cost of a step (× paper)")
     out += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for a in all_arms:
         cells = [a.name + (" ‡" if a is base else ""), str(len(a.runs)),
@@ -82,15 +107,40 @@ def recipe_lines(study: Study, figures: dict[str, str]) -> list[str]:
         if base:
             m = step_matching(a.kl, base.kl, end)
             cells.append("–" if m is None else m.format())
+        if costs:
+            cells.append(f"{costs[a.recipe]:.2f}×" if a.recipe in costs and a.adapters is None else "–")
         out.append("| " + " | ".join(cells) + " |")
     out += ["", "‡ the calibrated baseline. Step matching: the first step at which the arm's seed-mean curve "
             "(linear between evaluations) reaches the baseline's mean KL at its last step; the multiplier is that "
-            "step over the arm's. Only the seeds an arm has are in its mean: an arm of one seed is a pilot.", ""]
+            "step over the arm's. Only the seeds an arm has are in its mean: an arm of one seed is a pilot."
+            + (f" Cost of a step: each recipe's mean over a {end:g}-step run against the paper recipe's, timed in one "
+               "process by bench/bench_distill.py (cost.json; the same for every lr and layout, not measured for "
+               "adapters)." if costs else ""), ""]
+    out += head_start_lines(all_arms, end)
     if "recipes" in figures:
         out += [f"![KL against step for every recipe arm]({figures['recipes']})", "",
                 "Bold: mean over training seeds; faint: single seeds; dashed grey: the calibrated baseline's KL at "
                 f"step {end:g}.", ""]
     return out
+
+
+def head_start_lines(all_arms: list[RecipeArm], end: float) -> list[str]:
+    """The optimised layout's head start over contiguous under each recipe trained on both (same lr,
+    no adapters): where the optimised arm's seed-mean curve reaches contiguous's KL at `end`."""
+    by = {(a.layout, a.recipe, a.lr, a.adapters): a for a in all_arms}
+    pairs = [(a, by[("contiguous", a.recipe, a.lr, None)]) for a in all_arms
+             if a.layout == "optimised" and a.adapters is None and ("contiguous", a.recipe, a.lr, None) in by]
+    if not pairs:
+        return []
+    out = ["The optimised layout's head start under each recipe trained on both layouts: the step at which the "
+           f"optimised arm's seed-mean curve reaches the contiguous arm's mean KL at step {end:g}.", "",
+           f"| recipe | optimised KL @ {end:g} | contiguous KL @ {end:g} | optimised reaches it at (×) |",
+           "|---|---:|---:|---:|"]
+    for opt, cont in pairs:
+        m = step_matching(opt.kl, cont.kl, end)
+        out.append(f"| {opt.name.removeprefix('optimised, ')} | {fmt_seeds(seeds_at(opt.runs, end, 'kl'))} | "
+                   f"{fmt_seeds(seeds_at(cont.runs, end, 'kl'))} | {'–' if m is None else m.format()} |")
+    return [*out, ""]
 
 
 def draw_recipes(study: Study, path: Path) -> Path | None:

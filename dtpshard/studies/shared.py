@@ -52,6 +52,8 @@ def arms(study: Study) -> list[SharedArm]:
         ends = [v for v in (r.kl.at(end) for r in info.runs) if v is not None]
         out.append(SharedArm(spec.name, spec.kind, spec.shared, mean_curve([r.kl for r in info.runs]),
                              len(info.runs), ends))
+    if not any(a.fraction for a in out):  # shared arms planned, none trained yet: nothing to compare
+        return []
     return sorted(out, key=lambda a: (a.kind != "optimised", a.kind, a.fraction))
 
 

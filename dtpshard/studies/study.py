@@ -199,9 +199,9 @@ def load_study(directory: Path) -> Study:
             continue
         rows = _eval_rows(r)
         lowrank = _adapters(r)
-        if lowrank is not None:
-            layout = layout.removesuffix(f"-r{lowrank}")
         recipe, lr, layout_file = _training(r)
+        if lowrank is not None:  # NAME-rRANK[-RECIPE]: the layout file names its layout
+            layout = layout_file or layout.removesuffix(f"-r{lowrank}")
         own = config is not None and lowrank is None and (  # a run that records no lr trained the study's
             recipe != config.training.recipe or lr not in (None, config.training.lr))
         if own and layout_file:
