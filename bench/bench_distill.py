@@ -226,8 +226,8 @@ def main() -> None:
         cost = {ph: statistics.median(times[k]) for k, ph in phases.items()}
         print(f"\nmean cost of a step over a {a.steps}-step run, each recipe against the paper's (the cached arm):")
         print("| recipe | s/step | × paper |")
-        rows = []
         print("|---|---:|---:|")
+        rows = []
         for name, r in RECIPES.items():
             each = [cost.get(r.phase(s, a.steps, a.delay), cached) for s in range(a.steps)]
             m = sum(each) / len(each)

@@ -11,7 +11,7 @@ from dtpshard.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = ["smollm2-l3-d1", "smollm2-l3-d1-long", "smollm2-l3-d2", "smollm2-l3-d1-random16", "smollm2-l3-d1-seeds",
            "smollm2-l3-d1-adapters", "smollm2-l3-d1-adapters-long", "smollm2-l3-d1-shared",
-           "smollm2-l3-d1-recipes"]
+           "smollm2-l3-d1-recipes", "smollm2-l3-d1-recipes-long"]
 
 
 @pytest.mark.parametrize("name", STUDIES)

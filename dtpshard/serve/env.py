@@ -84,8 +84,14 @@ def found_python() -> Path | None:
     named = os.environ.get(PYTHON_VAR)
     if named:
         return Path(named)
+    import dtpshard
+
     env = cache_dir()
-    return ensure(env) if (_marker(env) or {}).get("ready") else None
+    if not (_marker(env) or {}).get("ready"):
+        return None
+    if _linked_to(env) != Path(dtpshard.__file__).resolve().parent:  # else no lock: callers may run side by side
+        return ensure(env)
+    return python_of(env)
 
 
 def runtime_env(threads_bind: str = "nobind") -> dict[str, str]:
