@@ -89,7 +89,8 @@ def test_the_recipe_study_adds_each_recipes_cost_of_a_step(tmp_path):
 
 @pytest.mark.parametrize("text", ['{"paper": 1}', "[]", '[{"recipe": "paper", "seconds": 1, "ratio": "x"}]',
                                   '[{"recipe": 3, "seconds": 1, "ratio": 1}]',
-                                  '[{"recipe": "paper", "seconds": 0, "ratio": 1}]', "[{"])
+                                  '[{"recipe": "paper", "seconds": 0, "ratio": 1}]',
+                                  '[{"recipe": "paper", "seconds": NaN, "ratio": 1}]', "[{"])
 def test_a_damaged_cost_record_is_one_line(tmp_path, capsys, text):
     copy = tmp_path / "recipes"
     shutil.copytree(RECIPE_STUDY, copy, ignore=shutil.ignore_patterns("figures"))

@@ -124,3 +124,17 @@ def test_unwritable_cache_home_is_one_line(tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": "/proc/dtpshard-cache", "DTPSHARD_CACHE": ""}
     out = _run([], env=env)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--dir" in out.stderr, out.stderr
+
+
+def test_a_cached_environment_linked_to_another_checkout_is_pointed_at_this_one(tmp_path, monkeypatch):
+    env = tmp_path / "vllm-env"
+    python = stand_in(env)
+    elsewhere = tmp_path / "old-checkout" / "dtpshard"  # the checkout that built it, since moved away
+    (env / serve_env.OVERLAY).mkdir()
+    (env / serve_env.OVERLAY / "dtpshard").symlink_to(elsewhere, target_is_directory=True)
+    monkeypatch.setattr(serve_env, "cache_dir", lambda: env)
+    monkeypatch.delenv(serve_env.PYTHON_VAR, raising=False)
+    assert serve_env.found_python() == python
+    found = probe(python)
+    assert Path(found["file"]).resolve().parent == (ROOT / "dtpshard").resolve() and found["plugins"], found
+    assert serve_env.found_python() == python  # linked: found again without a second link

@@ -17,7 +17,7 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_path
 from dtpshard.core.reading import read_json
 from dtpshard.studies.adapters import fmt_seeds
-from dtpshard.studies.stats import Curve, mean_curve, mean_sd, step_matching
+from dtpshard.studies.stats import Curve, is_number, mean_curve, mean_sd, step_matching
 from dtpshard.studies.study import Study
 
 DECODE = "decode.json"  # bench/bench_vllm.py --json's rows, copied in by hand (not an experiment's output)
@@ -63,13 +63,10 @@ def decode_rows(study: Study) -> list[dict[str, Any]]:
         return []
     rows = read_json(path, "bench/bench_vllm.py's JSON rows", 1 << 20)
 
-    def number(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
-
     need = ("batch", "latency_ms", "tp_tok_s")
     if not isinstance(rows, list) or not rows or not all(
-            isinstance(r, dict) and all(number(r.get(k)) for k in need)
-            and all(number(v) for k, v in r.items() if k.endswith(("_tok_s", "_rank_weights"))) for r in rows):
+            isinstance(r, dict) and all(is_number(r.get(k)) for k in need)
+            and all(is_number(v) for k, v in r.items() if k.endswith(("_tok_s", "_rank_weights"))) for r in rows):
         raise UserError(f"{path}: not bench/bench_vllm.py's JSON rows (a list of rows with numbers for "
                         f"{', '.join(need)} and every *_tok_s)")
     return rows

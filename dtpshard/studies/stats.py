@@ -30,6 +30,12 @@ class MeanSd:
         return f"{self.mean:.{digits}f} ± {self.sd:.{digits}f}"
 
 
+def is_number(v: object) -> bool:
+    """A JSON value a report may compute with: an int or float, not a bool, not NaN (a bench's
+    rows, copied in by hand, are checked field by field with it)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
 def mean_sd(values: Sequence[float]) -> MeanSd:
     """Mean and sample standard deviation (n - 1 in the denominator, as the paper's ± is)."""
     v = np.asarray([x for x in values if x is not None], dtype=np.float64)
