@@ -9,6 +9,8 @@ The same random weights served three ways, each by one engine in its own `torchr
   which vLLM serves as a Llama with a blocking all-reduce after every module;
 - no-comm: the student with its module reduces removed (bench/vllm_link.py): the same work, a
   wrong function, the most the delayed reduce can give;
+- with --python-arm, the student again on the ring's Python kernels (DTPSHARD_NATIVE=0): the
+  ring before its native kernels (transport/native.py);
 - with --collective-arm, the student again with its partials on the collective
   (DTPSHARD_EXCHANGE=collective: gloo here), the transport before the shared-memory ring;
 - with --shared FRACTION [FRACTION ...], a shared student of the same weights per fraction
@@ -30,14 +32,18 @@ prompts of 32 tokens:
     time per output token = (t(N new) − t(1 new)) / (N − 1)   (the prefill cancels)
     decode tokens/s       = B / time per output token
 
-the median of `--repeat` runs, repeats interleaved over the latencies. "model share" is the part of
+the median of `--repeat` runs in one engine, repeats interleaved over the latencies. Each arm's
+engine is started once per round (`--rounds`, default 2), the arms alternated, each round in a
+rotated order: a cell is the median over the rounds, a ratio to TP the median of the rounds'
+ratios with their range (min–max), marked where the range crosses 1. "model share" is the part of
 a decode step spent in the model's forward (the rest is vLLM's scheduler, sampling and LM head).
 Each rank runs `--threads` torch threads pinned to its own cores.
 
     python bench/bench_vllm.py --tp 2 --batch 1 8 --latency-ms 0 0.5 --json
 
-The last line with --json is a JSON list of rows {executor, tp, batch, latency_ms, and per arm
-ARM_tok_s and ARM_transport, model_share}. Run by the project's python; vLLM runs in the environment
+The last line with --json is a JSON list of rows {executor, tp, batch, latency_ms, rounds, and per
+arm ARM_tok_s (the median), ARM_tok_s_rounds, ARM_per_tp and ARM_per_tp_range (not for tp) and
+ARM_transport, model_share}. Run by the project's python; vLLM runs in the environment
 `python -m dtpshard.serve.env` builds (or $DTPSHARD_VLLM_PYTHON), as for the tests.
 """
 from __future__ import annotations
@@ -146,19 +152,22 @@ def rank_weights(model: Path, devices: int) -> int:
     return open_checkpoint(model).shape.shard(devices).params()
 
 
-ARMS = ("dtp", "tp", "nocomm", "dtp_collective")  # the last only when asked for; then dtp_sharedPCT arms
+ARMS = ("dtp", "tp", "nocomm", "dtp_python", "dtp_collective")  # the last two when asked for; then dtp_sharedPCT
 
 
 def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], latencies: list[float],
             new: int, repeat: int, threads: int = 0, eager: bool = False, dtype: str = "float32",
             env: dict | None = None, executor: str = "external", collective_arm: bool = False,
-            shared: dict[str, Path] | None = None) -> list[dict]:
+            shared: dict[str, Path] | None = None, rounds: int = 2, python_arm: bool = False) -> list[dict]:
     """Rows per (latency, batch). `threads` > 0 pins each rank to that many cores (external launcher)
     or each of vLLM's workers to its own cores (executor "mp": VLLM_CPU_OMP_THREADS_BIND); the
     emulated link (CPU only) is installed when a latency is not 0 (external launcher only: the
     harness lives in the ranks' own processes). `collective_arm` adds the student with its partials
     forced onto the collective (DTPSHARD_EXCHANGE=collective): the transport before the ring.
-    `shared`: arm -> a shared student (make_shared), each timed as the student is."""
+    `python_arm` adds the student on the ring's Python kernels (DTPSHARD_NATIVE=0).
+    `shared`: arm -> a shared student (make_shared), each timed as the student is. Each arm's engine
+    is started once a round (`rounds`); a cell is the median over the rounds, and a ratio to TP the
+    median of each round's ratio, with its range."""
     from dtpshard.serve.env import runtime_env
 
     g = torch.Generator().manual_seed(0)
@@ -185,30 +194,55 @@ def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], 
     specs = {"dtp": spec(student, False), "tp": spec(dense, False)}
     if not mp:  # the no-comm ceiling needs the harness in the ranks
         specs["nocomm"] = spec(student, True)
+    if python_arm:
+        specs["dtp_python"] = spec(student, False, {"DTPSHARD_NATIVE": "0"})
     if collective_arm:
         specs["dtp_collective"] = spec(student, False, {"DTPSHARD_EXCHANGE": "collective"})
     for arm, path in (shared or {}).items():
         specs[arm] = spec(path, False)
-    results = dict(zip(specs, run_engines(python, list(specs.values()), tp, env, executor)))
+    results: dict[str, list[dict]] = {arm: [] for arm in specs}
+    arms = list(specs)
+    for r in range(rounds):  # every arm once a round, each round's order rotated: no arm always first
+        order = arms[r % len(arms):] + arms[:r % len(arms)]
+        for arm, result in zip(order, run_engines(python, [specs[a] for a in order], tp, env, executor)):
+            results[arm].append(result)
     rows = []
     for lat in latencies:
         for b in batches:
-            row = {"tp": tp, "batch": b, "latency_ms": lat, "executor": executor}
-            for arm, r in results.items():
-                row[f"{arm}_tok_s"], share = tok_s(r, lat, b, new)
-                row[f"{arm}_transport"] = r["transport"]
+            row = {"tp": tp, "batch": b, "latency_ms": lat, "executor": executor, "rounds": rounds}
+            per_round = {arm: [tok_s(r, lat, b, new) for r in rs] for arm, rs in results.items()}
+            for arm, got in per_round.items():
+                speeds = [t for t, _ in got]
+                row[f"{arm}_tok_s"] = statistics.median(speeds)
+                row[f"{arm}_tok_s_rounds"] = speeds
+                row[f"{arm}_transport"] = results[arm][0]["transport"]
+                if arm != "tp":  # the ratio to TP of each round's engines, started one after the other
+                    ratios = [t / tp_t for (t, _), (tp_t, _) in zip(got, per_round["tp"])]
+                    row[f"{arm}_per_tp"] = statistics.median(ratios)
+                    row[f"{arm}_per_tp_range"] = [min(ratios), max(ratios)]
                 if arm == "dtp":
-                    row["model_share"] = share
+                    row["model_share"] = statistics.median(share for _, share in got)
             rows.append(row)
     return rows
 
 
+def ratio(row: dict, arm: str) -> str:
+    """An arm's median ratio to TP over the rounds, with its range; a range across 1.0 says so."""
+    if f"{arm}_per_tp" not in row:  # rows of one engine per arm (before rounds)
+        return f"{row[arm + '_tok_s'] / row['tp_tok_s']:.3f}×"
+    lo, hi = row[f"{arm}_per_tp_range"]
+    cell = f"{row[arm + '_per_tp']:.3f}× ({lo:.3f}–{hi:.3f})"
+    return cell + (" crosses 1" if lo < 1 < hi else "")
+
+
 def table(rows: list[dict]) -> str:
-    """The rows, each arm's tok/s and its ratio to TP; then what each arm's sums travel over."""
+    """The rows, each arm's tok/s (median over the rounds) and its ratio to TP (median and range of the
+    rounds' ratios); then what each arm's sums travel over."""
     arms = [a for a in ARMS if f"{a}_tok_s" in rows[0]]
     arms += sorted((k.removesuffix("_tok_s") for k in rows[0] if k.startswith("dtp_shared") and k.endswith("_tok_s")),
                    key=lambda a: float(a.removeprefix("dtp_shared").replace("_", ".")))
     names = {"dtp": "DTP", "tp": "TP", "nocomm": "no-comm", "dtp_collective": "DTP over the collective",
+             "dtp_python": "DTP, the ring's Python kernels",
              **{a: f"DTP {a.removeprefix('dtp_shared').replace('_', '.')}% shared" for a in arms
                 if a.startswith("dtp_shared")}}
     head = ["executor", "TP", "batch", "latency ms", *(f"{names[a]} tok/s" for a in arms),
@@ -219,10 +253,10 @@ def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in rows:
         cells = [r["executor"], r["tp"], r["batch"], f"{r['latency_ms']:g}", *(f"{r[a + '_tok_s']:.1f}" for a in arms),
-                 *(f"{r[a + '_tok_s'] / r['tp_tok_s']:.3f}×" for a in arms if a != "tp")]
+                 *(ratio(r, a) for a in arms if a != "tp")]
         if "nocomm" in arms:
             gain = r["nocomm_tok_s"] - r["tp_tok_s"]
-            cells.append(f"{(r['dtp_tok_s'] - r['tp_tok_s']) / gain:.0%}" if abs(gain) > 1e-9 else "n/a")
+            cells.append(f"{(r['dtp_tok_s'] - r['tp_tok_s']) / gain:.0%}" if gain > 1e-9 else "n/a (no-comm ≤ TP)")
         cells.append(f"{r['model_share']:.0%}" if r["model_share"] else "n/a")
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines.append("")
@@ -238,7 +272,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--latency-ms", type=float, nargs="+", default=[0, 0.1, 0.5, 1])
     ap.add_argument("--new", type=int, default=33, help="new tokens per timed request")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs per engine, at each latency and batch")
+    ap.add_argument("--rounds", type=int, default=2, help="engines per arm, the arms alternated")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / TP, at least 1)")
     ap.add_argument("--eager", action="store_true", help="--enforce-eager (default: vLLM's compiled mode)")
     ap.add_argument("--executor", choices=("external", "mp"), default="external",
@@ -246,6 +281,8 @@ def main() -> int:
                          "executor, each worker pinned to its own cores (latency 0, no no-comm arm)")
     ap.add_argument("--collective-arm", action="store_true",
                     help="also time the student with its partials on the collective (DTPSHARD_EXCHANGE=collective)")
+    ap.add_argument("--python-arm", action="store_true",
+                    help="also time the student on the ring's Python kernels (DTPSHARD_NATIVE=0)")
     ap.add_argument("--shared", type=float, nargs="+", default=[], metavar="FRACTION",
                     help="also time a shared student per fraction: that fraction of every layer's neurons on "
                          "every rank")
@@ -261,7 +298,8 @@ def main() -> int:
         weights = {arm: rank_weights(path, args.tp) for arm, path in (("dtp", pair[0]), *shared.items())}
         load0 = os.getloadavg()
         rows = measure(python, pair, args.tp, args.batch, args.latency_ms, args.new, args.repeat, threads, args.eager,
-                       executor=args.executor, collective_arm=args.collective_arm, shared=shared)
+                       executor=args.executor, collective_arm=args.collective_arm, shared=shared,
+                       rounds=args.rounds, python_arm=args.python_arm)
     load = os.getloadavg()
     print(f"load average before the run {load0[0]:.2f} / {load0[1]:.2f} / {load0[2]:.2f}")
     print(f"vLLM {'eager' if args.eager else 'compiled'}, TP {args.tp}, {threads} thread(s) per rank, "

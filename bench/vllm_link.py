@@ -4,8 +4,9 @@ emulated slower link, and a student with its reduces removed. Nothing here is dt
 - `install_latency()`: every all-reduce completes LATENCY seconds after the transfer itself
   (in series, as runtime/ranks.py's Link emulates it). vLLM's own blocking all-reduce (plain TP's
   after every module; the embedding's and the final mean's in every model) sleeps that long after
-  it returns (an opaque op, `link_latency`, so compiled graphs keep it). The student's delayed
-  reduces run on a Python process group wrapped around vLLM's gloo TP group, whose work completes
+  it returns (an opaque op, `link_latency`, so compiled graphs keep it). On the shared ring a
+  landing waits until LATENCY after the peer published (transport/shared.py); on a collective the
+  student's delayed reduces run on a Python process group wrapped around vLLM's gloo TP group, whose work completes
   LATENCY after gloo's: a wait_tensor at the landing waits only for what the compute since the
   start has not covered. The latency is read at each call, so one engine is timed at several
   latencies.
@@ -19,7 +20,14 @@ import time
 import torch
 import torch.distributed as dist
 
-LATENCY = [0.0]  # seconds, set by the driver between timed runs
+LATENCY = [0.0]  # seconds, set by the driver between timed runs (set_latency)
+RINGS: list = []  # the student's shared rings in this process: each keeps its latency in its segment
+
+
+def set_latency(seconds: float) -> None:
+    LATENCY[0] = seconds
+    for ring in RINGS:
+        ring.latency = seconds
 
 
 def _sleep_until(t: float) -> None:
@@ -91,8 +99,9 @@ def install_latency() -> None:
 
     def tp_reduce(*args):
         reduce = chosen(*args)
-        if reduce.transport != "collective":  # the shared ring: its latency is this module's cell
-            reduce.ring.latency = LATENCY
+        if reduce.transport != "collective":  # the shared ring: its latency is set with the others'
+            reduce.ring.latency = LATENCY[0]
+            RINGS.append(reduce.ring)
             return reduce
         inner = get_tp_group().device_group
         name = f"{inner.group_name}-delayed"

@@ -54,8 +54,32 @@ def function(rank: int, world: int, out: Path, delay: float) -> dict:
             from test_exchange import _compiled_code
 
             res["code"] = _compiled_code("dtpshard.exchange")
-    res["fallbacks"] = reduce.ring.fallbacks
+            res["ops"] = _ops_per_sum(lambda: torch.compile(run, backend="inductor")(x))
+    res["fallbacks"], res["native"] = reduce.ring.fallbacks, reduce.ring.native
     return res
+
+
+def _ops_per_sum(forward) -> dict[str, list[str]]:
+    """What one forward's exchange ops dispatch, profiled: {op: the sorted names of the ops each of its
+    calls made} for exchange_start and exchange_value, and "fallbacks": any Python kernel the
+    native ones called back (none in a steady decode-like forward)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    forward()  # compiled before the profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        forward()
+    out: dict[str, list] = {"fallbacks": []}
+    for e in prof.events():
+        if e.name in ("dtpshard::exchange_start", "dtpshard::exchange_value"):
+            inside, todo = [], list(e.cpu_children)
+            while todo:
+                c = todo.pop()
+                inside.append(c.name)
+                todo += c.cpu_children
+            out.setdefault(e.name.split("::")[1], []).append(sorted(inside))
+        elif e.name.startswith("dtpshard::") and e.name.endswith("_py"):
+            out["fallbacks"].append(e.name)
+    return out
 
 
 def slow(rank: int, world: int, out: Path, late_ms: float) -> dict:
@@ -77,7 +101,21 @@ def slow(rank: int, world: int, out: Path, late_ms: float) -> dict:
             waited += time.perf_counter() - t
     for k0, seq in pending:
         sums.append((k0, ring.value(seq, torch.empty(5)).tolist()))
-    return {"sums": sums, "start_max": max(started), "waited": waited}
+    return {"sums": sums, "start_max": max(started), "waited": waited, "native": ring.native}
+
+
+def large(rank: int, world: int, out: Path, _: float) -> dict:
+    """Messages over a slot (the group's all-reduce) between ring messages, two sums in flight."""
+    ring = _ring(dist.group.WORLD, capacity=256)
+    sizes = [16, 200, 16, 64, 300, 300, 8]  # floats; 64 fills a slot exactly, 200 and 300 do not fit
+    pending, sums = [], []
+    for k, n in enumerate(sizes):
+        pending.append((n, ring.start(torch.full((n,), float(k * 10 + rank)))))
+        if len(pending) == 2:
+            n0, seq = pending.pop(0)
+            sums.append(ring.value(seq, torch.empty(n0)).unique().tolist())
+    sums += [ring.value(seq, torch.empty(n0)).unique().tolist() for n0, seq in pending]
+    return {"sums": sums, "fallbacks": ring.fallbacks, "native": ring.native}
 
 
 def backpressure(rank: int, world: int, out: Path, read_ms: float) -> dict:
@@ -95,7 +133,7 @@ def backpressure(rank: int, world: int, out: Path, read_ms: float) -> dict:
             sums.append(ring.value(prev, torch.empty(64)).unique().tolist())
         prev = seq
     sums.append(ring.value(prev, torch.empty(64)).unique().tolist())
-    return {"sums": sums, "blocked": blocked}
+    return {"sums": sums, "blocked": blocked, "native": ring.native}
 
 
 def lost(rank: int, world: int, out: Path, how: str) -> dict:
@@ -115,8 +153,23 @@ def lost(rank: int, world: int, out: Path, how: str) -> dict:
     try:
         ring.value(ring.start(torch.ones(4)), torch.empty(4))
     except RankFailure as e:
-        return {"error": str(e), "after": time.perf_counter() - t}
-    return {"error": None}
+        return {"error": str(e), "after": time.perf_counter() - t, "native": ring.native}
+    return {"error": None, "native": ring.native}
+
+
+def bits(rank: int, world: int, out: Path, _: float) -> dict:
+    """Every rank's partials drawn from the same seeds: the ring's sum against torch's sum of the
+    stacked rows, in each dtype, for a decode-sized and an odd-sized message."""
+    ring = _ring(dist.group.WORLD)
+    equal = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for n in (1024, 37):
+            rows = [torch.randn(n, generator=torch.Generator().manual_seed(r * 100 + n), dtype=torch.float32)
+                    .mul(10 ** (r % 3)).to(dtype) for r in range(world)]
+            got = ring.value(ring.start(rows[rank]), rows[rank])
+            want = torch.stack(rows).sum(0)
+            equal[f"{dtype}/{n}"] = got.dtype == dtype and torch.equal(got, want)
+    return {"equal": equal, "native": ring.native}
 
 
 def wait_forever(rank: int, world: int, out: Path, _: str) -> dict:
@@ -131,7 +184,7 @@ def main(scenario: str, out: str, arg: str = "0") -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     fn = {"function": function, "slow": slow, "backpressure": backpressure, "lost": lost,
-          "wait_forever": wait_forever}[scenario]
+          "wait_forever": wait_forever, "large": large, "bits": bits}[scenario]
     res = fn(rank, world, Path(out), float(arg) if scenario != "lost" and scenario != "wait_forever" else arg)
     torch.save(res, Path(out) / f"rank{rank}.pt")
     if scenario == "lost":  # the peer is gone: nothing to end together

@@ -61,6 +61,7 @@ def wheel_venv(tmp_path_factory):
                     "--no-index", str(wheel)], check=True, env=CLEAN)
     installed = probe(python)["file"]
     assert str(root / "venv") in installed, installed  # the wheel's copy, not this checkout
+    assert (Path(installed).parent / "transport" / "ring.cpp").is_file()  # the ring's native source travels
     return python, Path(installed).parent
 
 

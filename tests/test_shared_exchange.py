@@ -1,10 +1,12 @@
-"""The one-sided shared-memory exchange (transport/shared.py) on two plain processes, no vLLM:
+"""The one-sided shared-memory exchange (transport/shared.py) on two plain processes, no vLLM, with
+its native kernels (transport/ring.cpp) and with its Python ones:
 
 - the function exactly (the simulator's streams, eager and compiled, across graph breaks), with
   Inductor keeping each custom op where the exchange put it;
 - a peer slower by several modules: the fast rank never waits at a start, only at landings;
 - back-pressure: a writer faster than its reader never overwrites an unread slot;
 - a peer killed, failing or hung ends the other with one line, within a bound;
+- a message larger than a slot takes the group's all-reduce between ring messages;
 - no segment left in /dev/shm after a normal end, an error or SIGTERM, and a killed run's leftover
   removed by the next run.
 """
@@ -30,6 +32,24 @@ RANKS = Path(__file__).parent / "shared_ranks.py"
 pytestmark = pytest.mark.skipif(not shared.SEGMENTS.is_dir(), reason="no /dev/shm")
 
 
+@pytest.fixture(params=["native", "python"])
+def kernels(request, monkeypatch):
+    """Which kernels serve the ring's ops in the ranks: transport/ring.cpp's, or transport/shared.py's."""
+    if request.param == "native":
+        from dtpshard.transport import native
+
+        why = native.why_not()
+        if why.startswith("no C++ compiler"):
+            pytest.skip(why)
+        assert not why, why
+    monkeypatch.setenv("DTPSHARD_NATIVE", "1" if request.param == "native" else "0")
+    return request.param
+
+
+def _native(res: list[dict], kernels: str) -> None:
+    assert all(r["native"] == (kernels == "native") for r in res), [r["native"] for r in res]
+
+
 def _start(scenario: str, out: Path, arg: str, world: int = 2) -> list[subprocess.Popen]:
     env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                OMP_NUM_THREADS="1")
@@ -51,11 +71,14 @@ def _segments(pids: list[int]) -> list[str]:
 
 
 @pytest.mark.parametrize("delay", [1, 1.5])
-def test_shared_exchange_gives_the_simulators_streams(tmp_path, delay):
+def test_shared_exchange_gives_the_simulators_streams(tmp_path, delay, kernels):
     res = _run("function", tmp_path, str(delay))
+    _native(res, kernels)
     want = _simulated(2, delay)
     for r in res:
         assert r["said"].startswith("shared memory"), r["said"]
+        assert r["said"].endswith("native kernels)" if kernels == "native" else
+                                  "Python kernels: DTPSHARD_NATIVE=0)"), r["said"]
         assert r["slots"] == shared.ring_slots(schedule(8, 2, delay, "sqrt")) and r["fallbacks"] == 0
         for name in ("eager", "compiled", "compiled, open across the breaks"):
             assert (r[name] - want).abs().max().item() < 1e-12, name
@@ -65,18 +88,40 @@ def test_shared_exchange_gives_the_simulators_streams(tmp_path, delay):
     assert min(between[:-1]) >= int(delay) and between[-1] == 0, between
 
 
-def test_a_slow_peer_delays_only_the_landings(tmp_path):
+@pytest.mark.parametrize("delay", [1, 1.5])
+def test_a_sum_costs_two_ops_each_allocating_once(tmp_path, delay, kernels):
+    """The op count per module, profiled in a compiled forward: one exchange_start per sum sent and
+    one exchange_value per sum taken (a fractional δ lands a sum twice but takes it once), and with
+    the native kernels nothing inside either but the one tensor each returns (the token, the sum):
+    no copy op, no subtraction, no call back into Python. Where this grows, the per-sum cost that
+    bench/profile_vllm.py measures grows back."""
+    res = _run("function", tmp_path, str(delay))
+    _native(res, kernels)
+    sums = len(schedule(8, 2, delay, "sqrt").last_use)
+    for r in res:
+        ops = r["ops"]
+        assert len(ops["exchange_start"]) == len(ops["exchange_value"]) == sums + 1, ops  # + the final mean's
+        assert not ops["fallbacks"], ops["fallbacks"]
+        if kernels == "native":
+            inside = {tuple(n for n in calls if n != "dtpshard::ring_wait")
+                      for calls in ops["exchange_start"] + ops["exchange_value"]}
+            assert inside == {("aten::empty",)}, inside
+
+
+def test_a_slow_peer_delays_only_the_landings(tmp_path, kernels):
     late = 300
     res = _run("slow", tmp_path, str(late))
+    _native(res, kernels)
     for r in res:
         assert r["sums"] == [(k, [3.0 * k] * 5) for k in range(1, 9)]
     assert res[0]["start_max"] < late / 1000 / 2, "rank 0's start waited for the slow rank"
     assert res[0]["waited"] > 0.9 * late / 1000, "rank 0 never waited for the slow rank's partials"
 
 
-def test_back_pressure_never_overwrites_an_unread_slot(tmp_path):
+def test_back_pressure_never_overwrites_an_unread_slot(tmp_path, kernels):
     read_ms = 40
     res = _run("backpressure", tmp_path, str(read_ms))
+    _native(res, kernels)
     for r in res:
         assert r["sums"] == [[float(k * 20 + 1)] for k in range(1, 11)]
     # rank 0 ran ahead until the ring was full, then each start waited for rank 1 to read
@@ -87,7 +132,7 @@ def test_back_pressure_never_overwrites_an_unread_slot(tmp_path):
     ("kill", "another rank died (rank 1, pid {pid}, before it sent sum #4 of the exchange)", 2),
     ("raise", "another rank ended (rank 1, pid {pid}, before it sent sum #4 of the exchange)", 2),
     ("stop", "another rank hung or was stopped (rank 1, pid {pid}, has not sent sum #4 of the exchange in 3 s)", 6)])
-def test_a_lost_peer_is_one_line_within_a_bound(tmp_path, how, said, bound):
+def test_a_lost_peer_is_one_line_within_a_bound(tmp_path, how, said, bound, kernels):
     procs = _start("lost", tmp_path, how)
     try:
         text = procs[0].communicate(timeout=60)[0]
@@ -97,9 +142,31 @@ def test_a_lost_peer_is_one_line_within_a_bound(tmp_path, how, said, bound):
             p.kill()
             p.communicate()
     res = torch.load(tmp_path / "rank0.pt")
+    _native([res], kernels)
     assert res["error"] == "rank 0: " + said.format(pid=procs[1].pid), res
     assert res["after"] < bound, res["after"]
     assert not _segments([p.pid for p in procs])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_sum_has_torchs_bits(tmp_path, world, kernels):
+    """Both kernels give torch's sum of the rows bit for bit (the native one adds two rows itself)."""
+    procs = _start("bits", tmp_path, "0", world)
+    for p in procs:
+        text = p.communicate(timeout=240)[0]
+        assert p.returncode == 0, text[-3000:]
+    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    _native(res, kernels)
+    for r in res:
+        assert all(r["equal"].values()), r["equal"]
+
+
+def test_a_message_over_a_slot_takes_the_collective(tmp_path, kernels):
+    res = _run("large", tmp_path)
+    _native(res, kernels)
+    for r in res:
+        assert r["sums"] == [[float(k * 20 + 1)] for k in range(7)]
+        assert r["fallbacks"] == 3
 
 
 def test_no_segment_is_left_behind(tmp_path):

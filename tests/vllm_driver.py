@@ -14,12 +14,14 @@ SPECS: a list of {"model", "tp", "dtype", "prompts": [[ids]], "max_tokens", "log
 "harness": {"latency": bool, "remove_reduces": bool} (bench/vllm_link.py), {"piecewise": bool}
 (tests/piecewise_probe.py: the compiled graph split as the GPU's piecewise mode splits it),
 "inductor_code": bool (return Inductor's output code of every graph compiled),
-"timing": {"batches": [B], "max_tokens": [N], "repeat": R, "latencies_ms": [ms]}};
+"timing": {"batches": [B], "max_tokens": [N], "repeat": R, "latencies_ms": [ms]},
+"profile": {"batches": [B], "max_tokens": N} (bench/profile_vllm.py)};
 OUT: one result per spec, {"tokens": [[ids]], "transport": what rank 0's sums travel over,
 "logprobs": [[{id: logprob} per new token]],
 "prompt_logprobs": [[logprob of each prompt token]], "seconds",
 "timings": {"LAT/B/N": [seconds of each repeat]}, "model_seconds": {"LAT/B/N": [seconds in the model's
-forward]}, "inductor_code": [source]} or {"error": message} when the engine refused the model.
+forward]}, "inductor_code": [source], "profile": [per rank {"B/N": {"seconds", "events": {name: [calls,
+self µs, total µs]}}} for N in 1 and max_tokens]} or {"error": message} when the engine refused the model.
 """
 from __future__ import annotations
 
@@ -84,12 +86,12 @@ def _time(llm, prompts: list, timing: dict) -> tuple[dict, dict]:
 
     if LAUNCHED:  # the model runs in this process (with vLLM's own workers it does not: not timed)
         llm.apply_model(hook)
-    cell = _link().LATENCY if any(timing.get("latencies_ms", [0])) else [0.0]
+    set_latency = _link().set_latency if any(timing.get("latencies_ms", [0])) else (lambda seconds: None)
     walls: dict = {}
     model: dict = {}
     for _ in range(timing.get("repeat", 3)):
         for lat in timing.get("latencies_ms", [0]):
-            cell[0] = lat / 1000
+            set_latency(lat / 1000)
             for b in timing["batches"]:
                 for n in timing["max_tokens"]:
                     fixed = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -99,8 +101,35 @@ def _time(llm, prompts: list, timing: dict) -> tuple[dict, dict]:
                     key = f"{lat:g}/{b}/{n}"
                     walls.setdefault(key, []).append(time.perf_counter() - start)
                     model.setdefault(key, []).append(inside[0])
-    cell[0] = 0.0
+    set_latency(0.0)
     return walls, model
+
+
+def _profile(llm, prompts: list, profile: dict) -> dict:
+    """This rank's CPU profile of a generate call per batch, of 1 new token and of `max_tokens`: their
+    difference is that many decode steps less one (the prefill cancels)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+    from vllm import SamplingParams
+
+    out = {}
+    for b in profile["batches"]:
+        for n in (1, profile["max_tokens"]):
+            fixed = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            llm.generate(prompts[:b], fixed, use_tqdm=False)  # warm at this size
+            with profiler(activities=[ProfilerActivity.CPU]) as prof:
+                start = time.perf_counter()
+                llm.generate(prompts[:b], fixed, use_tqdm=False)
+                seconds = time.perf_counter() - start
+            events = {e.key: [e.count, e.self_cpu_time_total, e.cpu_time_total] for e in prof.key_averages()}
+            out[f"{b}/{n}"] = {"seconds": seconds, "events": events}
+    import torch.distributed as dist
+
+    if not (LAUNCHED and dist.is_initialized()):
+        return [out]
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, out)  # every rank's, so that rank 0 writes them all
+    return ranks
 
 
 def _transport(model) -> str:
@@ -153,6 +182,8 @@ def run(spec: dict) -> dict:
                                       zip(p, o.prompt_logprobs)] for p, o in zip(spec["prompts"], outs)]
     if spec.get("timing"):
         result["timings"], result["model_seconds"] = _time(llm, prompts, spec["timing"])
+    if spec.get("profile"):
+        result["profile"] = _profile(llm, prompts, spec["profile"])
     if spec.get("inductor_code"):
         result["inductor_code"] = _inductor_code()
     if spec.get("harness", {}).get("piecewise"):

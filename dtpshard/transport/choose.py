@@ -57,8 +57,10 @@ def choose(group: dist.ProcessGroup, key: str, schedule: Any, message_bytes: int
     if not why:
         ring, why = open_ring(group, key, ring_slots(schedule), min(message_bytes, SLOT_BYTES), timeout, latency)
     if ring is not None:
+        kernels = "native kernels" if ring.native else f"Python kernels: {ring.native_why}"
         return SharedReduce(ring, key), (f"shared memory (one-sided ring: {ring.slots} slots × {ring.world} ranks "
-                                         f"× {ring.capacity / 2**20:.2g} MiB; larger messages by the collective)")
+                                         f"× {ring.capacity / 2**20:.2g} MiB; larger messages by the collective; "
+                                         f"{kernels})")
     if wanted() == "shared":
         raise UserError(f"{VARIABLE}=shared: the shared-memory exchange cannot run here: {why}")
     backend = dist.get_backend(group)

@@ -15,8 +15,12 @@ every rank has read the slot's previous sum: a writer faster than its readers ne
 unread partial.
 
 Both halves are torch custom ops (`dtpshard::exchange_start`, `dtpshard::exchange_value`), opaque
-to Dynamo and Inductor, so a compiled forward keeps each where the exchange put it; eagerly the
-Reduce calls the ring directly (the dispatcher costs more than the ring).
+to Dynamo and Inductor, so a compiled forward keeps each where the exchange put it. Their kernels
+are native (transport/ring.cpp, built by transport/native.py) where a C++ compiler is found, and
+this file's Python otherwise: the native kernels call back into it for what is rare (a message
+over a slot, a wait that outlasts the spin, a dead peer), so the rules are written here once. The
+counter of sums started and the emulated latency live in the segment, in this rank's own words,
+so both kernels read the same.
 
 The segment is a file in /dev/shm made by the group's first rank, mapped by every rank and unlinked
 as soon as all have mapped it: from then on no exit path (an error, SIGTERM, SIGKILL) can leave it
@@ -33,6 +37,8 @@ the sequence number stored after them. Other processors take the collective (tra
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
 import mmap
 import os
 import re
@@ -47,12 +53,15 @@ import torch.distributed as dist
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import pid_alive, read_text
 from dtpshard.core.launch import RankFailure
+from dtpshard.transport import native
 
 SEGMENTS = Path("/dev/shm")
 NAME = re.compile(r"^dtpshard-exchange-(?P<pid>\d+)-[0-9a-f]{16}$")  # <creator's pid>-<random>
 ALIGN = 64  # a slot starts on its own cache line
 WORDS = 4  # int64 words per (slot, rank): sum published, sum last read, when published (ns), spare
 PUBLISHED, READ, AT = 0, 1, 2
+RANK_WORDS = 4  # int64 words per rank after the slots': its pid, its state, and two only it uses:
+PID, STATE, ISSUED, LATENCY_NS = 0, 1, 2, 3  # the sums it started, its emulated latency (ns)
 RUNNING, CLOSED = 0, 1  # a rank's state word
 _RINGS: weakref.WeakValueDictionary[str, SharedRing] = weakref.WeakValueDictionary()  # key -> this process's live ring
 
@@ -89,11 +98,9 @@ class SharedRing:
     """This rank's view of one shared segment: `slots` × ranks slots of `capacity` bytes."""
 
     def __init__(self, path: Path, rank: int, world: int, slots: int, capacity: int, timeout: float,
-                 group: dist.ProcessGroup | None, latency: float = 0.0):
+                 group: dist.ProcessGroup | None, latency: float = 0.0, key: str = ""):
         self.rank, self.world, self.slots, self.capacity = rank, world, slots, capacity
-        self.timeout, self.group = timeout, group
-        self.latency = [latency]  # seconds until a peer's published sum is visible here; a list, so a
-        # benchmark harness can share one cell among rings and change it between timed runs
+        self.timeout, self.group, self.key = timeout, group, key
         self.header = header_bytes(slots, world)
         fd = os.open(path, os.O_RDWR)
         try:
@@ -103,18 +110,46 @@ class SharedRing:
         self.words = memoryview(self.mm).cast("q")
         data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.header, count=slots * world * capacity)
         self.blocks = data.view(slots, world, capacity)
-        self.words[self._rank_word(rank)] = os.getpid()
+        self.words[self._rank_word(rank) + PID] = os.getpid()
+        self.latency = latency
         self.views: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.issued = 0  # sequence number of the last sum started here
         self.large: dict[int, torch.Tensor] = {}  # sums of messages over `capacity`, already complete
         self.fallbacks = 0  # how many sums took the group's all-reduce
         atexit.register(_close_at_exit, weakref.ref(self))  # a peer waiting on this rank learns it ended
+        self.native, self.native_why = False, "not registered"  # which kernels serve the ops (`register`)
+
+    def register(self) -> None:
+        """Make this ring the one the ops find under its key, native kernels included where built."""
+        self.native_why = native.why_not()
+        self.native = not self.native_why
+        _RINGS[self.key] = self
+        if self.native:
+            base = self.blocks.data_ptr() - self.header
+            torch.ops.dtpshard.exchange_attach(self.key, base, self.header, self.rank, self.world, self.slots,
+                                               self.capacity)
+            weakref.finalize(self, torch.ops.dtpshard.exchange_detach, self.key, base)  # before the unmap
+        else:
+            _python_kernels()
+
+    @property
+    def issued(self) -> int:
+        """The sequence number of the last sum started here."""
+        return self.words[self._rank_word(self.rank) + ISSUED]
+
+    @property
+    def latency(self) -> float:
+        """Seconds until a peer's published sum is visible here (an emulated link; 0: none)."""
+        return self.words[self._rank_word(self.rank) + LATENCY_NS] / 1e9
+
+    @latency.setter
+    def latency(self, seconds: float) -> None:
+        self.words[self._rank_word(self.rank) + LATENCY_NS] = int(seconds * 1e9)
 
     def _word(self, slot: int, rank: int) -> int:
         return (slot * self.world + rank) * WORDS
 
     def _rank_word(self, rank: int) -> int:
-        return self.slots * self.world * WORDS + 2 * rank
+        return self.slots * self.world * WORDS + RANK_WORDS * rank
 
     def _views(self, slot: int, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's row, every rank's rows) of a slot, as p's dtype and length: made once per
@@ -129,8 +164,19 @@ class SharedRing:
         return views
 
     def start(self, p: torch.Tensor) -> int:
-        self.issued += 1
-        seq = self.issued
+        """Publish this rank's partial p -> the sum's sequence number."""
+        if self.native:
+            return int(torch.ops.dtpshard.exchange_start(p, self.key))
+        return self._start(p)
+
+    def value(self, seq: int, like: torch.Tensor) -> torch.Tensor:
+        """Σ over the ranks of the partials published as sum `seq` (like: this rank's, for shape and dtype)."""
+        if self.native:
+            return torch.ops.dtpshard.exchange_value(torch.tensor([seq]), like, self.key)
+        return self._value(seq, like)
+
+    def _start(self, p: torch.Tensor) -> int:
+        seq = self.words[self._rank_word(self.rank) + ISSUED] = self.issued + 1
         nbytes = p.numel() * p.element_size()
         if nbytes > self.capacity:
             total = p.detach().clone(memory_format=torch.contiguous_format)
@@ -148,11 +194,11 @@ class SharedRing:
         self.words[w + PUBLISHED] = seq  # last: a peer that sees it sees the bytes (TSO)
         return seq
 
-    def value(self, seq: int, like: torch.Tensor) -> torch.Tensor:
+    def _value(self, seq: int, like: torch.Tensor) -> torch.Tensor:
         slot = seq % self.slots
         total = self.large.pop(seq, None)
         if total is None:
-            latency = int(self.latency[0] * 1e9)
+            latency = self.words[self._rank_word(self.rank) + LATENCY_NS]
             for r in range(self.world):
                 if r != self.rank:
                     w = self._word(slot, r)
@@ -175,6 +221,11 @@ class SharedRing:
             return
         if peer == self.rank:  # this rank's own unread sum: the ring is smaller than the schedule needs
             raise RuntimeError(f"exchange ring of {self.slots} slots is too small for the sums in flight")
+        with _profiled("dtpshard::ring_wait"):  # the profile's wait (bench/profile_vllm.py)
+            self._wait_on(i, target, peer, what)
+
+    def _wait_on(self, i: int, target: int, peer: int, what: str) -> None:
+        words = self.words
         began = time.monotonic()
         check = began + 0.01
         spins = 0
@@ -190,9 +241,9 @@ class SharedRing:
                 self._check(peer, target, what, now - began)
 
     def _check(self, peer: int, seq: int, what: str, waited: float) -> None:
-        pid = self.words[self._rank_word(peer)]
+        pid = self.words[self._rank_word(peer) + PID]
         who, before = f"rank {peer}, pid {pid}", f"before it {what} sum #{seq} of the exchange"
-        if self.words[self._rank_word(peer) + 1] == CLOSED:
+        if self.words[self._rank_word(peer) + STATE] == CLOSED:
             raise RankFailure(f"rank {self.rank}: another rank ended ({who}, {before})")
         if not pid_alive(pid):
             raise RankFailure(f"rank {self.rank}: another rank died ({who}, {before})")
@@ -203,8 +254,13 @@ class SharedRing:
     def close(self, wait: bool = True) -> bool:
         """Tell the peers this rank has ended (they stop waiting on it). Nothing is ever in flight."""
         if not self.mm.closed:
-            self.words[self._rank_word(self.rank) + 1] = CLOSED
+            self.words[self._rank_word(self.rank) + STATE] = CLOSED
         return True
+
+
+def _profiled(name: str):
+    """A profiler range where a profiler runs (costs nothing measurable where none does)."""
+    return torch.profiler.record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def _close_at_exit(ring: weakref.ref) -> None:
@@ -213,7 +269,7 @@ def _close_at_exit(ring: weakref.ref) -> None:
 
 
 def header_bytes(slots: int, world: int) -> int:
-    n = (slots * world * WORDS + 2 * world) * 8
+    n = (slots * world * WORDS + RANK_WORDS * world) * 8
     return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
@@ -263,7 +319,7 @@ def open_ring(group: dist.ProcessGroup, key: str, slots: int, capacity: int, tim
     ring = None
     if path is not None:
         try:
-            ring = SharedRing(path, rank, world, slots, capacity, timeout, group, latency)
+            ring = SharedRing(path, rank, world, slots, capacity, timeout, group, latency, key)
         except (OSError, ValueError) as e:
             why = f"rank {rank} could not map {path} ({e})"
     whys = [None] * world
@@ -273,34 +329,50 @@ def open_ring(group: dist.ProcessGroup, key: str, slots: int, capacity: int, tim
     why = next((w for w in whys if w), "")
     if why:
         return None, why
-    _RINGS[key] = ring
+    ring.register()
     return ring, ""
 
 
 # -- the custom ops: what a compiled forward holds ----------------------------------------------
-# Defined with torch.library's schema API: a call costs a few µs, against about 40 for
-# torch.library.custom_op's Python wrapper, and a decode step makes two per sum.
+# Defined with torch.library's schema API: a Python kernel costs a few µs less than behind
+# torch.library.custom_op's wrapper, and a decode step makes two calls per sum.
 # exchange_start is declared to mutate p, which it only reads: what reads p afterwards, the own-
 # partial update right behind the module, then runs after the start, so Inductor cannot sink the
 # start down to its landing (its locality pass moves a producer to its first user; c10d's in-place
 # all_reduce_ is kept in place the same way).
+# The *_py ops are this file's kernels, which the native ones call back for what is rare.
 _LIB = torch.library.Library("dtpshard", "DEF")
 _LIB.define("exchange_start(Tensor(a!) p, str key) -> Tensor")
 _LIB.define("exchange_value(Tensor token, Tensor p, str key) -> Tensor")
+_LIB.define("exchange_start_py(Tensor(a!) p, str key) -> Tensor")
+_LIB.define("exchange_value_py(Tensor token, Tensor p, str key) -> Tensor")
+_LIB.define("exchange_wait_py(str key, int index, int target, int peer, str what) -> ()")
 
 
 def _start(p: torch.Tensor, key: str) -> torch.Tensor:
     """Publish this rank's partial p to the ring registered as `key` -> the sum's token."""
-    return torch.tensor([_RINGS[key].start(p)], dtype=torch.int64)
+    return torch.tensor([_RINGS[key]._start(p)], dtype=torch.int64)
 
 
 def _value(token: torch.Tensor, p: torch.Tensor, key: str) -> torch.Tensor:
     """Σ over the ranks of the partials published under `token` (p: this rank's, for shape and dtype)."""
-    return _RINGS[key].value(int(token), p)
+    return _RINGS[key]._value(int(token), p)
 
 
-_LIB.impl("exchange_start", _start, "CompositeExplicitAutograd")
-_LIB.impl("exchange_value", _value, "CompositeExplicitAutograd")
+def _wait(key: str, index: int, target: int, peer: int, what: str) -> None:
+    _RINGS[key]._wait(index, target, peer, what)
+
+
+_LIB.impl("exchange_start_py", _start, "CompositeExplicitAutograd")
+_LIB.impl("exchange_value_py", _value, "CompositeExplicitAutograd")
+_LIB.impl("exchange_wait_py", _wait, "CompositeExplicitAutograd")
+
+
+@functools.cache
+def _python_kernels() -> None:
+    """Serve the two ops from this file (where the native kernels are not loaded: transport/native.py)."""
+    _LIB.impl("exchange_start", _start, "CompositeExplicitAutograd")
+    _LIB.impl("exchange_value", _value, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("dtpshard::exchange_start", lib=_LIB)
@@ -314,7 +386,8 @@ def _(token: torch.Tensor, p: torch.Tensor, key: str) -> torch.Tensor:
 
 
 class SharedReduce:
-    """The Reduce over a ring: the custom ops while a compiler traces, the ring itself eagerly (the
+    """The Reduce over a ring: the custom ops while a compiler traces, and eagerly where they are
+    native; else the ring's Python directly, which costs less than the dispatcher into Python (the
     same token either way, so a handle may cross a graph break)."""
 
     transport = "shared memory"
@@ -325,22 +398,22 @@ class SharedReduce:
     @property
     def latency(self) -> float:
         """Seconds between a peer publishing a partial and this rank seeing it (an emulated link)."""
-        return self.ring.latency[0]
+        return self.ring.latency
 
     @latency.setter
     def latency(self, seconds: float) -> None:
-        self.ring.latency[0] = seconds
+        self.ring.latency = seconds
 
     def start(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if torch.compiler.is_compiling():
+        if self.ring.native or torch.compiler.is_compiling():
             return torch.ops.dtpshard.exchange_start(p, self.key), p
-        return torch.tensor([self.ring.start(p)], dtype=torch.int64), p
+        return torch.tensor([self.ring._start(p)], dtype=torch.int64), p
 
     def value(self, handle: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         token, p = handle
-        if torch.compiler.is_compiling():
+        if self.ring.native or torch.compiler.is_compiling():
             return torch.ops.dtpshard.exchange_value(token, p, self.key)
-        return self.ring.value(int(token), p)
+        return self.ring._value(int(token), p)
 
     def close(self, wait: bool = True) -> bool:
         return self.ring.close(wait)
