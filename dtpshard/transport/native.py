@@ -26,6 +26,7 @@ import torch
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import cache_dir
+from dtpshard.core.reading import read_bytes
 
 SOURCE = Path(__file__).with_name("ring.cpp")
 VARIABLE = "DTPSHARD_NATIVE"
@@ -73,7 +74,7 @@ def why_not() -> str:
     if sys.platform != "linux":
         return f"built for Linux only, this is {sys.platform}"
     cxx = _compiler()
-    source = SOURCE.read_bytes()
+    source = read_bytes(SOURCE, 1 << 20, "the native ring's source")
     where = cache_dir() / "native"
     lib = where / f"ring-{_key(source)}.so"
     try:

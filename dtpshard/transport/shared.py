@@ -14,13 +14,13 @@ rank records the last sum it has read in each slot, and a writer about to reuse 
 every rank has read the slot's previous sum: a writer faster than its readers never overwrites an
 unread partial.
 
-Both halves are torch custom ops (`dtpshard::exchange_start`, `dtpshard::exchange_value`), opaque
-to Dynamo and Inductor, so a compiled forward keeps each where the exchange put it. Their kernels
-are native (transport/ring.cpp, built by transport/native.py) where a C++ compiler is found, and
-this file's Python otherwise: the native kernels call back into it for what is rare (a message
-over a slot, a wait that outlasts the spin, a dead peer), so the rules are written here once. The
-counter of sums started and the emulated latency live in the segment, in this rank's own words,
-so both kernels read the same.
+Both halves are torch custom ops (`dtpshard::exchange_start`, `dtpshard::exchange_value`, defined
+in transport/ops.py), opaque to Dynamo and Inductor, so a compiled forward keeps each where the
+exchange put it. Their kernels are native (transport/ring.cpp, built by transport/native.py)
+where a C++ compiler is found, and this file's Python otherwise: the native kernels call back
+into it for what is rare (a message over a slot, a wait that outlasts the spin, a dead peer), so
+the rules are written here once. The counter of sums started and the emulated latency live in
+the segment, in this rank's own words, so both kernels read the same.
 
 The segment is a file in /dev/shm made by the group's first rank, mapped by every rank and unlinked
 as soon as all have mapped it: from then on no exit path (an error, SIGTERM, SIGKILL) can leave it
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import mmap
 import os
 import re
@@ -54,6 +53,7 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.io import pid_alive, read_text
 from dtpshard.core.launch import RankFailure
 from dtpshard.transport import native
+from dtpshard.transport.ops import RINGS, python_kernels
 
 SEGMENTS = Path("/dev/shm")
 NAME = re.compile(r"^dtpshard-exchange-(?P<pid>\d+)-[0-9a-f]{16}$")  # <creator's pid>-<random>
@@ -63,7 +63,6 @@ PUBLISHED, READ, AT = 0, 1, 2
 RANK_WORDS = 4  # int64 words per rank after the slots': its pid, its state, and two only it uses:
 PID, STATE, ISSUED, LATENCY_NS = 0, 1, 2, 3  # the sums it started, its emulated latency (ns)
 RUNNING, CLOSED = 0, 1  # a rank's state word
-_RINGS: weakref.WeakValueDictionary[str, SharedRing] = weakref.WeakValueDictionary()  # key -> this process's live ring
 
 
 def ring_slots(schedule) -> int:
@@ -122,14 +121,14 @@ class SharedRing:
         """Make this ring the one the ops find under its key, native kernels included where built."""
         self.native_why = native.why_not()
         self.native = not self.native_why
-        _RINGS[self.key] = self
+        RINGS[self.key] = self
         if self.native:
             base = self.blocks.data_ptr() - self.header
             torch.ops.dtpshard.exchange_attach(self.key, base, self.header, self.rank, self.world, self.slots,
                                                self.capacity)
             weakref.finalize(self, torch.ops.dtpshard.exchange_detach, self.key, base)  # before the unmap
         else:
-            _python_kernels()
+            python_kernels()
 
     @property
     def issued(self) -> int:
@@ -214,13 +213,16 @@ class SharedRing:
         if left > 0:
             time.sleep(left)
 
-    def _wait(self, i: int, target: int, peer: int, what: str) -> None:
-        """Until word i reaches `target`: spin, then yield, then sleep, checking on the peer."""
+    def _wait(self, i: int, target: int, peer: int, what: str, profiled: bool = True) -> None:
+        """Until word i reaches `target`: spin, then yield, then sleep, checking on the peer.
+        `profiled`: a range of its own in a profile (not when ring.cpp's wait, already one, calls it)."""
         words = self.words
         if words[i] >= target:
             return
         if peer == self.rank:  # this rank's own unread sum: the ring is smaller than the schedule needs
             raise RuntimeError(f"exchange ring of {self.slots} slots is too small for the sums in flight")
+        if not profiled:
+            return self._wait_on(i, target, peer, what)
         with _profiled("dtpshard::ring_wait"):  # the profile's wait (bench/profile_vllm.py)
             self._wait_on(i, target, peer, what)
 
@@ -331,58 +333,6 @@ def open_ring(group: dist.ProcessGroup, key: str, slots: int, capacity: int, tim
         return None, why
     ring.register()
     return ring, ""
-
-
-# -- the custom ops: what a compiled forward holds ----------------------------------------------
-# Defined with torch.library's schema API: a Python kernel costs a few µs less than behind
-# torch.library.custom_op's wrapper, and a decode step makes two calls per sum.
-# exchange_start is declared to mutate p, which it only reads: what reads p afterwards, the own-
-# partial update right behind the module, then runs after the start, so Inductor cannot sink the
-# start down to its landing (its locality pass moves a producer to its first user; c10d's in-place
-# all_reduce_ is kept in place the same way).
-# The *_py ops are this file's kernels, which the native ones call back for what is rare.
-_LIB = torch.library.Library("dtpshard", "DEF")
-_LIB.define("exchange_start(Tensor(a!) p, str key) -> Tensor")
-_LIB.define("exchange_value(Tensor token, Tensor p, str key) -> Tensor")
-_LIB.define("exchange_start_py(Tensor(a!) p, str key) -> Tensor")
-_LIB.define("exchange_value_py(Tensor token, Tensor p, str key) -> Tensor")
-_LIB.define("exchange_wait_py(str key, int index, int target, int peer, str what) -> ()")
-
-
-def _start(p: torch.Tensor, key: str) -> torch.Tensor:
-    """Publish this rank's partial p to the ring registered as `key` -> the sum's token."""
-    return torch.tensor([_RINGS[key]._start(p)], dtype=torch.int64)
-
-
-def _value(token: torch.Tensor, p: torch.Tensor, key: str) -> torch.Tensor:
-    """Σ over the ranks of the partials published under `token` (p: this rank's, for shape and dtype)."""
-    return _RINGS[key]._value(int(token), p)
-
-
-def _wait(key: str, index: int, target: int, peer: int, what: str) -> None:
-    _RINGS[key]._wait(index, target, peer, what)
-
-
-_LIB.impl("exchange_start_py", _start, "CompositeExplicitAutograd")
-_LIB.impl("exchange_value_py", _value, "CompositeExplicitAutograd")
-_LIB.impl("exchange_wait_py", _wait, "CompositeExplicitAutograd")
-
-
-@functools.cache
-def _python_kernels() -> None:
-    """Serve the two ops from this file (where the native kernels are not loaded: transport/native.py)."""
-    _LIB.impl("exchange_start", _start, "CompositeExplicitAutograd")
-    _LIB.impl("exchange_value", _value, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("dtpshard::exchange_start", lib=_LIB)
-def _(p: torch.Tensor, key: str) -> torch.Tensor:
-    return p.new_empty((1,), dtype=torch.int64, device="cpu")
-
-
-@torch.library.register_fake("dtpshard::exchange_value", lib=_LIB)
-def _(token: torch.Tensor, p: torch.Tensor, key: str) -> torch.Tensor:
-    return torch.empty_like(p)
 
 
 class SharedReduce:
