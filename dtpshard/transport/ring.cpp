@@ -1,8 +1,9 @@
 // The shared-memory ring's hot path in C++ (transport/native.py builds it; transport/shared.py
 // defines the ring, its words and every rule this file follows).
 //
-// Why native: a decode step makes two ring ops per sum, and through the dispatcher each Python
-// kernel cost ~15 µs of boxing plus ~10 µs of Python; here both are a few µs. Everything rare
+// Why native: a decode step makes two ring ops per sum. Through the dispatcher into Python they
+// cost 73-95 µs a sum in vLLM's compiled engine; these cost 7-10 µs (bench/profile_vllm.py,
+// docs/benchmarks.md), less than TP's all-reduce of the same partial. Everything rare
 // stays in Python, called back through the dispatcher: a message larger than a slot (the group's
 // all-reduce), a wait that outlasts the spin (the peer checks, RankFailure, the timeout), and the
 // ring being too small. So the rules of the ring are written once, in transport/shared.py.
