@@ -83,6 +83,10 @@ def test_the_recipe_study_adds_each_recipes_cost_of_a_step(tmp_path):
     assert main(["report", str(copy)]) == 0
     rows = [r for r in (copy / "report.md").read_text().splitlines() if r.startswith("| optimised, layerwise")]
     assert rows and all(r.endswith("| 1.40× |") for r in rows)
+    # shared neurons and adapters change a step's work: the recipe's plain-student cost is not theirs
+    other = [r for r in (copy / "report.md").read_text().splitlines()
+             if r.startswith(("| optimised-shared10, streams", "| optimised, streams, lr 0.002, rank 8"))]
+    assert len(other) == 2 and all(r.endswith("| – |") for r in other), other
     head = next(r for r in (copy / "report.md").read_text().splitlines() if r.startswith("| arm | seeds"))
     assert head.endswith("| cost of a step (× paper) |")
 

@@ -93,6 +93,7 @@ def recipe_lines(study: Study, figures: dict[str, str]) -> list[str]:
            f"{SEEDS}+ seeds and the lowest mean KL at step {end:g}: "
            + (f"**{base.name}** (KL {base.kl.at(end):.3f})." if base else "none yet."), ""]
     costs = step_costs(study)
+    shared = {spec.name for arm in study.config.arms for spec in arm.layouts if spec.shared} if study.config else set()
     head = ["arm", "seeds", *(f"KL @ {s:g}" for s in steps if s > 0), f"top-1 @ {end:g}", f"ppl @ {end:g}"]
     if base:
         head.append(f"step reaching {base.kl.at(end):.3f} (×)")
@@ -106,15 +107,16 @@ def recipe_lines(study: Study, figures: dict[str, str]) -> list[str]:
         if base:
             m = step_matching(a.kl, base.kl, end)
             cells.append("–" if m is None else m.format())
-        if costs:
-            cells.append(f"{costs[a.recipe]:.2f}×" if a.recipe in costs and a.adapters is None else "–")
+        if costs:  # bench_distill times the recipes on the plain student: not adapters', not shared neurons'
+            plain = a.adapters is None and a.layout not in shared
+            cells.append(f"{costs[a.recipe]:.2f}×" if a.recipe in costs and plain else "–")
         out.append("| " + " | ".join(cells) + " |")
     out += ["", "‡ the calibrated baseline. Step matching: the first step at which the arm's seed-mean curve "
             "(linear between evaluations) reaches the baseline's mean KL at its last step; the multiplier is that "
             "step over the arm's. Only the seeds an arm has are in its mean: an arm of one seed is a pilot."
             + (f" Cost of a step: each recipe's mean over a {end:g}-step run against the paper recipe's, timed in one "
                "process by bench/bench_distill.py (cost.json; the same for every lr and layout, not measured for "
-               "adapters)." if costs else ""), ""]
+               "adapters or shared neurons)." if costs else ""), ""]
     out += head_start_lines(all_arms, end)
     if "recipes" in figures:
         out += [f"![KL against step for every recipe arm]({figures['recipes']})", "",
