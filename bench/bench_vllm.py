@@ -152,6 +152,22 @@ def rank_weights(model: Path, devices: int) -> int:
     return open_checkpoint(model).shape.shard(devices).params()
 
 
+def bench_prompts(n: int) -> list[list[int]]:
+    """n random prompts of PROMPT tokens, the same in every run (seed 0)."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, SHAPE["vocab_size"], (PROMPT,), generator=g).tolist() for _ in range(n)]
+
+
+def engine_spec(model: Path, tp: int, prompts: list, batches: list[int], threads: int, eager: bool = False,
+                dtype: str = "float32", env: dict | None = None, latency: bool = False, remove: bool = False,
+                **measure) -> dict:
+    """tests/vllm_driver.py's spec of one engine serving `model` for up to max(batches) sequences;
+    `measure`: what the driver measures in it (its "timing" or "profile")."""
+    return {"model": str(model), "tp": tp, "dtype": dtype, "prompts": prompts[:1], "max_tokens": 1,
+            "enforce_eager": eager, "max_model_len": 1024, "max_num_seqs": max(batches), "threads": threads,
+            "env": env or {}, "harness": {"latency": latency, "remove_reduces": remove}, **measure}
+
+
 ARMS = ("dtp", "tp", "nocomm", "dtp_python", "dtp_collective")  # the last two when asked for; then dtp_sharedPCT
 
 
@@ -170,18 +186,16 @@ def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], 
     median of each round's ratio, with its range."""
     from dtpshard.serve.env import runtime_env
 
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, SHAPE["vocab_size"], (PROMPT,), generator=g).tolist() for _ in range(max(batches))]
+    prompts = bench_prompts(max(batches))
     student, dense = pair
 
     mp = executor == "mp"
 
     def spec(model: Path, remove: bool, env: dict | None = None) -> dict:
-        return {"model": str(model), "tp": tp, "dtype": dtype, "prompts": prompts[:1], "max_tokens": 1,
-                "enforce_eager": eager, "max_model_len": 1024, "max_num_seqs": max(batches),
-                "threads": 0 if mp else threads, "env": env or {},
-                "harness": {"latency": any(lat > 0 for lat in latencies), "remove_reduces": remove},
-                "timing": {"batches": batches, "max_tokens": [1, new], "repeat": repeat, "latencies_ms": latencies}}
+        return engine_spec(model, tp, prompts, batches, threads=0 if mp else threads, eager=eager, dtype=dtype,
+                           env=env, latency=any(lat > 0 for lat in latencies), remove=remove,
+                           timing={"batches": batches, "max_tokens": [1, new], "repeat": repeat,
+                                   "latencies_ms": latencies})
 
     if mp and any(latencies):
         raise SystemExit("--executor mp: latency 0 only (the link harness runs in the ranks' own processes)")

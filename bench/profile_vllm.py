@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_vllm import PROMPT, SHAPE, make_pair, run_engines  # noqa: E402
+from bench_vllm import bench_prompts, engine_spec, make_pair, run_engines  # noqa: E402
 
 SUMS = {"dtpshard::exchange_start": "start", "dtpshard::exchange_value": "value", "dtpshard::ring_wait": "wait",
         "_C::shm_allreduce": "all-reduce"}
@@ -110,8 +110,6 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> int:
-    import torch
-
     from dtpshard.serve.env import found_python, runtime_env
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -125,18 +123,15 @@ def main() -> int:
     if python is None or not python.exists():
         raise SystemExit("no vLLM environment: run `python -m dtpshard.serve.env` first")
     tp = 2
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, SHAPE["vocab_size"], (PROMPT,), generator=g).tolist() for _ in range(max(args.batch))]
+    prompts = bench_prompts(max(args.batch))
     env = dict(runtime_env(), OMP_NUM_THREADS="1", TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE="1")
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         student, dense = make_pair(Path(tmp), tp)
 
         def spec(model: Path, extra: dict | None = None, remove: bool = False) -> dict:
-            return {"model": str(model), "tp": tp, "dtype": "float32", "prompts": prompts[:1], "max_tokens": 1,
-                    "enforce_eager": False, "max_model_len": 1024, "max_num_seqs": max(args.batch), "threads": 1,
-                    "env": extra or {}, "harness": {"latency": False, "remove_reduces": remove},
-                    "profile": {"batches": args.batch, "max_tokens": args.new}}
+            return engine_spec(model, tp, prompts, args.batch, threads=1, env=extra, remove=remove,
+                               profile={"batches": args.batch, "max_tokens": args.new})
 
         specs = {"tp": spec(dense), "dtp": spec(student), "dtp_python": spec(student, {"DTPSHARD_NATIVE": "0"}),
                  "nocomm": spec(student, remove=True)}

@@ -105,9 +105,9 @@ def _time(llm, prompts: list, timing: dict) -> tuple[dict, dict]:
     return walls, model
 
 
-def _profile(llm, prompts: list, profile: dict) -> dict:
-    """This rank's CPU profile of a generate call per batch, of 1 new token and of `max_tokens`: their
-    difference is that many decode steps less one (the prefill cancels)."""
+def _profile(llm, prompts: list, profile: dict) -> list[dict]:
+    """Every rank's CPU profile (rank 0 gathers them) of a generate call per batch, of 1 new token and
+    of `max_tokens`: their difference is that many decode steps less one (the prefill cancels)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
     from vllm import SamplingParams

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dtpshard.core.errors import UserError
+from dtpshard.transport import native
 from dtpshard.transport.shared import SharedReduce, open_ring, ring_slots
 
 VARIABLE = "DTPSHARD_EXCHANGE"
@@ -49,6 +50,7 @@ def choose(group: dist.ProcessGroup, key: str, schedule: Any, message_bytes: int
            shared_here: bool = True) -> tuple[Any, str]:
     """Collective over `group` -> (the Reduce, what it travels over and why). `message_bytes`: the
     largest message the ring should hold (capped at SLOT_BYTES); `collective()` makes the fallback."""
+    native.wanted()  # a mistyped DTPSHARD_NATIVE is refused here, before any segment is made
     why = why_not_shared(device, shared_here)
     whys = [None] * dist.get_world_size(group)
     dist.all_gather_object(whys, why, group=group)  # one rank's reason is every rank's

@@ -64,13 +64,18 @@ def _build(cxx: str, out: Path) -> str:
     return ""
 
 
-@functools.cache
-def why_not() -> str:
-    """Load the native ops into this process -> "" if they serve, else why the Python ring does."""
+def wanted() -> bool:
+    """Whether the native kernels are wanted: DTPSHARD_NATIVE 1 (the default) or 0; else one line."""
     setting = os.environ.get(VARIABLE, "1").strip() or "1"
     if setting not in ("0", "1"):
         raise UserError(f"environment variable {VARIABLE}={setting[:40]!r}: give 1 (the default) or 0")
-    if setting == "0":
+    return setting == "1"
+
+
+@functools.cache
+def why_not() -> str:
+    """Load the native ops into this process -> "" if they serve, else why the Python ring does."""
+    if not wanted():
         return f"{VARIABLE}=0"
     if sys.platform != "linux":
         return f"built for Linux only, this is {sys.platform}"
