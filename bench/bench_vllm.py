@@ -16,7 +16,12 @@ The same random weights served three ways, each by one engine in its own `torchr
 - with --shared FRACTION [FRACTION ...], a shared student of the same weights per fraction
   (docs/design.md §6: that fraction of every layer's neurons, drawn at random, replicated on every
   rank, the rest contiguous; which neurons does not change the cost), on the same transport and
-  settings as the student; the table then says the weights a rank holds.
+  settings as the student; the table then says the weights a rank holds;
+- with --delayed SHARE [SHARE ...], a partial student of the same weights per share (docs/design.md
+  §1, per-module delay: that share of the modules, drawn at random with seed 0, delayed, every other
+  module all-reduced at once on vLLM's own all-reduce; which modules barely changes the cost). With
+  --json each share adds one row per (batch, latency) with the same fields, `dtp_*` being that
+  student's, and `delayed` (the share; 1.0 in the full student's rows).
 
 Each row names what each arm's sums travel over (the engine's own report): the student's
 shared-memory ring (transport/shared.py) or a collective, and TP's vLLM communicator (on a CPU
@@ -145,6 +150,38 @@ def make_shared(root: Path, devices: int, fraction: float, delay: float = 1, dty
     return out
 
 
+def delayed_arm(share: float) -> str:
+    """The arm of a partial student: dtp_delayed50 for half the modules (the name a study's report reads)."""
+    return f"dtp_delayed{100 * share:.4g}".replace(".", "_")
+
+
+def make_delayed(root: Path, devices: int, share: float, delay: float = 1, dtype: str = "float32") -> Path:
+    """A partial student of make_pair's teacher (it must be made first): `share` of its modules,
+    drawn at random (seed 0), delayed; the same contiguous layout."""
+    from dtpshard.core.delayed import choose_delayed
+    from dtpshard.model.checkpoint import open_checkpoint
+    from dtpshard.model.dtp import DTPModel
+
+    teacher, out = root / "teacher", root / f"{delayed_arm(share)}-{devices}"
+    chosen = choose_delayed(share, "random", open_checkpoint(teacher).shape.modules, seed=0)
+    DTPModel.from_pretrained(teacher, devices, delay, delayed=chosen).save_pretrained(out, source=teacher,
+                                                                                      dtype=getattr(torch, dtype))
+    return out
+
+
+def delayed_rows(rows: list[dict], shares: list[float]) -> list[dict]:
+    """The full student's rows (delayed 1.0), then per share a copy of each whose dtp_* fields are that
+    partial student's (its arm's own keys dropped from every row)."""
+    arms = [delayed_arm(s) for s in shares]
+    own = [{k: v for k, v in row.items() if not any(k.startswith(a + "_") for a in arms)} for row in rows]
+    out = [{**row, "delayed": 1.0} for row in own]
+    for share, arm in zip(shares, arms):
+        for row, base in zip(rows, own):
+            fields = {"dtp" + k.removeprefix(arm): v for k, v in row.items() if k.startswith(arm + "_")}
+            out.append({**base, **fields, "delayed": share})
+    return out
+
+
 def rank_weights(model: Path, devices: int) -> int:
     """Weights a rank holds: its share of the layers (its shared neurons whole) and the embedding and head."""
     from dtpshard.model.checkpoint import open_checkpoint
@@ -174,14 +211,16 @@ ARMS = ("dtp", "tp", "nocomm", "dtp_python", "dtp_collective")  # the last two w
 def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], latencies: list[float],
             new: int, repeat: int, threads: int = 0, eager: bool = False, dtype: str = "float32",
             env: dict | None = None, executor: str = "external", collective_arm: bool = False,
-            shared: dict[str, Path] | None = None, rounds: int = 2, python_arm: bool = False) -> list[dict]:
+            shared: dict[str, Path] | None = None, rounds: int = 2, python_arm: bool = False,
+            delayed: dict[str, Path] | None = None) -> list[dict]:
     """Rows per (latency, batch). `threads` > 0 pins each rank to that many cores (external launcher)
     or each of vLLM's workers to its own cores (executor "mp": VLLM_CPU_OMP_THREADS_BIND); the
     emulated link (CPU only) is installed when a latency is not 0 (external launcher only: the
     harness lives in the ranks' own processes). `collective_arm` adds the student with its partials
     forced onto the collective (DTPSHARD_EXCHANGE=collective): the transport before the ring.
     `python_arm` adds the student on the ring's Python kernels (DTPSHARD_NATIVE=0).
-    `shared`: arm -> a shared student (make_shared), each timed as the student is. Each arm's engine
+    `shared`: arm -> a shared student (make_shared), `delayed`: arm -> a partial student
+    (make_delayed), each timed as the student is. Each arm's engine
     is started once a round (`rounds`); a cell is the median over the rounds, and a ratio to TP the
     median of each round's ratio, with its range."""
     from dtpshard.serve.env import runtime_env
@@ -212,7 +251,7 @@ def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], 
         specs["dtp_python"] = spec(student, False, {"DTPSHARD_NATIVE": "0"})
     if collective_arm:
         specs["dtp_collective"] = spec(student, False, {"DTPSHARD_EXCHANGE": "collective"})
-    for arm, path in (shared or {}).items():
+    for arm, path in {**(shared or {}), **(delayed or {})}.items():
         specs[arm] = spec(path, False)
     results: dict[str, list[dict]] = {arm: [] for arm in specs}
     arms = list(specs)
@@ -253,12 +292,16 @@ def table(rows: list[dict]) -> str:
     """The rows, each arm's tok/s (median over the rounds) and its ratio to TP (median and range of the
     rounds' ratios); then what each arm's sums travel over."""
     arms = [a for a in ARMS if f"{a}_tok_s" in rows[0]]
-    arms += sorted((k.removesuffix("_tok_s") for k in rows[0] if k.startswith("dtp_shared") and k.endswith("_tok_s")),
-                   key=lambda a: float(a.removeprefix("dtp_shared").replace("_", ".")))
+    for kind in ("shared", "delayed"):
+        prefix = f"dtp_{kind}"
+        arms += sorted((k.removesuffix("_tok_s") for k in rows[0] if k.startswith(prefix) and k.endswith("_tok_s")),
+                       key=lambda a, p=prefix: float(a.removeprefix(p).replace("_", ".")))
     names = {"dtp": "DTP", "tp": "TP", "nocomm": "no-comm", "dtp_collective": "DTP over the collective",
              "dtp_python": "DTP, the ring's Python kernels",
              **{a: f"DTP {a.removeprefix('dtp_shared').replace('_', '.')}% shared" for a in arms
-                if a.startswith("dtp_shared")}}
+                if a.startswith("dtp_shared")},
+             **{a: f"DTP {a.removeprefix('dtp_delayed').replace('_', '.')}% delayed" for a in arms
+                if a.startswith("dtp_delayed")}}
     head = ["executor", "TP", "batch", "latency ms", *(f"{names[a]} tok/s" for a in arms),
             *(f"{names[a]} / TP" for a in arms if a != "tp")]
     if "nocomm" in arms:
@@ -300,6 +343,9 @@ def main() -> int:
     ap.add_argument("--shared", type=float, nargs="+", default=[], metavar="FRACTION",
                     help="also time a shared student per fraction: that fraction of every layer's neurons on "
                          "every rank")
+    ap.add_argument("--delayed", type=float, nargs="+", default=[], metavar="SHARE",
+                    help="also time a partial student per share in (0, 1): that share of its modules delayed, the "
+                         "rest all-reduced at once")
     ap.add_argument("--json", action="store_true", help="end with the rows as one JSON line")
     args = ap.parse_args()
     python = found_python()
@@ -309,11 +355,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         pair = make_pair(Path(tmp), args.tp)
         shared = {shared_arm(f): make_shared(Path(tmp), args.tp, f) for f in args.shared}
+        if any(not 0 < s < 1 for s in args.delayed):
+            raise SystemExit("--delayed: each share must be in (0, 1) (1.0 is the full student, always timed)")
+        partial = {delayed_arm(s): make_delayed(Path(tmp), args.tp, s) for s in args.delayed}
         weights = {arm: rank_weights(path, args.tp) for arm, path in (("dtp", pair[0]), *shared.items())}
         load0 = os.getloadavg()
         rows = measure(python, pair, args.tp, args.batch, args.latency_ms, args.new, args.repeat, threads, args.eager,
                        executor=args.executor, collective_arm=args.collective_arm, shared=shared,
-                       rounds=args.rounds, python_arm=args.python_arm)
+                       rounds=args.rounds, python_arm=args.python_arm, delayed=partial)
     load = os.getloadavg()
     print(f"load average before the run {load0[0]:.2f} / {load0[1]:.2f} / {load0[2]:.2f}")
     print(f"vLLM {'eager' if args.eager else 'compiled'}, TP {args.tp}, {threads} thread(s) per rank, "
@@ -323,7 +372,7 @@ def main() -> int:
     if args.json:
         for row in rows:
             row.update({f"{k}_rank_weights": v for k, v in weights.items()})
-        print(json.dumps(rows))
+        print(json.dumps(delayed_rows(rows, args.delayed) if args.delayed else rows))
     return 0
 
 

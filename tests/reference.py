@@ -130,23 +130,36 @@ def device_partial(sd, hf_config, m, l, L, x, units=None):
     return out * _mult(hf_config, "residual_multiplier")
 
 
-def own_scale(m, M, L, d, stage3):
-    if m < d:
+def own_scale(m, M, L, d, stage3, delayed=None):
+    """s_m at a whole δ = d. Per-module delay: module k's sum lands at k + d when k is delayed, at k
+    when plain; stage 1 is every module before the first landing, stage 3 a delayed module whose
+    sum lands past the last module."""
+    if delayed is None:
+        delayed = range(M)
+    first = min(k + d if k in delayed else k for k in range(M))
+    if m < first:
         return math.sqrt(L)
-    if m >= M - d:
+    if m in delayed and m + d >= M:
         return math.sqrt(L) if stage3 == "sqrt" else 1.0
     return 1.0
 
 
-def literal_dtp_logits(hf_model, ids, L, delta, stage3="sqrt", units=None):
+def literal_dtp_logits(hf_model, ids, L, delta, stage3="sqrt", units=None, delayed=None):
     """Logits [B, T, V] of the DTP model by the letter of docs/design.md §1 (and §6: each device adds
     the shared neurons' output of its own stream at once, unscaled, and never sends it), `units`
-    as device_partial takes them."""
+    as device_partial takes them; `delayed`: the modules delayed by δ (None: all), the others plain
+    tensor parallel."""
     sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
     cfg = hf_model.config
     M = 2 * cfg.num_hidden_layers
     d = math.floor(delta)
     a = delta - d
+    on_time = set(range(M)) - set(range(M) if delayed is None else delayed)
+    lands = {}  # module m -> [(source k, weight)]: where each module's sum lands
+    for k in range(M):
+        for at, w in ([(k, 1.0)] if k in on_time else [(k + d, 1 - a), (k + d + 1, a)]):
+            if at < M and w > 0:
+                lands.setdefault(at, []).append((k, w))
     lm = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
     out = []
     for seq in ids:
@@ -156,15 +169,14 @@ def literal_dtp_logits(hf_model, ids, L, delta, stage3="sqrt", units=None):
             P[m] = [device_partial(sd, cfg, m, l, L, xs[l], units) for l in range(L)]
             own = [shared_output(sd, cfg, m // 2, xs[l], units[m // 2]["shared"] if units else [])
                    if m % 2 else 0 for l in range(L)]
-            s = own_scale(m, M, L, d, stage3)
+            s = own_scale(m, M, L, d, stage3, delayed)
             if a:
-                s = (1 - a) * s + a * own_scale(m, M, L, d + 1, stage3)
+                s = (1 - a) * s + a * own_scale(m, M, L, d + 1, stage3, delayed)
             new = []
             for l in range(L):
                 x = xs[l] + s * P[m][l] + own[l]
-                for k, w in ((m - d, 1 - a), (m - d - 1, a)):
-                    if k >= 0 and w > 0:
-                        x = x + w * sum(P[k][j] for j in range(L) if j != l)
+                for k, w in lands.get(m, []):
+                    x = x + w * sum(P[k][j] for j in range(L) if j != l)
                 new.append(x)
             xs = new
         h = sum(_norm(x, sd["model.norm.weight"], cfg.rms_norm_eps) for x in xs) / L

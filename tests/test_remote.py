@@ -314,3 +314,41 @@ def test_oldest_transformers(tmp_path):
         assert case["bf16"] == "torch.bfloat16" and case["bf16_equal"], case
         assert case["resaved_diff"] <= 1e-6 and case["resaved_in_dtpshard_diff"] <= 1e-6, case
         assert {"configuration_dtp.py", "modeling_dtp.py"} <= set(case["resaved_files"]), case
+
+
+def test_partial_student_everywhere(root, tmp_path, capsys):
+    """A student with only some modules delayed (distill --delayed) records the set, and
+    transformers' remote code, DTPModel and `dtpshard generate` compute its function, which is the
+    transcription's (tests/reference.py); a resume with another set is refused in one line."""
+    from types import SimpleNamespace
+
+    from reference import literal_dtp_logits
+
+    final = distill(root / "llama", tmp_path / "run", root, "--devices", "2", "--delay", "1", "--delayed", "1", "2",
+                    "4")
+    capsys.readouterr()
+    block = json.loads((final / "config.json").read_text())["dtp"]
+    assert block["delayed"] == [1, 2, 4]
+    ref = DTPModel.from_pretrained(final)
+    assert ref.settings.delayed == (1, 2, 4)
+    hf = remote(final, dtype=torch.float32)
+    ids = ids_for()
+    with torch.no_grad():
+        want = ref(ids).logits
+        assert (hf(ids).logits - want).abs().max().item() <= 1e-6
+        assert (DTPModel.from_pretrained(final, 1, 0)(ids).logits - want).abs().max().item() > 1e-3  # not dense
+        weights = SimpleNamespace(state_dict=ref.state_dict, config=ref.config.base_config())
+        assert (literal_dtp_logits(weights, ids, 2, 1, delayed=(1, 2, 4)) - want).abs().max().item() <= 1e-4
+    assert "Only 3 modules are delayed (1-2,4;" in (final / "README.md").read_text()
+    assert main(["generate", str(final), "--prompt", PROMPT, "--max-new-tokens", "8", "--json", "--device",
+                 "cpu"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    prompt = load_tokenizer(final)(PROMPT, return_tensors="pt").input_ids
+    out = hf.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert out[0, prompt.shape[1]:].tolist() == cli["new_token_ids"]
+    rc = main(["distill", str(root / "llama"), "--out", str(tmp_path / "run"), "--steps", "2", "--seq-len", "16",
+               "--devices", "2", "--delay", "1", "--delayed", "1", "2", "--eval-blocks", "1", "--micro-batch", "1",
+               "--grad-accum", "1", "--lr", "1e-3", "--warmup", "1", "--text", str(root / "docs.txt"),
+               "--eval-text", str(root / "docs.txt"), "--no-progress", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "delayed" in err and len(err.strip().splitlines()) == 1, err

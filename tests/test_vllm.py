@@ -44,11 +44,14 @@ NEW = 24
 # compiled engines cover the forward's other path.
 # Each engine costs about 50 s here, so CI serves five (every family feature, δ whole and
 # fractional, bf16 storage, both modes) and DTPSHARD_SLOW=1 adds the rest.
+# A sixth element: the student's delayed modules (a partial student: the others all-reduce at once,
+# on vLLM's own all-reduce).
 FAST = [("phi3", 2, 1, "float32", "eager"), ("llama", 2, 2, "bfloat16", "eager"),
         ("granite", 2, 1.5, "float32", "eager"), ("llama", 2, 1, "float32", "compiled"),
-        ("qwen3", 2, 1.5, "float32", "compiled")]
+        ("qwen3", 2, 1.5, "float32", "compiled"), ("llama", 2, 1, "float32", "compiled", (1, 2, 5))]
 SLOW = [("llama", 2, 1.5, "float32", "eager"), ("qwen3", 2, 1, "float32", "eager"),
-        ("qwen2", 4, 1, "float32", "eager"), ("llama", 2, 2, "float32", "compiled")]
+        ("qwen2", 4, 1, "float32", "eager"), ("llama", 2, 2, "float32", "compiled"),
+        ("qwen3", 2, 1.5, "float32", "eager", (0, 3, 4))]
 RUN_SLOW = os.environ.get("DTPSHARD_SLOW") == "1"
 CASES = FAST + (SLOW if RUN_SLOW else [])
 PARAMS = [*FAST, *(pytest.param(c, marks=pytest.mark.slow) for c in SLOW)]
@@ -65,12 +68,18 @@ def prompts(n: int = 5) -> list[list[int]]:
 SHAPES = {"phi3": {"num_attention_heads": 2, "num_key_value_heads": 2}}  # Phi-3's head_dim is hidden / heads
 
 
+def delayed_of(case: tuple) -> tuple[int, ...] | None:
+    return case[5] if len(case) > 5 else None
+
+
 def make_student(root: Path, case: tuple) -> Path:
     family, devices, delay, stored = case[:4]
-    out = root / f"{family}-{devices}-{delay}-{stored}"
+    delayed = delayed_of(case)
+    which = "" if delayed is None else "-" + "-".join(map(str, delayed))
+    out = root / f"{family}-{devices}-{delay}-{stored}{which}"
     if not out.exists():
         teacher = save_tiny(root / f"teacher-{family}", family, head_dim=32, **SHAPES.get(family, {}))
-        model = DTPModel.from_pretrained(teacher, devices, delay)
+        model = DTPModel.from_pretrained(teacher, devices, delay, delayed=delayed)
         out.mkdir()
         model.save_pretrained(out, source=teacher, dtype=getattr(torch, stored))
     return out
@@ -153,7 +162,8 @@ def test_compiled_graph_waits_where_the_schedule_lands(engines, case):
     """In the code Inductor compiled for vLLM's default mode, every module's reduce is started right
     after its module and waited for only where the schedule lands it: between them run the next
     ⌊δ⌋ modules' matmuls (2 each: q/k/v and o_proj, or gate/up and down_proj). Every sum that lands
-    is sent, and no other."""
+    is sent, and no other. A partial student's plain modules take vLLM's own blocking all-reduce
+    right after the module: nothing runs between."""
     from dtpshard.model.delay import schedule
 
     result = engines[case, case[1]]
@@ -163,10 +173,14 @@ def test_compiled_graph_waits_where_the_schedule_lands(engines, case):
     family, L, delay = case[:3]
     modules = 2 * 3  # tiny.py's 3 layers
     between = overlaps(code)
+    steps = schedule(modules, L, delay, "sqrt", delayed_of(case))
+    sent = sorted(steps.last_use)
     # vLLM's own all-reduces block, and come first and last: the embedding's and the final mean's
-    assert len(between) == len(schedule(modules, L, delay, "sqrt").last_use) + 2, between
+    assert len(between) == len(sent) + 2, between
     assert between[0] == between[-1] == 0
-    assert min(between[1:-1]) >= 2 * int(delay), between
+    for k, n in zip(sent, between[1:-1]):
+        plain = steps.last_use[k] == k
+        assert (n == 0) if plain else (n >= 2 * int(delay)), (k, between)
 
 
 def test_piecewise_split_keeps_each_sum_in_its_piece(tmp_path):

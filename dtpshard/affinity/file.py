@@ -34,10 +34,11 @@ def is_affinity_file(path: str | Path) -> bool:
         return (f.metadata() or {}).get("format") == FORMAT
 
 
-def edges_for_delay(modules: int, delay: float) -> list[tuple[int, int]]:
-    """Edges (a, b): module b runs before a's partials arrive (b - δ <= a <= b - 1), as the delay
-    schedule says (model/delay.py; neither L nor the stage-3 scale changes when a sum lands)."""
-    return schedule(modules, 2, delay, "sqrt").edges()
+def edges_for_delay(modules: int, delay: float, delayed: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
+    """Edges (a, b): module b runs before a's partials arrive (b - δ <= a <= b - 1, a delayed), as
+    the delay schedule says (model/delay.py; neither L nor the stage-3 scale changes when a sum
+    lands). `delayed`: the delayed modules (None: all); a plain module is the source of no edge."""
+    return schedule(modules, 2, delay, "sqrt", delayed).edges()
 
 
 def _needed(name: str, needed: set[str]) -> bool:
@@ -116,9 +117,10 @@ class Affinity:
             edges[(a, b)] = arr.astype(np.float64)
         return cls(model, file_delay, edges, tokens, options, meta.get("source", ""))
 
-    def require_edges(self, delay: float) -> list[tuple[int, int]]:
-        """The edges δ needs, each present, or one line saying which is missing."""
-        need = edges_for_delay(self.model.modules, delay)
+    def require_edges(self, delay: float, delayed: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
+        """The edges δ needs (of the `delayed` modules; None: all), each present, or one line saying
+        which is missing."""
+        need = edges_for_delay(self.model.modules, delay, delayed)
         for e in need:
             if e not in self.edges:
                 raise UserError(f"affinity has no edge.{e[0]}.{e[1]}, needed at delay {delay} "

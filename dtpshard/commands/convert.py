@@ -14,9 +14,9 @@ from dtpshard.affinity.settings import CalibrationData, PassSettings
 from dtpshard.commands.schema import values, view
 from dtpshard.core.io import dumps
 from dtpshard.core.settings import DEFAULT
-from dtpshard.training.settings import NO_SHARING, DistillConfig, Sharing
+from dtpshard.training.settings import EVERY_MODULE, NO_SHARING, Delaying, DistillConfig, Sharing
 
-ConvertFlags = view("ConvertFlags", DistillConfig, drop={"layout"}, positional=("teacher",),
+ConvertFlags = view("ConvertFlags", DistillConfig, drop={"layout", "delayed"}, positional=("teacher",),
                     doc="What convert takes of a distillation's flags.",
                     helps={"teacher": "the dense Hugging Face checkpoint directory to convert",
                            "out": "the convert directory DIR (created; rerun the same command to resume)",
@@ -32,7 +32,8 @@ CALIBRATION_FLAGS = CalibrationFlags()
 
 def convert_cmd(flags: Annotated[ConvertFlags, Parameter(name="*")],  # type: ignore[valid-type]
                 calibration: Annotated[CalibrationFlags, Parameter(name="*")] = CALIBRATION_FLAGS, *,  # type: ignore[valid-type]
-                sharing: Annotated[Sharing, Parameter(name="*")] = NO_SHARING, json: bool = False) -> int:
+                sharing: Annotated[Sharing, Parameter(name="*")] = NO_SHARING,
+                delaying: Annotated[Delaying, Parameter(name="*")] = EVERY_MODULE, json: bool = False) -> int:
     """Turn the dense checkpoint TEACHER into a DTP student ready to serve, in DIR (--out): the
     calibration pass (--blocks blocks of --seq-len tokens of the training data), the optimised
     layout for L = --devices and δ = --delay (with J of the contiguous and a random layout beside
@@ -48,6 +49,7 @@ def convert_cmd(flags: Annotated[ConvertFlags, Parameter(name="*")],  # type: ig
     from dtpshard.training.convert import (
         _signals_end_in_one_line,
         calibration_settings,
+        check_delaying,
         check_sharing,
         convert,
         resolved,
@@ -60,11 +62,15 @@ def convert_cmd(flags: Annotated[ConvertFlags, Parameter(name="*")],  # type: ig
         data, run = calibration_settings(cfg, values(calibration))
         if cfg.plan:
             check_sharing(resolved(teacher, cfg), sharing)
+            removed = check_delaying(resolved(teacher, cfg), delaying)
             plans = convert_plan.plan_convert(resolved(teacher, cfg), data, run, timed=True)
-            print(dumps([s.to_json() for s in plans]) if json else "\n".join(s.describe() for s in plans))
+            if json:
+                print(dumps([*[s.to_json() for s in plans], removed]))
+            else:
+                print("\n".join([*(s.describe() for s in plans), removed["describe"]]))
             convert_plan.refuse_unless_fits(plans)
             return 0
-        p = convert(teacher, cfg, data, run, sharing)
+        p = convert(teacher, cfg, data, run, sharing, delaying)
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
         result = summary(p, resolved(teacher, cfg))

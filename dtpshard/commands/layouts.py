@@ -9,6 +9,7 @@ from dtpshard.core.settings import DEFAULT
 from dtpshard.core.vocab import (
     Count,
     Delay,
+    DelayedBy,
     KvSearch,
     LayoutKind,
     PermuteCheck,
@@ -24,7 +25,9 @@ CHECK_TOL = 1e-4  # --check logits' default: layouts/permute.py CHECK_TOL (not i
 def layout_cmd(source: Path, *, out: Path, devices: Count = DEFAULT.devices, delay: Delay = DEFAULT.delay,
                kind: LayoutKind = "optimised", layers: Count | None = None, restarts: Count = 1, seed: Seed = 0,
                kv_search: KvSearch = "assignment", max_sweeps: Count = 20, shared: SharedFraction = 0.0,
-               shared_by: SharedBy = "fo", json: bool = False) -> int:
+               shared_by: SharedBy = "fo", delayed: str | None = None, delayed_by: DelayedBy = "sensitivity",
+               model: Path | None = None, text: list[str] | None = None, blocks: Count = 8, seq_len: Count = 256,
+               json: bool = False) -> int:
     """Make a layout (docs/design.md §3) and write it as JSON; prints J, its random expectation and the time.
 
     Args:
@@ -41,16 +44,26 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = DEFAULT.devices, del
         shared: fraction of each layer's neurons replicated on every device (docs/design.md §6), rounded up to
             leave the rest divisible by L
         shared_by: the shared neurons: the top by up-edge affinity mass (fo), by down-edge mass (dn), or random
-        json: print one JSON object {out, kind, devices, delay, seed, shared, shared_by, layout_sha256, score: {J, ...}}
+        delayed: delay only some modules, the rest plain tensor parallel (docs/design.md §1): a share of them written
+            with a decimal point (0.5, 1.0), or module indices (10-59, 0,2,10-19; module 2i is layer i's attention)
+        delayed_by: which modules a share delays: least measured sensitivity (KL to the dense model with that module
+            alone delayed, under this layout; needs --model), the upper ones, or random (seeded by --seed)
+        model: the dense checkpoint sensitivity is measured on (default: SOURCE when it is a model directory)
+        text: sensitivity's calibration text files or directories (default: the offline corpus)
+        blocks: sensitivity's calibration blocks
+        seq_len: tokens per sensitivity block
+        json: print one JSON object {out, kind, devices, delay, seed, shared, shared_by, delayed, layout_sha256, score:
+            {J, ...}}
             instead of text
     """
     from dtpshard.layouts.make import describe, write_layout
 
     layout = write_layout(source, out, devices, delay, kind, layers, restarts, seed, kv_search, max_sweeps,
-                          shared, shared_by)
+                          shared, shared_by, delayed, delayed_by, model, text, blocks, seq_len)
     if json:
         print(dumps({"out": str(out), "kind": layout.kind, "devices": layout.devices, "delay": layout.delay,
                      "seed": layout.seed, "shared": layout.shared, "shared_by": layout.shared_by,
+                     "delayed": None if layout.delayed is None else list(layout.delayed),
                      HASH_KEY: layout.content_sha256(), "score": layout.score}))
     else:
         print(f"{describe(layout)} -> {out}")

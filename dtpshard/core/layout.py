@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from dtpshard.core.delayed import DELAYED_KEY, check_delayed
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_write_text, check_keys, dumps, loads, read_bytes, short_sha256
 from dtpshard.core.owned import raw_mark
@@ -34,7 +35,9 @@ FORMAT = "dtpshard.layout/1"
 KEYS = ("format", "devices", "delay", "kind", "seed", "model", "layers", "score")  # what a layout file is written with
 SHARED_KEYS = ("shared", "shared_by")  # written only by a shared layout (older readers see no change otherwise)
 HASH_KEY = "layout_sha256"  # the one key of a layout's content hash (content_sha256), wherever it is recorded
-READ_KEYS = (*KEYS, *SHARED_KEYS, HASH_KEY, "sha256")  # a file may record its hash, under the key or the older "sha256"
+# DELAYED_KEY is written only by a layout for some modules (core/delayed.py): absent, every module is
+# delayed; a file may record its hash, under the key or the older "sha256"
+READ_KEYS = (*KEYS, *SHARED_KEYS, DELAYED_KEY, HASH_KEY, "sha256")
 LAYER_KEYS = ("kv_perm", "ffn_perm", "shared")
 SHARED = -1  # the device of a shared neuron: every device's
 PERMUTED_JSON = "layout.json"  # the layout a permuted checkpoint was made with, beside its weights (permute)
@@ -66,9 +69,12 @@ class Layout:
     score: dict[str, Any] = field(default_factory=dict)
     shared: int = 0  # n: the last n positions of every ffn_perm are replicated on all devices
     shared_by: str | None = None  # how they were chosen (core.vocab.SHARED_BY); None when n = 0
+    # the modules delayed by δ (core/delayed.py; None: every module), and how they were chosen
+    delayed: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         check_devices(self.model, self.devices, shared=self.shared)
+        self.delayed = check_delayed(self.delayed, self.model.modules, "layout: delayed")
 
     # -- construction --------------------------------------------------------------------
     @classmethod
@@ -112,7 +118,7 @@ class Layout:
     def with_shared(self, shared: int, shared_by: str | None) -> Layout:
         """This layout with the last `shared` neurons of every ffn_perm replicated."""
         return Layout(self.devices, self.delay, self.kind, self.model, self.kv_perms, self.ffn_perms, self.seed,
-                      self.score, shared, shared_by if shared else None)
+                      self.score, shared, shared_by if shared else None, self.delayed)
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -151,6 +157,8 @@ class Layout:
         what: dict[str, Any] = {"devices": self.devices, "perms": perms}
         if self.shared:  # the same permutations with their tail replicated are another function
             what["shared"] = self.shared
+        if self.delayed is not None:  # so are the same permutations with some modules plain
+            what[DELAYED_KEY] = list(self.delayed)
         data = json.dumps(what, separators=(",", ":"))
         return short_sha256(data.encode())
 
@@ -180,9 +188,11 @@ class Layout:
             shared = {"shared": self.shared, "shared_by": self.shared_by}
             for i, entry in enumerate(layers):  # for a reader: the tail of ffn_perm, sorted
                 entry["shared"] = sorted(int(u) for u in self.shared_neurons(i))
+        delayed = {} if self.delayed is None else {DELAYED_KEY: list(self.delayed)}
         return {
             "format": FORMAT, "devices": self.devices, "delay": self.delay, "kind": self.kind,
-            "seed": self.seed, "model": self.model.to_json(), **shared, "layers": layers, "score": self.score,
+            "seed": self.seed, "model": self.model.to_json(), **shared, **delayed, "layers": layers,
+            "score": self.score,
         }
 
     def save(self, path: str | Path) -> None:
@@ -235,9 +245,15 @@ class Layout:
             if not isinstance(listed, list) or not all(_is_int(u) for u in listed) or sorted(listed) != tail:
                 raise UserError(f"{where}: layer {i} lists shared neurons other than the last {shared} of its ffn_perm")
         seed = obj.get("seed")
+        listed = obj.get(DELAYED_KEY)
+        if listed is not None and not isinstance(listed, list):
+            raise UserError(f"{where}: delayed must be a list of module indices")
+        delayed = check_delayed(listed, model.modules, f"{where}: delayed")
+        if delayed is not None and listed != list(delayed):
+            raise UserError(f"{where}: delayed must list its module indices in increasing order")
         layout = cls(devices, delay, str(obj.get("kind", "unknown")), model, kv, ffn,
                      seed=seed if _is_int(seed) else None, score=dict(score), shared=shared,
-                     shared_by=shared_by if shared else None)
+                     shared_by=shared_by if shared else None, delayed=delayed)
         recorded = obj.get(HASH_KEY, obj.get("sha256"))
         if recorded is not None and recorded != layout.content_sha256():
             raise UserError(f"{where}: records {HASH_KEY} {recorded!r}, but its permutations hash to "

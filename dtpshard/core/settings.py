@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
+from dtpshard.core.delayed import DELAYED_KEY, check_delayed, describe
 from dtpshard.core.errors import UserError
 from dtpshard.core.shape import FAMILIES, MAX_UNITS, UnitShape, check_delay, check_devices
 from dtpshard.core.vocab import STAGE3, Count, Delay, Stage3
@@ -31,17 +32,30 @@ class DTPSettings:
     devices: int  # L
     delay: float  # δ, in modules (an int when whole)
     stage3: str  # own-partial scale of the last δ modules: "sqrt" (√L, the paper's) or "one"
+    # the modules delayed by δ, sorted (core/delayed.py); the others are plain tensor parallel.
+    # None: every module (the uniform schedule), the only way "all" is stored
+    delayed: tuple[int, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """What a record holds: `delayed` only when some modules are plain (absent: all delayed)."""
+        out: dict[str, Any] = {"devices": self.devices, "delay": self.delay, "stage3": self.stage3}
+        if self.delayed is not None:
+            out[DELAYED_KEY] = list(self.delayed)
+        return out
 
     def check(self, shape: UnitShape | None, shared: int | None = None) -> DTPSettings:
         """Refuse settings that `shape` cannot run (L divides G and the sharded neurons, 0 <= δ <= M, a
-        known stage3); `shared`: the neurons a layout replicates (None: the shape's own)."""
+        known stage3, delayed modules that exist); `shared`: the neurons a layout replicates (None:
+        the shape's own)."""
         check_stage3(self.stage3)
         if shape is not None:
             check_devices(shape, self.devices, shared=shared)
         check_delay(shape, self.delay)
+        if self.delayed is not None:
+            modules = None if shape is None else shape.modules
+            stored = check_delayed(self.delayed, modules, "the delayed modules")
+            if stored != self.delayed:  # every module listed: stored as None, one way to say "all"
+                return DTPSettings(self.devices, self.delay, self.stage3, stored)
         return self
 
     @property
@@ -49,8 +63,11 @@ class DTPSettings:
         """Whether these settings compute the dense function (one device, or nothing delayed)."""
         return self.devices == 1 or self.delay == 0
 
-    def describe(self) -> str:
-        return f"devices={self.devices}, delay={self.delay}, stage3={self.stage3}"
+    def describe(self, modules: int | None = None) -> str:
+        text = f"devices={self.devices}, delay={self.delay}, stage3={self.stage3}"
+        if self.delayed is not None:
+            text += f", delayed={describe(self.delayed, modules) if modules else list(self.delayed)}"
+        return text
 
 
 DEFAULT = DTPSettings(devices=4, delay=1, stage3="sqrt")
@@ -98,12 +115,13 @@ def plain_delay(delay: float) -> float:
 
 
 def resolve_dtp(shape: UnitShape | None = None, *, devices: int | None = None, delay: float | None = None,
-                stage3: str | None = None, record: dict[str, Any] | None = None, layout: Any = None,
-                where: str = "layout") -> DTPSettings:
+                stage3: str | None = None, delayed: Any = None, record: dict[str, Any] | None = None,
+                layout: Any = None, where: str = "layout") -> DTPSettings:
     """Each setting from the first that gives it: the arguments, the student's `record`
-    (read_record), the `layout` (a core.layout.Layout: its devices and delay), DEFAULT. Checked
-    against `shape` (L divides G and N, δ <= M); a layout made for another L is refused, naming
-    `where` (its file)."""
+    (read_record), the `layout` (a core.layout.Layout: its devices, delay and delayed modules),
+    DEFAULT. Checked against `shape` (L divides G and N, δ <= M, the delayed modules exist); a
+    layout made for another L is refused, naming `where` (its file). `delayed`: module indices
+    (None: not given; every module unless the record or the layout says otherwise)."""
     record = record or {}
 
     def pick(name: str, given: Any) -> Any:
@@ -113,8 +131,10 @@ def resolve_dtp(shape: UnitShape | None = None, *, devices: int | None = None, d
         return getattr(DEFAULT, name)
 
     shared = getattr(layout, "shared", 0) or None  # a shared layout's count, else the shape's (docs/design.md §6)
+    chosen = pick(DELAYED_KEY, delayed)
+    chosen = check_delayed(chosen, None if shape is None else shape.modules, "the delayed modules")
     out = DTPSettings(int(pick("devices", devices)), plain_delay(pick("delay", delay)),
-                      check_stage3(pick("stage3", stage3))).check(shape, shared)
+                      check_stage3(pick("stage3", stage3)), chosen).check(shape, shared)
     if layout is not None and layout.devices != out.devices:
         raise UserError(f"{where} was made for devices={layout.devices}, the model runs devices={out.devices}")
     return out
@@ -133,7 +153,10 @@ def read_record(saved: Any, where: str) -> dict[str, Any] | None:
               "stage3": lambda v: v in STAGE3,
               "layout_sha256": lambda v: v is None or isinstance(v, str) and len(v) <= 64,
               "shared": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_UNITS,
-              "family": lambda v: v in FAMILIES}  # the base family of a model_type "dtp" student
+              "family": lambda v: v in FAMILIES,  # the base family of a model_type "dtp" student
+              DELAYED_KEY: lambda v: isinstance(v, list) and 0 < len(v) <= MAX_UNITS
+              and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < MAX_UNITS for i in v)
+              and v == sorted(set(v))}  # the sorted delayed modules (absent: every module)
     unknown = sorted(str(k) for k in saved if k not in checks)  # a typo ("delays") must not pass silently
     if unknown:
         raise UserError(f"{where}: unknown DTP setting {unknown[0]!r} (known: {', '.join(checks)})")
@@ -149,8 +172,9 @@ def warn_if_other_settings(where: Any, record: dict[str, Any] | None, settings: 
     O(1) logits (run dense, it is not the function it was distilled for)."""
     if record is None:
         return
+    delayed = record.get(DELAYED_KEY)
     trained = DTPSettings(record.get("devices", DEFAULT.devices), record.get("delay", DEFAULT.delay),
-                          record.get("stage3", DEFAULT.stage3))
+                          record.get("stage3", DEFAULT.stage3), None if delayed is None else tuple(delayed))
     if trained == settings or trained.dense and settings.dense:
         return
     dense = " (a dense model)" if settings.dense else ""

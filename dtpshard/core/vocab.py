@@ -37,6 +37,10 @@ PermuteCheck = Literal["construction", "logits", "none"]  # what `permute` reads
 # edge's column mass), by the down edge's row mass, or chosen at random
 SharedBy = Literal["fo", "dn", "random"]
 SHARED_BY: tuple[str, ...] = get_args(SharedBy)
+# which modules a partial student delays (core/delayed.py): those of least measured sensitivity
+# (affinity/sensitivity.py), the upper ones (Ladder Residual's choice), or drawn at random
+DelayedBy = Literal["sensitivity", "upper", "random"]
+DELAYED_BY: tuple[str, ...] = get_args(DelayedBy)
 
 # -- constrained numbers and strings (parse-time checks) ---------------------------------------
 # NaN fails every comparison, so each test refuses it; `< math.inf` refuses infinity too.
@@ -49,6 +53,7 @@ LearningRate = Annotated[float, Constraint(lambda x: 0 < x <= 1, "number in (0, 
 NonNegativeNumber = Annotated[float, Constraint(lambda x: 0 <= x < math.inf, "number >= 0", "a finite number >= 0")]
 Fraction = Annotated[float, Constraint(lambda x: 0 <= x <= 1, "number in [0, 1]", "a number in [0, 1]")]
 SharedFraction = Annotated[float, Constraint(lambda x: 0 <= x < 1, "number in [0, 1)", "a number in [0, 1)")]
+DelayedShare = Annotated[float, Constraint(lambda x: 0 < x <= 1, "number in (0, 1]", "a number in (0, 1]")]
 Beta = Annotated[float, Constraint(lambda x: 0 <= x < 1, "number in [0, 1)", "a number in [0, 1)")]
 TopP = Annotated[float, Constraint(lambda x: 0 < x <= 1, "number in (0, 1]", "a number in (0, 1]")]  # nucleus mass
 Delay = NonNegativeNumber  # δ in modules; fractional allowed, 0 is tensor parallelism

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 
 from dtpshard.affinity.file import Affinity, edges_for_delay
+from dtpshard.core.delayed import describe as describe_delayed
+from dtpshard.core.delayed import parse_spec
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, check_replaceable
 from dtpshard.core.io import check_output_file
@@ -25,7 +27,7 @@ from dtpshard.core.layout import Layout, is_layout_file
 from dtpshard.core.lock import one_writer
 from dtpshard.core.settings import DEFAULT, DTPSettings, plain_delay
 from dtpshard.core.shape import UnitShape, check_delay, check_devices, shared_count
-from dtpshard.core.vocab import FIXED_KINDS, LAYOUT_KINDS, OPTIMISING_KINDS, SHARED_BY
+from dtpshard.core.vocab import DELAYED_BY, FIXED_KINDS, LAYOUT_KINDS, OPTIMISING_KINDS, SHARED_BY
 from dtpshard.layouts.optimise import Problem, choose_shared, optimise_layout, score_record
 from dtpshard.layouts.score import layout_devices
 
@@ -92,39 +94,59 @@ def make_layout(model: UnitShape, settings: DTPSettings, kind: str, *, affinity:
 def write_layout(source: Path, out: Path, devices: int = DEFAULT.devices, delay: float = DEFAULT.delay,
                  kind: str = "optimised", layers: int | None = None, restarts: int = 1, seed: int = 0,
                  kv_search: str = "assignment", max_sweeps: int = 20, shared: float = 0.0,
-                 shared_by: str = "fo") -> Layout:
+                 shared_by: str = "fo", delayed: str | None = None, delayed_by: str = "sensitivity",
+                 model: Path | None = None, text: list[str] | None = None, blocks: int = 8,
+                 seq_len: int = 256) -> Layout:
     """`dtpshard layout`: a layout of `kind` from a model directory (contiguous, random: unscored)
-    or an affinity file (every kind, scored), checked, made and saved to `out`; returned."""
+    or an affinity file (every kind, scored), checked, made and saved to `out`; returned.
+    `delayed`: a partial student's layout (layouts/delayed.py), the set chosen `delayed_by`; by
+    sensitivity, measured on checkpoint `model` (default: a model directory `source`) over `blocks`
+    blocks of `seq_len` tokens of `text` (default the offline corpus)."""
     check_delay(None, delay)
     delay = plain_delay(delay)
     source = Path(source)
     if not source.exists():
         raise UserError(f"{source}: no such model directory or affinity file")
-    check_outputs({"--out": out}, {"the source": source})
+    if delayed is not None:
+        parse_spec(delayed)  # a bad spec, before anything is read
+    if delayed_by not in DELAYED_BY:
+        raise UserError(f"--delayed-by {delayed_by!r}: one of {', '.join(DELAYED_BY)}")
+    check_outputs({"--out": out}, {"the source": source, "the model": model, "the text": text})
     affinity = None
     if source.is_dir():
         if kind not in FIXED_KINDS:
             raise UserError(f"--kind {kind} optimises J and needs an affinity file; {source} is a model "
                             "directory (run `dtpshard affinity` first)")
-        model = _shape_of_model_dir(source)
+        shape = _shape_of_model_dir(source)
     else:
         affinity = Affinity.load(source, delay=delay)
-        model = affinity.model
-        if not edges_for_delay(model.modules, delay):
+        shape = affinity.model
+        if not edges_for_delay(shape.modules, delay):
             raise UserError(f"--delay {delay}: no edges at δ < 1 (every module sees all partials); J is defined "
                             f"from δ = 1, and {source} scores edges up to δ = {affinity.delay}")
-    count = shared_count(model.neurons, devices, shared)  # refused before anything is made
-    check_devices(model, devices, where=str(source), shared=count)
+    count = shared_count(shape.neurons, devices, shared)  # refused before anything is made
+    check_devices(shape, devices, where=str(source), shared=count)
     if count and shared_by != "random" and affinity is None:
-        shared_sets(model, devices, shared, shared_by)  # the one-line refusal, before the output is checked
+        shared_sets(shape, devices, shared, shared_by)  # the one-line refusal, before the output is checked
     settings = DTPSettings(devices, delay, DEFAULT.stage3)
-    check_delay(model, delay)  # a layout has no stage-3 scale
+    check_delay(shape, delay)  # a layout has no stage-3 scale
     check_output_file(Path(out))  # before the (possibly long) optimisation, not after
     check_replaceable(Path(out), is_layout_file, "a layout file (dtpshard.layout/1)")
-    layout = make_layout(model, settings, kind, affinity=affinity, layers=layers, restarts=restarts,
+    if delayed is not None:
+        from dtpshard.layouts.delayed import measure_for_layout, partial_layout, prepare
+
+        model, ids = prepare(delayed, delayed_by, source=source, model=model, shape=shape, text=text, blocks=blocks,
+                             seq_len=seq_len, seed=seed)
+    elif model is not None:
+        raise UserError("--model is read only to measure sensitivity (--delayed SHARE --delayed-by sensitivity)")
+    layout = make_layout(shape, settings, kind, affinity=affinity, layers=layers, restarts=restarts,
                          seed=seed, kv_search=kv_search, max_sweeps=max_sweeps, shared=shared, shared_by=shared_by)
     if affinity is not None:
         layout.score["affinity"] = str(source)
+    if delayed is not None:
+        sens = None if ids is None else measure_for_layout(model, layout, settings, ids)
+        layout = partial_layout(layout, delayed, delayed_by, affinity=affinity, sensitivity=sens, seed=seed,
+                                kv_search=kv_search, max_sweeps=max_sweeps)
     layout.save(out)
     return layout
 
@@ -133,6 +155,10 @@ def describe(layout: Layout) -> str:
     """One line: the layout, its J and what it took."""
     s = layout.score
     shared = f", {layout.shared} neurons a layer shared ({layout.shared_by})" if layout.shared else ""
+    if layout.delayed is not None:
+        d = s.get("delayed", {})
+        by = f" by {d['by']}" if d.get("by") else ""
+        shared += f", {describe_delayed(layout.delayed, layout.model.modules)} delayed{by}"
     if "J" not in s:
         return (f"{layout.kind} layout, L = {layout.devices}, delay {layout.delay}{shared}: not scored "
                 "(no affinity file)")

@@ -31,6 +31,7 @@ from dtpshard.layouts.score import (
     Edge,
     Edges,
     blas_threads,
+    layout_devices,
     normalised_edges,
     one_hot,
     perm_from_devices,
@@ -99,9 +100,10 @@ class Problem:
 
     @classmethod
     def build(cls, affinity: Affinity, devices: int, delay: float,
-              shared: list[np.ndarray] | None = None) -> Problem:
+              shared: list[np.ndarray] | None = None, delayed: tuple[int, ...] | None = None) -> Problem:
+        """`delayed`: only these modules' edges (a plain module changes nothing a layout could place)."""
         check_devices(affinity.model, devices, where="affinity model", shared=0 if shared is None else len(shared[0]))
-        edges = normalised_edges(affinity, delay)
+        edges = normalised_edges(affinity, delay, delayed)
         partners: dict[int, list[tuple[bool, int, Edge]]] = {}
         for (a, b), e in edges.items():  # both ends see the edge: a through rows, b through columns
             partners.setdefault(a, []).append((True, b, e))
@@ -245,13 +247,17 @@ def choose_shared(affinity: Affinity, count: int, by: str) -> list[np.ndarray]:
 def optimise_layout(affinity: Affinity, devices: int, delay: float, kind: str = "optimised",
                     layers: int | None = None, restarts: int = 1, seed: int = 0,
                     kv_search: KvSearch = "assignment", max_sweeps: int = 20,
-                    shared: list[np.ndarray] | None = None, shared_by: str | None = None) -> Layout:
+                    shared: list[np.ndarray] | None = None, shared_by: str | None = None,
+                    delayed: tuple[int, ...] | None = None, start: Layout | None = None) -> Layout:
     """A layout of optimising family `kind`, scored, the best of `restarts` starts (contiguous and
     random layouts are made, and scored, by dtpshard.layouts.make.make_layout).
 
     The first start is contiguous (the paper's); later ones are random permutations of the
     optimised blocks, seeded by `seed`. `layers` = k restricts optimisation to k evenly spaced
     layers. The layout's `score` records J, its parts, the random expectation and the time.
+    `delayed`: the modules the layout is for (None: all); J counts only their edges, and a module in
+    no edge keeps its start. `start`: a layout the first start is instead (a partial student's
+    layout refines the full one's, layouts/delayed.py).
     """
     if kind not in OPTIMISING_KINDS:
         raise UserError(f"kind {kind!r}: optimise_layout makes one of {', '.join(OPTIMISING_KINDS)}")
@@ -263,7 +269,7 @@ def optimise_layout(affinity: Affinity, devices: int, delay: float, kind: str = 
         raise UserError(f"--max-sweeps {max_sweeps}: must be at least 1")
     check_delay(affinity.model, delay)
     t0 = time.perf_counter()
-    problem = Problem.build(affinity, devices, delay, shared)
+    problem = Problem.build(affinity, devices, delay, shared, delayed)
     n = problem.model.layers
     chosen = evenly_spaced_layers(n, layers) if layers is not None else None
     if kv_search == "exhaustive" and kind in ("optimised", "anti", "heads-only"):
@@ -273,13 +279,17 @@ def optimise_layout(affinity: Affinity, devices: int, delay: float, kind: str = 
     rng = np.random.default_rng(seed)
     best = None
     for r in range(restarts):
-        start = problem.contiguous() if r == 0 else _random_start(problem, blocks, rng)
-        devs_r, hist_r = ascend(problem, start, blocks, maximise, kv_search, max_sweeps)
+        if r == 0:
+            first = problem.contiguous() if start is None else [d.copy() for d in layout_devices(start)]
+        else:
+            first = _random_start(problem, blocks, rng)
+        devs_r, hist_r = ascend(problem, first, blocks, maximise, kv_search, max_sweeps)
         if best is None or (hist_r[-1] > best[1][-1] if maximise else hist_r[-1] < best[1][-1]):
             best = (devs_r, hist_r, r)
     devs, history, best_restart = best
     layout = to_layout(problem, devs, kind if chosen is None else f"{kind}-layers-{layers}",
                        seed=seed if restarts > 1 else None, shared_by=shared_by)
+    layout.delayed = delayed
     layout.score = score_record(problem, devs, kind, time.perf_counter() - t0, history, restarts, best_restart,
                                 kv_search, chosen)
     return layout

@@ -53,10 +53,11 @@ class Edge:
 Edges = dict[tuple[int, int], Edge]
 
 
-def normalised_edges(affinity: Affinity, delay: float) -> Edges:
-    """Ŝ for every edge δ needs; one line if an edge is missing or has no mass to normalise."""
+def normalised_edges(affinity: Affinity, delay: float, delayed: tuple[int, ...] | None = None) -> Edges:
+    """Ŝ for every edge δ needs (of the `delayed` modules; None: all); one line if an edge is
+    missing or has no mass to normalise."""
     out: Edges = {}
-    for a, b in affinity.require_edges(delay):
+    for a, b in affinity.require_edges(delay, delayed):
         s = np.asarray(affinity.edges[(a, b)], dtype=np.float64)
         want = (affinity.model.units(a), affinity.model.units(b))
         if s.shape != want:
@@ -144,7 +145,7 @@ def colocated_score(affinity: Affinity, layout: Layout, where: str = "layout",
                     other: str = "the affinity file") -> dict:
     """J of `layout` under `affinity` at the layout's delay (refuses a mismatched model shape)."""
     layout.check_model(affinity.model, where=where, other=other)
-    edges = normalised_edges(affinity, layout.delay)
+    edges = normalised_edges(affinity, layout.delay, layout.delayed)
     out = score_devices(edges, layout_devices(layout), layout.devices, layout.layers)
     out["delay"] = layout.delay
     out["kind"] = layout.kind

@@ -2,7 +2,8 @@
 
 Update at module m, for integer δ:  x_l ← x_l + s_m·p_l^m + Σ_{j≠l} p_j^{m-δ}.
 Fractional δ = d + a: module m's broadcast lands with weight (1-a) after module m+d and a after
-m+d+1, and s_m is interpolated the same way, so the forward is continuous in δ.
+m+d+1, and s_m is interpolated the same way, so the forward is continuous in δ. Per-module delay:
+only the modules of a set are delayed; the others' sums land at once, where they are made.
 
 The schedule is data, and everything that follows from it is derived here once: when each
 module's sum is last needed (`last_use`), which modules run before it has landed (`edges`, what
@@ -14,13 +15,18 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from dtpshard.core.delayed import is_delayed
 from dtpshard.core.settings import DTPSettings
 
 
-def _own_scale_int(m: int, modules: int, devices: int, delay: int, stage3: str) -> float:
-    if m < delay:  # stage 1: nothing has arrived yet
+def _own_scale_int(m: int, modules: int, devices: int, delay: int, stage3: str,
+                   delayed: tuple[int, ...] | None = None) -> float:
+    """s_m at a whole δ: √L before the first landing (stage 1), the stage-3 scale for a delayed
+    module whose sum never lands, 1 otherwise (a plain module, and the steady state)."""
+    first = delay if delayed is None else min(k if k not in delayed else k + delay for k in range(modules))
+    if m < first:  # stage 1: nothing has arrived yet
         return math.sqrt(devices)
-    if m >= modules - delay:  # stage 3: these broadcasts never land
+    if is_delayed(m, delayed) and m >= modules - delay:  # stage 3: this broadcast never lands
         return math.sqrt(devices) if stage3 == "sqrt" else 1.0
     return 1.0
 
@@ -72,21 +78,25 @@ class Schedule:
         return [(a, b) for b in range(M) for a in range(b) if b <= first.get(a, M)]
 
 
-def schedule(modules: int, devices: int, delay: float, stage3: str) -> Schedule:
+def schedule(modules: int, devices: int, delay: float, stage3: str, delayed: tuple[int, ...] | None = None) -> Schedule:
     """Per module m: s_m and the arrivals, for the settings of a core.settings.DTPSettings (checked
-    by core.settings.resolve_dtp); `schedule_for(M, settings)` takes the settings whole."""
+    by core.settings.resolve_dtp); `schedule_for(M, settings)` takes the settings whole. `delayed`:
+    the modules whose sums land δ modules later (None: all); every other module's sum lands at
+    once, at the module itself, after the delayed arrivals (docs/design.md §1, per-module delay)."""
     d = math.floor(delay)
     a = delay - d
     steps = []
     for m in range(modules):
-        s = _own_scale_int(m, modules, devices, d, stage3)
-        arrivals = [(m - d, 1.0 - a)]
+        s = _own_scale_int(m, modules, devices, d, stage3, delayed)
         if a > 0:
-            s = (1 - a) * s + a * _own_scale_int(m, modules, devices, d + 1, stage3)
-            arrivals.append((m - d - 1, a))
-        steps.append(Step(s, tuple((k, w) for k, w in arrivals if k >= 0 and w > 0)))
+            s = (1 - a) * s + a * _own_scale_int(m, modules, devices, d + 1, stage3, delayed)
+        arrivals = [(k, w) for k, w in ((m - d, 1.0 - a), (m - d - 1, a))
+                    if k >= 0 and w > 0 and is_delayed(k, delayed)]
+        if not is_delayed(m, delayed):
+            arrivals.append((m, 1.0))
+        steps.append(Step(s, tuple(arrivals)))
     return Schedule(tuple(steps))
 
 
 def schedule_for(modules: int, settings: DTPSettings) -> Schedule:
-    return schedule(modules, settings.devices, settings.delay, settings.stage3)
+    return schedule(modules, settings.devices, settings.delay, settings.stage3, settings.delayed)

@@ -106,7 +106,8 @@ class DTPModel(PretrainedMixin, Decoder):
     def from_state_dict(cls, hf_config: Any, state_dict: dict[str, torch.Tensor], devices: int | None = None,
                         delay: float | None = None, stage3: str | None = None, layout: Any = None,
                         dtype: torch.dtype | str = torch.float32, record: dict[str, Any] | None = None,
-                        settings: DTPSettings | None = None, shared: int | None = None) -> DTPModel:
+                        settings: DTPSettings | None = None, shared: int | None = None,
+                        delayed: Any = None) -> DTPModel:
         """The DTP model of a dense (or distilled) state dict (its family's format, fused tensors and
         all, or the canonical one: core/family.py), permuted by `layout` (a Layout or its
         file). L, δ and stage3 as core.settings.resolve_dtp says: `settings` (already resolved) or
@@ -132,7 +133,8 @@ class DTPModel(PretrainedMixin, Decoder):
                                 "applies to the dense model it was made from")
             shared = layout.shared
         shape = replace(shape, shared=shared)
-        given = {"devices": devices, "delay": delay, "stage3": stage3} if settings is None else settings.to_json()
+        given = ({"devices": devices, "delay": delay, "stage3": stage3, "delayed": delayed} if settings is None
+                 else settings.to_json())
         settings = resolve_dtp(shape, **given, record=record, layout=layout, where=where)
         with torch.device("meta"):
             model = cls(hf_config, settings, shared)

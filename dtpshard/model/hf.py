@@ -89,22 +89,22 @@ class PretrainedMixin:
     @classmethod
     def from_pretrained(cls, path: str | Path, devices: int | None = None, delay: float | None = None,
                         dtype: torch.dtype | str = "auto", layout: Any = None, stage3: str | None = None,
-                        device: str | torch.device = "cpu") -> Self:
-        """Load a local HF checkpoint directory. L, δ and stage3: the arguments, else what a distilled
-        student recorded (the `dtp` block of its config.json, or its dtp.json), else the layout's,
-        else core.settings.DEFAULT (core.settings.resolve_dtp). dtype "auto" keeps the checkpoint's (a
-        bf16 checkpoint loads as bf16), as transformers does."""
-        return cls.from_checkpoint(open_checkpoint(path), devices, delay, dtype, layout, stage3, device)
+                        device: str | torch.device = "cpu", delayed: Any = None) -> Self:
+        """Load a local HF checkpoint directory. L, δ, stage3 and the delayed modules: the arguments,
+        else what a distilled student recorded (the `dtp` block of its config.json, or its dtp.json),
+        else the layout's, else core.settings.DEFAULT (core.settings.resolve_dtp). dtype "auto" keeps
+        the checkpoint's (a bf16 checkpoint loads as bf16), as transformers does."""
+        return cls.from_checkpoint(open_checkpoint(path), devices, delay, dtype, layout, stage3, device, delayed)
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, devices: int | None = None, delay: float | None = None,
                         dtype: torch.dtype | str = "auto", layout: Any = None, stage3: str | None = None,
-                        device: str | torch.device = "cpu") -> Self:
+                        device: str | torch.device = "cpu", delayed: Any = None) -> Self:
         """from_pretrained of a checkpoint a command has open already (config.json not read again)."""
         ckpt.check_fits(dtype)
         record = ckpt.record
         model = cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), devices, delay, stage3, layout, dtype, record,
-                                    shared=ckpt.shape.shared)
+                                    shared=ckpt.shape.shared, delayed=delayed)
         warn_if_other_settings(ckpt.path, record, model.settings)
         model.source_path = Path(ckpt.path)
         model.checkpoint = ckpt  # opened once: its tokenizer, files and record without reading config.json again

@@ -24,6 +24,7 @@ import yaml
 from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from dtpshard.core.delayed import compact
 from dtpshard.core.errors import UserError
 from dtpshard.core.shape import FAMILIES, FAMILY, STUDENT_TYPE, family_config
 
@@ -136,11 +137,15 @@ def usage_section(block: dict[str, Any], dtype: str = "float32") -> str:
     L, delay, family = block.get("devices"), block.get("delay"), block.get("family")
     dense = FAMILY[family].causal_lm if family in FAMILY else "its family's class"
     cmds = serving_commands("DIR", L, dtype)
+    delayed = block.get("delayed")
+    which = ("" if delayed is None else f" Only {len(delayed)} modules are delayed ({compact(tuple(delayed), 0)}; "
+             "module 2i is layer i's attention, 2i + 1 its FFN); every other module sums its partials at once, as "
+             "tensor parallelism does.")
     return f"""## What this model is
 
 A Delayed Tensor Parallelism (DTP) student: its {family} weights are split over L = {L} devices,
 each of which adds its own partial output at once and the other devices' partials δ = {delay}
-modules later (stage-3 scale `{block.get("stage3")}`), so no layer waits for an all-reduce. It was
+modules later (stage-3 scale `{block.get("stage3")}`), so no layer waits for an all-reduce.{which} It was
 distilled to compute exactly that function, which run as a dense model it does not: its logits
 would be off by O(1).
 

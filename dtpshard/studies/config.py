@@ -28,17 +28,21 @@ from dtpshard.core.vocab import (
     OPTIMISING_KINDS,
     Count,
     Delay,
+    DelayedBy,
+    DelayedShare,
     Device,
     KvSearch,
     LayoutKind,
     LearningRate,
     NonNegativeInt,
+    NonNegativeNumber,
     Proxy,
     Seed,
     SharedBy,
     SharedFraction,
     Stage3,
 )
+from dtpshard.layouts.delayed import suffix as partial_suffix
 from dtpshard.studies import smollm2
 from dtpshard.training.recipes import RecipeName
 from dtpshard.training.settings import Recipe
@@ -112,7 +116,8 @@ class Arm:
     says; its layouts are named KIND-sharedPERCENT and form their own group in the report.
     `recipe`: the arm trains with this recipe (distill --recipe; default the [training] table's),
     its runs named NAME-RECIPE-sSEED; a full-distillation arm's own `lr` is named too
-    (NAME-lrLR-sSEED). Such runs are the report's recipe arms (studies/recipes.py)."""
+    (NAME-lrLR-sSEED). Such runs are the report's recipe arms (studies/recipes.py). `delayed`: this share of
+    the modules delayed, chosen `delayed_by` (layouts KIND-delayedPCT[-BY]); `ce_weight`: its own (runs -ceW)."""
 
     kind: LayoutKind
     seeds: list[Seed] = field(default_factory=lambda: [0])
@@ -125,6 +130,9 @@ class Arm:
     shared: SharedFraction = 0.0
     shared_by: SharedBy = "fo"
     recipe: RecipeName | None = None
+    delayed: DelayedShare | None = None
+    delayed_by: DelayedBy = "sensitivity"
+    ce_weight: NonNegativeNumber | None = None
 
 
 @dataclass(kw_only=True)
@@ -138,6 +146,8 @@ class LayoutSpec:
     proxy: Proxy | None = None
     shared: SharedFraction = 0.0
     shared_by: SharedBy = "fo"
+    delayed: DelayedShare | None = None  # a partial student's share of delayed modules (None: every module)
+    delayed_by: DelayedBy = "sensitivity"
 
 
 @dataclass(kw_only=True)
@@ -151,13 +161,15 @@ class ArmPlan:
     adapters: Count | None = None
     lr: LearningRate | None = None
     recipe: RecipeName | None = None
+    ce_weight: NonNegativeNumber | None = None
 
     def run_name(self, layout: str, seed: int) -> str:
         """runs/NAME: the layout's name, the adapters' rank, the arm's own recipe, a full
-        distillation's own lr, the seed."""
+        distillation's own lr, its own CE weight, the seed."""
         return (f"{layout}{'' if self.adapters is None else f'-r{self.adapters}'}"
                 f"{'' if self.recipe is None else f'-{self.recipe}'}"
-                f"{'' if self.lr is None or self.adapters is not None else f'-lr{self.lr:g}'}-s{seed}")
+                f"{'' if self.lr is None or self.adapters is not None else f'-lr{self.lr:g}'}"
+                f"{'' if self.ce_weight is None else f'-ce{self.ce_weight:g}'}-s{seed}")
 
 
 @dataclass(kw_only=True)
@@ -292,7 +304,8 @@ def _plan(arm: Arm, where: str, proxies: list[str]) -> ArmPlan:
         proxy = proxies[0]
     base = arm.name or (kind + ("" if arm.layers is None else f"-layers-{arm.layers}")
                         + ("" if proxy in (None, proxies[0]) else f"-{proxy}") + shared_suffix(arm.shared))
-    shared = {"shared": arm.shared, "shared_by": arm.shared_by}
+    base += partial_suffix(arm.delayed, arm.delayed_by)
+    shared = {"shared": arm.shared, "shared_by": arm.shared_by, "delayed": arm.delayed, "delayed_by": arm.delayed_by}
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", base):
         raise UserError(f"{where}.name = {base!r}: use letters, digits, '.', '_' and '-' only")
     if kind == "random":
@@ -303,7 +316,7 @@ def _plan(arm: Arm, where: str, proxies: list[str]) -> ArmPlan:
     else:
         layouts = [LayoutSpec(name=base, kind=kind, layers=arm.layers, proxy=proxy, **shared)]
     return ArmPlan(kind=kind, seeds=list(arm.seeds), layouts=layouts, adapters=arm.adapters, lr=arm.lr,
-                   recipe=arm.recipe)
+                   recipe=arm.recipe, ce_weight=arm.ce_weight)
 
 
 def shared_suffix(fraction: float) -> str:

@@ -87,6 +87,7 @@ from dtpshard.studies.provenance import (
     PROVENANCE,
     RUNS,
     SCORES,
+    SENSITIVITY,
     TEACHER_CACHE,
     TIMINGS,
     ZEROSHOT,
@@ -150,7 +151,8 @@ def _prepare_dir(out: Path, cfg: Experiment, force: bool) -> None:
     own); --force starts one over, removing only the experiment's own files (core/owned.py)."""
     saved = out / "config.json"  # run_experiment has refused another command's or unrelated files
     data = record(cfg)
-    names = (LAYOUT_DIR, ZEROSHOT, RUNS, TEACHER_CACHE, SCORES, TIMINGS, PROVENANCE, "report.md", "figures",
+    names = (LAYOUT_DIR, ZEROSHOT, RUNS, TEACHER_CACHE, SCORES, SENSITIVITY, TIMINGS, PROVENANCE, "report.md",
+             "figures",
              *sorted(p.name for p in out.glob("affinity*.safetensors")), "config.json")
     if saved.is_file() and not force:
         try:
@@ -202,7 +204,7 @@ class _Affinities(dict):
         return affinity
 
 
-def _layouts(cfg: Experiment, affinities: _Affinities, out: Path) -> dict[str, Path]:
+def _layouts(cfg: Experiment, affinities: _Affinities, out: Path, model: Path) -> dict[str, Path]:
     paths = {}
     (out / LAYOUT_DIR).mkdir(exist_ok=True)
     for spec in (s for arm in cfg.arms for s in arm.layouts):
@@ -221,6 +223,18 @@ def _layouts(cfg: Experiment, affinities: _Affinities, out: Path) -> dict[str, P
         if optimising and proxy != cfg.proxies[0]:  # its own group in the report
             layout.kind = f"{layout.kind}-{proxy}"
         layout.kind += shared_suffix(spec.shared)  # so is a shared fraction
+        if spec.delayed is not None:
+            from dtpshard.layouts.delayed import partial_layout
+            from dtpshard.layouts.delayed import suffix as partial_suffix
+            from dtpshard.studies.delayed import study_sensitivity
+
+            by_sensitivity = spec.delayed_by == "sensitivity"
+            base = spec.name.removesuffix(partial_suffix(spec.delayed, spec.delayed_by))  # chosen under this one
+            sens = study_sensitivity(cfg, model, out, base, layout, _say) if by_sensitivity else None
+            with _timed(out, "layouts"):
+                layout = partial_layout(layout, float(spec.delayed), spec.delayed_by, affinity=affinity,
+                                        sensitivity=sens, seed=spec.seed, kv_search=lay.kv_search,
+                                        max_sweeps=lay.max_sweeps)
         layout.score["name"] = spec.name
         layout.score["proxy"] = proxy if optimising else None
         layout.save(path)
@@ -338,7 +352,8 @@ def _arms(cfg: Experiment, model: Path, layouts: dict[str, Path], out: Path,
                 text_field=cfg.text_field, tokenizer=cfg.tokenizer,
                 tensorboard=None if tensorboard is None else tensorboard / run.name,
                 teacher_cache=cache, **{**recipe, "adapters": arm.adapters, "lr": arm.lr or recipe["lr"],
-                                         "recipe": arm.recipe or recipe["recipe"]}))
+                                         "recipe": arm.recipe or recipe["recipe"],
+                                         "ce_weight": recipe["ce_weight"] if arm.ce_weight is None else arm.ce_weight}))
 
 
 def run_experiment(cfg: Experiment, out: Path, force: bool = False, tensorboard: Path | None = None,
@@ -368,7 +383,7 @@ def run_experiment(cfg: Experiment, out: Path, force: bool = False, tensorboard:
         _prepare_dir(out, cfg, force)
         write_provenance(cfg, model, out)
         affinities = _Affinities(_affinity(cfg, model, out))
-        layouts = _layouts(cfg, affinities, out)
+        layouts = _layouts(cfg, affinities, out, model)
         _proxy_scores(cfg, affinities, layouts, out)
         _zero_shot(cfg, model, layouts, out)
         _arms(cfg, model, layouts, out, tensorboard)

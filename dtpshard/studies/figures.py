@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from dtpshard.core.io import atomic_path
 from dtpshard.studies.adapters import draw_adapters
 from dtpshard.studies.compare import head_start, rolling_median
+from dtpshard.studies.delayed import draw_delayed
 from dtpshard.studies.recipes import draw_recipes
 from dtpshard.studies.seeds import MIN_LAYOUTS, seeded_random
 from dtpshard.studies.shared import draw_shared
@@ -312,7 +313,7 @@ def draw_all(study: Study, figures: Path) -> dict[str, Path]:
     figures.mkdir(parents=True, exist_ok=True)
     out = {}
     for key, fn in zip(FIGURES, (draw_curves, draw_j_vs_kl, draw_proxies, draw_up_edge, draw_head_start, draw_seeds,
-                                 draw_adapters, draw_recipes, draw_shared), strict=True):
+                                 draw_adapters, draw_recipes, draw_shared, draw_delayed), strict=True):
         p = fn(study, figures / f"{key}.png")
         if p is not None:
             out[key] = p

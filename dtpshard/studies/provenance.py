@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 # an experiment directory's files (experiment.py writes them, study.py reads them)
 TIMINGS, PROVENANCE, SCORES, ZEROSHOT = "timings.json", "provenance.json", "scores.json", "zeroshot.json"
+SENSITIVITY = "sensitivity.json"  # per base layout, every module's measured sensitivity (partial arms)
 LAYOUT_DIR, RUNS, TEACHER_CACHE = "layouts", "runs", "teacher-cache"
 
 

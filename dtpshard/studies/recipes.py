@@ -48,10 +48,11 @@ class RecipeArm:
 def arms(study: Study) -> list[RecipeArm]:
     """Every arm of a study with recipe runs (none without): the runs grouped by layout, recipe, lr
     and adapters' rank, the paper's recipe first, then by name."""
-    if not study.recipe_runs:
+    partial = {n for n, info in study.layouts.items() if info.delayed is not None}  # studies/delayed.py's
+    if not [r for r in study.recipe_runs if r.layout not in partial]:
         return []
     groups: dict[tuple, list[Run]] = {}
-    for run in [*study.runs, *study.recipe_runs, *study.adapter_runs]:
+    for run in [r for r in (*study.runs, *study.recipe_runs, *study.adapter_runs) if r.layout not in partial]:
         groups.setdefault((run.layout, run.recipe, run.lr, run.adapters), []).append(run)
     keys = sorted(groups, key=lambda k: (k[0] != "optimised", k[0], k[3] is not None, k[1] != "paper", k[1],
                                          k[2] or 0))

@@ -24,6 +24,7 @@ from dtpshard.core.io import atomic_write_text
 from dtpshard.studies import provenance as p
 from dtpshard.studies.adapters import adapter_lines
 from dtpshard.studies.compare import optional_sections
+from dtpshard.studies.delayed import delayed_lines
 from dtpshard.studies.dominance import dominance_lines
 from dtpshard.studies.figures import draw_all
 from dtpshard.studies.recipes import recipe_lines
@@ -282,6 +283,7 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
     body += adapter_lines(study, figures)
     body += shared_lines(study, figures)
     body += recipe_lines(study, figures)
+    body += delayed_lines(study, figures)
     body += optional_sections(study, figures)
     body += dominance_lines(study)
     first = study.proxies[0]

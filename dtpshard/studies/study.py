@@ -31,6 +31,7 @@ class Run:
     adapters: int | None = None  # the adapters' rank (runs/NAME-rRANK-sSEED); None: full distillation
     recipe: str = "paper"  # the distillation recipe it trained with (training/recipes.py)
     lr: float | None = None  # its peak learning rate (config.json; None: not recorded)
+    ce_weight: float | None = None  # its CE term's weight (config.json; None: not recorded)
 
 
 EDGE_KINDS = ("up", "down", "attention->attention", "FFN->FFN")  # b - a = 1 or 2 (δ <= 2), by the source
@@ -60,6 +61,9 @@ class LayoutInfo:
     same_as: str | None = None  # the name of an identical layout listed before it (same units per device)
     identity: str | None = None  # Layout.function_key of its layout file (None: unreadable)
     edge_fractions: dict[str, float] = field(default_factory=dict)  # edge kind -> mean co-located fraction
+    # a partial student's layout: score.delayed of its file (count, modules, by, sensitivity); None: every module
+    delayed: dict[str, Any] | None = None
+    zero_top1: float | None = None
 
 
 @dataclass
@@ -133,10 +137,21 @@ def _layout_info(p: Path, zero: dict[str, Any], zero_path: Path) -> LayoutInfo:
         a, b, v = _num(e, "src", p, int), _num(e, "dst", p, int), _num(e, "colocated", p)
         if None not in (a, b, v):
             by_kind.setdefault(edge_kind(a, b), []).append(v)
+    delayed = None
+    if obj.get("delayed") is not None or "delayed" in s:
+        d = _table(s, "delayed", p)
+        count, modules = _num(d, "count", p, int), _num(d, "modules", p, int)
+        if count is None or modules is None or not 0 < count <= modules:
+            raise UserError(f"{p}: score.delayed must give count and modules, 0 < count <= modules")
+        by = d.get("by")
+        if by is not None and not isinstance(by, str):
+            raise UserError(f"{p}: score.delayed.by must be a string")
+        delayed = {"count": count, "modules": modules, "by": by}
     return LayoutInfo(p.stem, str(obj.get("kind", "unknown")), _num(s, "J", p), _num(s, "ratio_to_random", p),
                       [_num(row, "up", p) for row in rows], _num(z, "kl", zero_path), _num(z, "ppl", zero_path),
                       identity=_identity(obj, p),
-                      edge_fractions={k: sum(v) / len(v) for k, v in by_kind.items()})
+                      edge_fractions={k: sum(v) / len(v) for k, v in by_kind.items()}, delayed=delayed,
+                      zero_top1=_num(z, "top1", zero_path))
 
 
 def _eval_rows(run: Path) -> list[dict[str, Any]]:
@@ -162,9 +177,9 @@ def _adapters(run: Path) -> int | None:
     return rank
 
 
-def _training(run: Path) -> tuple[str, float | None, str | None]:
-    """(recipe, lr, layout name) a run trained with, from its config.json (a run from before recipes:
-    the paper's)."""
+def _training(run: Path) -> tuple[str, float | None, str | None, float | None]:
+    """(recipe, lr, layout name, CE weight) a run trained with, from its config.json (a run from
+    before recipes: the paper's)."""
     from dtpshard.training.recipes import RECIPES
 
     path = run / "config.json"
@@ -174,7 +189,8 @@ def _training(run: Path) -> tuple[str, float | None, str | None]:
         raise UserError(f"{path}: recipe must be one of {', '.join(RECIPES)}, found {recipe!r}")
     lr = _num(cfg, "lr", path) if "lr" in cfg else None
     layout = cfg.get("layout")
-    return recipe, lr, Path(layout).stem if isinstance(layout, str) and layout else None
+    ce = _num(cfg, "ce_weight", path) if "ce_weight" in cfg else None
+    return recipe, lr, Path(layout).stem if isinstance(layout, str) and layout else None, ce
 
 
 def load_study(directory: Path) -> Study:
@@ -199,16 +215,18 @@ def load_study(directory: Path) -> Study:
             continue
         rows = _eval_rows(r)
         lowrank = _adapters(r)
-        recipe, lr, layout_file = _training(r)
+        recipe, lr, layout_file, ce = _training(r)
         if lowrank is not None:  # NAME-rRANK[-RECIPE]: the layout file names its layout
             layout = layout_file or layout.removesuffix(f"-r{lowrank}")
         own = config is not None and lowrank is None and (  # a run that records no lr trained the study's
-            recipe != config.training.recipe or lr not in (None, config.training.lr))
+            recipe != config.training.recipe or lr not in (None, config.training.lr)
+            or ce not in (None, config.training.ce_weight))
         if own and layout_file:
             layout = layout_file
         run = Run(r.name, layout, int(seed), (r / DONE).is_file(),  # finished, even with its weights removed
                   *(make_curve([x["step"] for x in rows], [x.get(k) for x in rows])
-                    for k in ("eval_kl", "eval_ppl", "eval_top1")), adapters=lowrank, recipe=recipe, lr=lr)
+                    for k in ("eval_kl", "eval_ppl", "eval_top1")), adapters=lowrank, recipe=recipe, lr=lr,
+                  ce_weight=ce)
         if lowrank is not None:
             adapter_runs.append(run)
             continue
@@ -296,7 +314,7 @@ def layout_kl(info: LayoutInfo, step: int) -> float | None:
 
 # -- what --force may clear ----------------------------------------------------------------------
 FIGURES = ("curves", "j_vs_kl", "proxies", "up_edge", "head_start", "seeds", "adapters", "recipes",
-           "shared")  # figures/NAME.png
+           "shared", "delayed")  # figures/NAME.png
 
 
 def _file(check: Any) -> Any:

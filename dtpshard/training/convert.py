@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dtpshard.affinity.settings import CalibrationData, PassSettings
+from dtpshard.core.delayed import check_delayed, parse_spec
 from dtpshard.core.devices import config_dtype
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, local_paths
@@ -45,10 +46,18 @@ from dtpshard.core.io import (
     read_text,
 )
 from dtpshard.core.owned import ID, MARK, replacing
+from dtpshard.core.vocab import DELAYED_BY
 from dtpshard.model.student import serving_commands
 from dtpshard.training import convert_state as state
 from dtpshard.training.convert_state import AFFINITY, OWNED, STAGES, Paths, check_record  # noqa: F401 (importable here)
-from dtpshard.training.settings import NO_SHARING, DistillConfig, Sharing, check_config
+from dtpshard.training.settings import (
+    EVERY_MODULE,
+    NO_SHARING,
+    Delaying,
+    DistillConfig,
+    Sharing,
+    check_config,
+)
 
 PROXY = "first-order"  # the paper's affinity: the layout optimises J under it
 CARD_BYTES = 16 << 20  # the run's model card, read to extend it
@@ -82,14 +91,20 @@ def calibrate_stage(p: Paths, pass_: Any, progress: bool) -> None:
 
 
 
-def layout_stage(p: Paths, cfg: DistillConfig, progress: bool, sharing: Sharing = NO_SHARING) -> None:
+def layout_stage(p: Paths, cfg: DistillConfig, progress: bool, sharing: Sharing = NO_SHARING,
+                 delaying: Delaying = EVERY_MODULE, data: CalibrationData | None = None) -> None:
     """The optimised layout from the published affinity file (float32 as saved, so a resumed run
     optimises the same numbers), with J of the contiguous layout and of a random one (each sharing
-    the same neurons, where some are)."""
+    the same neurons, where some are). A partial student (`delaying`): the modules chosen under the
+    optimised layout (by sensitivity: measured on the first affinity.sensitivity.SENSITIVITY_BLOCKS calibration blocks),
+    the layout refined for them, and the other two scored over the same modules' edges."""
+    from dataclasses import replace
+
     from tqdm import tqdm
 
     from dtpshard.affinity.file import Affinity
     from dtpshard.layouts.make import make_layout
+    from dtpshard.layouts.score import colocated_score
 
     with _stage(p, 2, f"optimised layout for L = {cfg.devices}, δ = {cfg.delay}"):
         affinity = Affinity.load(p.affinity, delay=cfg.delay)
@@ -97,6 +112,24 @@ def layout_stage(p: Paths, cfg: DistillConfig, progress: bool, sharing: Sharing 
         for kind in tqdm(("optimised", "contiguous", "random"), desc="layout", disable=not progress):
             made[kind] = make_layout(affinity.model, cfg.dtp, kind, affinity=affinity, seed=cfg.seed,
                                      shared=sharing.shared, shared_by=sharing.shared_by)
+        if delaying.delayed is not None:
+            from dtpshard.layouts.delayed import measure_for_layout, partial_layout
+
+            sens = None
+            if delaying.delayed_by == "sensitivity" and not isinstance(parse_spec(delaying.delayed), tuple):
+                from dtpshard.affinity.sensitivity import SENSITIVITY_BLOCKS
+                from dtpshard.layouts.delayed import sensitivity_ids
+
+                d = data or calibration_settings(cfg)[0]
+                ids = sensitivity_ids(cfg.teacher, d.text, d.dataset, blocks=min(d.blocks, SENSITIVITY_BLOCKS),
+                                      seq_len=d.seq_len, seed=d.seed, text_field=d.text_field, tokenizer=d.tokenizer)
+                _say(f"sensitivity: one forward per module on {len(ids)} blocks")
+                sens = measure_for_layout(cfg.teacher, made["optimised"], cfg.dtp, ids, progress=progress)
+            made["optimised"] = partial_layout(made["optimised"], delaying.delayed, delaying.delayed_by,
+                                               affinity=affinity, sensitivity=sens, seed=cfg.seed)
+            for kind in ("contiguous", "random"):  # scored over the same delayed modules' edges
+                made[kind] = replace(made[kind], delayed=made["optimised"].delayed)
+                made[kind].score["J"] = colocated_score(affinity, made[kind])["J"]
         layout = made["optimised"]
         layout.score.update(affinity=AFFINITY, contiguous_J=made["contiguous"].score["J"],
                             random_J=made["random"].score["J"], random_seed=cfg.seed)
@@ -197,6 +230,27 @@ def resolved(teacher: Path, cfg: DistillConfig) -> DistillConfig:
     return dataclasses.replace(cfg, devices=dtp.devices, delay=dtp.delay, stage3=dtp.stage3)
 
 
+def check_delaying(cfg: DistillConfig, delaying: Delaying) -> dict[str, Any]:
+    """--delayed and --delayed-by refused before stage 1 (cfg resolved): a share outside (0, 1],
+    indices the teacher has not; returns the share of syncs the student removes (what --plan shows)."""
+    from dtpshard.core.delayed import share_count
+    from dtpshard.model.checkpoint import read_shape
+
+    if delaying.delayed_by not in DELAYED_BY:
+        raise UserError(f"--delayed-by {delaying.delayed_by!r}: one of {', '.join(DELAYED_BY)}")
+    M = read_shape(cfg.teacher).modules
+    if delaying.delayed is None:
+        count = M
+    else:
+        spec = parse_spec(delaying.delayed)
+        count = len(check_delayed(spec, M) or range(M)) if isinstance(spec, tuple) else share_count(spec, M)
+    how = "" if delaying.delayed is None or isinstance(parse_spec(delaying.delayed), tuple) else \
+        f" (chosen by {delaying.delayed_by})"
+    return {"delayed": count, "modules": M, "syncs_removed": count / M,
+            "describe": f"syncs removed: {count} of {M} modules delayed, {100 * count / M:.0f}% of the all-reduces"
+                        f"{how}"}
+
+
 def check_sharing(cfg: DistillConfig, sharing: Sharing) -> None:
     """--shared and --shared-by refused before stage 1 (cfg resolved): a fraction outside [0, 1), a
     count that leaves no sharded neuron or one --devices does not divide, an unknown rule."""
@@ -229,11 +283,12 @@ def preflight(cfg: DistillConfig) -> None:
 
 
 def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = None,
-            run: PassSettings | None = None, sharing: Sharing = NO_SHARING) -> Paths:
+            run: PassSettings | None = None, sharing: Sharing = NO_SHARING,
+            delaying: Delaying = EVERY_MODULE) -> Paths:
     """Every stage not done yet into cfg.out (DIR); returns its paths. Under torchrun every rank
     calls it: rank 0 runs stages 1, 2 and 4 while the others wait for the layout. data, run:
     the calibration's (default: calibration_settings's, from cfg); sharing: the layout's shared
-    neurons."""
+    neurons; delaying: a partial student's modules."""
     from dtpshard.affinity.calibrate import plan_calibration
     from dtpshard.training import convert_plan
     from dtpshard.training.rundir import locked
@@ -242,6 +297,7 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
     data, run = data or default_data, run or default_run
     cfg = resolved(teacher, cfg)
     check_sharing(cfg, sharing)
+    check_delaying(cfg, delaying)
     p = Paths(cfg.out)
     check_outputs({"--out": p.out, "--tensorboard": cfg.tensorboard, "--spill-dir": run.spill_dir},
                   {"the teacher directory": cfg.teacher, "the tokenizer directory": cfg.tokenizer,
@@ -257,7 +313,7 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
         distill(run_config(p, cfg))
         return p
     preflight(cfg)
-    settings = state.record(cfg, data, run, PROXY, sharing)
+    settings = state.record(cfg, data, run, PROXY, sharing, delaying)
     with locked(p.out):
         # other settings: refused before the directory is claimed (without a record, claim names what is there)
         old = check_record(p, settings) if not cfg.force and p.record.is_file() else None
@@ -268,7 +324,8 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
         state.save(p, settings, trust)
         distilled = state.distilled(p, cfg.teacher, cfg.tokenizer)
         stages = [(pass_ is None, lambda: calibrate_stage(p, pass_, cfg.progress), state.AFFINITY),
-                  (p.layout.is_file(), lambda: layout_stage(p, cfg, cfg.progress, sharing), state.LAYOUT),
+                  (p.layout.is_file(), lambda: layout_stage(p, cfg, cfg.progress, sharing, delaying, data),
+                   state.LAYOUT),
                   (distilled, lambda: distill_stage(p, cfg), None),
                   (state.student_done(p, distilled), lambda: student_stage(p, cfg), None)]
         for k, (done, run_stage, made) in enumerate(stages, 1):

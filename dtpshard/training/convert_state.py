@@ -60,7 +60,7 @@ def _absolutes(paths: list[str] | None) -> list[str] | None:
 
 
 def record(cfg: DistillConfig, data: CalibrationData, run: PassSettings, proxy: str,
-           sharing: Any = None) -> dict[str, Any]:
+           sharing: Any = None, delaying: Any = None) -> dict[str, Any]:
     """Every compared setting, in the section of the first stage whose result it changes (cfg
     resolved: L and δ given). A setting shared by stages (--seq-len, --seed, the data) is in the
     first. `sharing`: convert.Sharing, recorded where some neurons are shared (a directory made
@@ -70,6 +70,8 @@ def record(cfg: DistillConfig, data: CalibrationData, run: PassSettings, proxy: 
     layout = {"devices": cfg.devices}
     if sharing is not None and sharing.shared:
         layout.update(shared=sharing.shared, shared_by=sharing.shared_by)
+    if delaying is not None and delaying.delayed is not None:  # a directory made before --delayed delays all
+        layout.update(delayed=delaying.delayed, delayed_by=delaying.delayed_by)
     earlier = set(calibration) | set(layout)
     distillation = {k: getattr(cfg, k) for k in compared_fields(DistillConfig) if k not in earlier}
     distillation.update(save_dtype=cfg.save_dtype, max_shard_size=cfg.max_shard_size,

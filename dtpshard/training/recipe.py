@@ -181,8 +181,8 @@ def resolve(cfg: DistillConfig, hf_config: Any = None, layout: Layout | None = N
         layout = Layout.load(cfg.layout)
     if layout is not None:
         layout.check_model(shape, where=f"layout {cfg.layout}")
-    dtp = resolve_dtp(shape, devices=cfg.devices, delay=cfg.delay, stage3=cfg.stage3, record=record, layout=layout,
-                      where=f"layout {cfg.layout}")
+    dtp = resolve_dtp(shape, devices=cfg.devices, delay=cfg.delay, stage3=cfg.stage3, delayed=cfg.delayed,
+                      record=record, layout=layout, where=f"layout {cfg.layout}")
     if cfg.adapters is not None:
         from dtpshard.core.adapters import check_adapters
 
@@ -197,7 +197,7 @@ def resolve(cfg: DistillConfig, hf_config: Any = None, layout: Layout | None = N
     return dataclasses.replace(
         cfg, teacher=Path(cfg.teacher).absolute(), out=Path(cfg.out).absolute(),
         layout=None if cfg.layout is None else Path(cfg.layout).absolute(), devices=dtp.devices, delay=dtp.delay,
-        stage3=dtp.stage3,
+        stage3=dtp.stage3, delayed=None if dtp.delayed is None else list(dtp.delayed),
         tokenizer=None if cfg.tokenizer is None else Path(cfg.tokenizer).absolute(),
         tensorboard=None if cfg.tensorboard is None else Path(cfg.tensorboard).absolute(),
         teacher_cache=None if cfg.teacher_cache is None else Path(cfg.teacher_cache).absolute(),

@@ -21,6 +21,7 @@ from dtpshard.core.vocab import (
     CompileMode,
     Count,
     Delay,
+    DelayedBy,
     Device,
     Fraction,
     LearningRate,
@@ -122,7 +123,7 @@ class Recipe:
 
 # what a run's config.json held implicitly before adapters (and recipes) existed (rundir.check_run's `added`)
 BEFORE_ADAPTERS = {"adapters": None, "adapter_alpha": DEFAULT_ALPHA, "adapter_targets": list(DEFAULT_TARGETS),
-                   "recipe": DEFAULT_RECIPE}
+                   "recipe": DEFAULT_RECIPE, "delayed": None}
 
 
 @dataclass
@@ -140,6 +141,8 @@ class DistillConfig(Recipe, _Teacher):
         teacher: the dense Hugging Face checkpoint directory
         out: the run directory (created; an existing one is resumed if its settings match)
         layout: layout JSON (dtpshard.layout/1) to permute the student by; none: contiguous
+        delayed: the modules delayed by δ, the rest plain tensor parallel (module 2i is layer i's attention); default
+            the layout's (`dtpshard layout --delayed`), else a student teacher's record, else every module
         eval_blocks: held-out evaluation blocks of seq_len + 1 tokens
         eval_micro_batch: blocks per evaluation forward pass (default: --micro-batch)
         eval_text: local evaluation files (their held-out share is used)
@@ -165,6 +168,7 @@ class DistillConfig(Recipe, _Teacher):
     devices: Count | None = None  # None: resolve_dtp's (the teacher's record, the layout's, the default)
     delay: Delay | None = None
     stage3: Stage3 | None = None
+    delayed: list[NonNegativeInt] | None = None  # None: resolve_dtp's (layout, record, all)
     eval_blocks: Count = 16
     eval_micro_batch: Count | None = field(default=None, metadata=OPERATIONAL)
     eval_text: list[str] | None = field(default=None, metadata=OPERATIONAL)
@@ -188,7 +192,7 @@ class DistillConfig(Recipe, _Teacher):
         """The run's DTP settings, once recipe.resolve has filled devices and delay (resolve_dtp)."""
         if self.devices is None or self.delay is None:
             raise ValueError("DistillConfig.dtp: resolve the config first (training.recipe.resolve)")
-        return DTPSettings(self.devices, self.delay, self.stage3)
+        return DTPSettings(self.devices, self.delay, self.stage3, None if self.delayed is None else tuple(self.delayed))
 
     @property
     def adapter_settings(self) -> Any:
@@ -246,6 +250,24 @@ class Sharing:
 
 
 NO_SHARING = Sharing()
+
+
+@dataclass(frozen=True)
+class Delaying:
+    """A partial student from `convert` (docs/design.md §1, per-module delay; `dtpshard layout --delayed`).
+
+    Args:
+        delayed: delay only some modules, the rest plain tensor parallel: a share of them written with a decimal point
+            (0.5), or module indices (10-59; module 2i is layer i's attention); default every module
+        delayed_by: which modules a share delays: least measured sensitivity (KL to the dense model with that module
+            alone delayed, under the optimised layout, on the calibration blocks), the upper ones, or random
+    """
+
+    delayed: str | None = None
+    delayed_by: DelayedBy = "sensitivity"
+
+
+EVERY_MODULE = Delaying()
 
 
 def compared_fields(cls: type) -> list[str]:
