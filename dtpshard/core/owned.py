@@ -30,6 +30,7 @@ from typing import Any
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_dir, dumps, read_json_object, writing
+from dtpshard.core.lock import is_lock
 
 MARK = "dtpshard-dir.json"  # {"made_by": "dtpshard", "command", "id", "dir", "ino"[, "names"]}
 ID = "dir_id"  # the key under which a command's record holds its directory's id
@@ -164,13 +165,14 @@ def own_entries(command: str, record: str, names: Iterable[str],
                 inside: dict[str, Inside] | None = None, extra: Iterable[str] = ()) -> Inside:
     """The check of a whole directory of `command` (recorded in `record`) as a subdirectory of
     another's (an experiment's runs, convert's run): every entry is one of `names` (a file, or a
-    directory that `inside` checks), `extra` (the lock) or a leftover; d is the command's own."""
+    directory that `inside` checks), `extra` (the lock, when dtpshard made it) or a leftover; d is the
+    command's own."""
     def check(p: Path) -> Path | None:
         if not is_ours(p, command, record):
             return p / MARK if os.path.lexists(p / MARK) else p
         allowed = set(names)
         for e in sorted(p.iterdir()):
-            if e.name in (MARK, *extra) and not e.is_symlink() or is_leftover(e.name, allowed):
+            if e.name == MARK and not e.is_symlink() or e.name in extra and is_lock(e) or is_leftover(e.name, allowed):
                 continue
             if e.name not in allowed:
                 return e

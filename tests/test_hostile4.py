@@ -1,0 +1,81 @@
+"""Issue 60, the fourth hostile sweep, each class by the rule that covers it: a lock is the
+command's own file or refused untouched (core/lock.py); the native kernels' cache is data checked
+before it is trusted (transport/native.py); a directory's mark is proof only for the directory it
+was written into, a checkpoint only for its run, a report only for a marked experiment, and a
+temporary is recognised by its name's check, never by its pattern alone (core/owned.py, core/io.py).
+Each refusal is one line, exit 2, with nothing touched."""
+import os
+from pathlib import Path
+
+import pytest
+
+from dtpshard.cli import main
+from dtpshard.core import lock as lock_module
+from dtpshard.core.errors import UserError
+from dtpshard.core.lock import LOCK, locked, locked_output
+from test_faults import DISTILL
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one_line(capsys, *words):
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if not ln.startswith("[")]
+    assert len(err) == 1 and "Traceback" not in err[0] and all(w in err[0] for w in words), (words, err)
+    return err[0]
+
+
+# -- 1. a lock is the command's own file ----------------------------------------------------------
+def test_a_hard_linked_lock_is_never_written_or_removed(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    run = tmp_path / "run"
+    run.mkdir()
+    os.link(victim, run / LOCK)
+    with pytest.raises(UserError, match="hard link"), locked(run):
+        pass
+    assert victim.read_text() == "precious" and (run / LOCK).exists()
+
+
+@pytest.mark.parametrize("kind", ["file", "fifo"])
+def test_a_users_lock_name_is_refused_untouched(tmp_path, kind):
+    run = tmp_path / "run"
+    run.mkdir()
+    if kind == "fifo":
+        os.mkfifo(run / LOCK)
+    else:
+        (run / LOCK).write_text("my notes")
+    with pytest.raises(UserError, match=r"\.lock: is (not a lock dtpshard made|not a regular file)"), locked(run):
+        pass
+    assert os.path.lexists(run / LOCK)
+    if kind == "file":
+        assert (run / LOCK).read_text() == "my notes"
+
+
+def test_a_users_name_lock_beside_a_file_output_is_refused_untouched(tmp_path):
+    mine = tmp_path / ".layout.json.lock"
+    mine.write_text("12\n")  # a bare number: not the signature
+    with pytest.raises(UserError, match="not a lock dtpshard made"), locked_output(tmp_path / "layout.json"):
+        pass
+    assert mine.read_text() == "12\n"
+
+
+def test_a_dead_holders_lock_is_taken_over_and_removed(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK).write_text("dtpshard-lock 4000001\n")  # no process has that pid
+    assert getattr(lock_module, "is_lock", lambda p: True)(run / LOCK)
+    with locked(run):
+        assert (run / LOCK).read_text() == f"dtpshard-lock {os.getpid()}\n"
+    assert not os.path.lexists(run / LOCK)
+
+
+def test_a_folder_holding_only_a_users_lock_is_not_empty(tiny_dirs, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("a b c d e f g h\n" * 200)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / LOCK).write_text("my notes")
+    assert main(["distill", str(tiny_dirs["llama"]), "--out", str(out), "--text", str(text), "--devices", "2",
+                 *DISTILL]) == 2
+    one_line(capsys, ".lock")
+    assert [p.name for p in out.iterdir()] == [LOCK] and (out / LOCK).read_text() == "my notes"
