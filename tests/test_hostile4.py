@@ -5,6 +5,8 @@ was written into, a checkpoint only for its run, a report only for a marked expe
 temporary is recognised by its name's check, never by its pattern alone (core/owned.py, core/io.py).
 Each refusal is one line, exit 2, with nothing touched."""
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,75 @@ def test_a_folder_holding_only_a_users_lock_is_not_empty(tiny_dirs, tmp_path, ca
                  *DISTILL]) == 2
     one_line(capsys, ".lock")
     assert [p.name for p in out.iterdir()] == [LOCK] and (out / LOCK).read_text() == "my notes"
+
+
+# -- 3. ownership: a mark, a checkpoint, a report, a temporary ------------------------------------
+def test_a_mark_copied_into_a_folder_with_the_deleted_ones_inode_numbers_proves_nothing(tmp_path):
+    import json
+    import shutil
+
+    from dtpshard.core.owned import MARK, is_ours, mark
+
+    run = tmp_path / "run"
+    (run / "config.json").parent.mkdir()
+    (run / "config.json").write_text(json.dumps({"dir_id": mark(run, "distill")}))
+    assert is_ours(run, "distill", "config.json")
+    saved, record = json.loads((run / MARK).read_text()), (run / "config.json").read_text()
+    shutil.rmtree(run)
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("the user's\n")
+    (run / "config.json").write_text(record)
+    saved.update(dir=os.lstat(run).st_ino)  # ext4 gives a new folder a deleted one's numbers at once:
+    (run / MARK).write_text("")  # as if reused, exactly
+    saved.update(ino=os.lstat(run / MARK).st_ino)
+    (run / MARK).write_text(json.dumps(saved))
+    assert not is_ours(run, "distill", "config.json")
+
+
+def test_a_checkpoint_without_its_runs_id_is_refused():
+    from dtpshard.training import rundir
+    from dtpshard.training.settings import compared_keys
+
+    config = {k: None for k in compared_keys()} | {"dir_id": "abc"}
+    state = {"step": 1, "wall": 0.0, "metrics_bytes": 0, "rng": {}, "scheduler": {},
+             "config": {k: v for k, v in config.items() if k != "dir_id"}}
+    with pytest.raises(UserError, match="no directory id"):
+        rundir.check_state(Path("RUN/checkpoint.pt"), state, config, 2)
+
+
+def test_report_never_overwrites_a_users_report_in_an_unmarked_folder(tmp_path, capsys):
+    from test_report import make_experiment
+
+    d = make_experiment(tmp_path / "mine")
+    (d / "dtpshard-dir.json").unlink()  # a folder of the user's that holds runs/*/metrics.jsonl
+    (d / "report.md").write_text("my report")
+    (d / "figures").mkdir()
+    (d / "figures" / "curves.png").write_bytes(b"mine")
+    assert main(["report", str(d)]) == 2
+    one_line(capsys, "report.md", "not an experiment directory dtpshard marked")
+    assert (d / "report.md").read_text() == "my report" and (d / "figures" / "curves.png").read_bytes() == b"mine"
+
+
+@pytest.mark.parametrize("name", [".config.json.tmp-4000000", ".config.json.tmp-4000000-abc"])
+def test_a_users_file_named_like_a_temporary_is_never_removed(tmp_path, name):
+    from dtpshard.core.io import atomic_write_text, remove_stale_temporaries
+    from dtpshard.core.owned import is_leftover
+
+    mine = tmp_path / name
+    mine.write_text("mine")
+    assert not is_leftover(name, ["config.json"])
+    remove_stale_temporaries(tmp_path / "config.json")
+    atomic_write_text(tmp_path / "config.json", "{}")
+    assert mine.read_text() == "mine"
+
+
+def test_a_stale_temporary_of_a_dead_process_is_removed(tmp_path):
+    from dtpshard.core.io import remove_stale_temporaries
+    from dtpshard.core.temporary import temporary_name
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    stale = tmp_path / temporary_name("config.json", pid=dead)
+    stale.write_text("{")
+    remove_stale_temporaries(tmp_path / "config.json")
+    assert not stale.exists()

@@ -262,7 +262,9 @@ def check_state(path: Path, state: dict[str, Any], config: dict[str, Any], steps
         if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
             raise bad(f"no valid {key!r} (a damaged checkpoint)")
     saved = state["config"]
-    if saved.get(ID) is not None and saved.get(ID) != config.get(ID):
+    if not isinstance(saved.get(ID), str) or not saved[ID]:  # proof of its run, never optional
+        raise bad(f"holds no directory id ({ID!r}), so nothing binds it to this run (a checkpoint copied in?)")
+    if saved[ID] != config.get(ID):
         raise bad("was written by another run (its directory id differs): a checkpoint copied in")
     diff = config_differences(saved, config, [k for k in compared_keys() if k in saved])
     if diff:
