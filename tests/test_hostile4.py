@@ -153,3 +153,91 @@ def test_a_stale_temporary_of_a_dead_process_is_removed(tmp_path):
     stale.write_text("{")
     remove_stale_temporaries(tmp_path / "config.json")
     assert not stale.exists()
+
+
+# -- 2. the native kernels' cache is data, checked before it is trusted ---------------------------
+def test_a_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path):
+    from dtpshard.core.io import cache_dir
+
+    monkeypatch.delenv("DTPSHARD_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", ".cache")
+    monkeypatch.chdir(tmp_path)
+    assert cache_dir() == Path.home() / ".cache" / "dtpshard"
+
+
+def _native():
+    from dtpshard.transport import native
+    from test_native import _probe
+
+    where = Path("cache") / "native"
+    return _probe, where, f"ring-{native._key(native.SOURCE.read_bytes())}.so"
+
+
+def _script(tmp_path, body: str) -> Path:
+    path = tmp_path / "cxx"
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["hard link", "fifo"])
+def test_the_native_cache_lock_is_never_written_through(tmp_path, kind):
+    probe, where, _ = _native()
+    (tmp_path / where).mkdir(parents=True, mode=0o700)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    if kind == "fifo":
+        os.mkfifo(tmp_path / where / LOCK)
+    else:
+        os.link(victim, tmp_path / where / LOCK)
+    said = probe(tmp_path, CXX="false")["said"]
+    assert "Python kernels" in said and ".lock" in said, said
+    assert victim.read_text() == "precious" and os.path.lexists(tmp_path / where / LOCK)
+
+
+def test_a_damaged_library_in_the_cache_is_never_loaded(tmp_path):
+    probe, where, name = _native()
+    (tmp_path / where).mkdir(parents=True, mode=0o700)
+    (tmp_path / where / name).write_bytes(b"\x7fELF\x02\x01\x01")  # truncated: dlopen would crash or fail
+    said = probe(tmp_path, CXX="false")["said"]
+    assert said.endswith("false failed: no output)"), said  # built again, not loaded
+
+
+def test_a_cache_others_may_write_is_not_run_from(tmp_path):
+    probe, where, _ = _native()
+    (tmp_path / where).mkdir(parents=True)
+    (tmp_path / where).chmod(0o777)
+    said = probe(tmp_path, CXX="false")["said"]
+    assert "not safe to run code from" in said and "may be written by other users" in said, said
+
+
+def test_a_compiler_that_never_returns_is_bounded_and_killed(tmp_path):
+    probe, _, _ = _native()
+    pid_file = tmp_path / "pid"
+    cxx = _script(tmp_path, f"echo $$ > {pid_file}\nexec sleep 1000\n")
+    said = probe(tmp_path, CXX=str(cxx), PROBE_TIMEOUT="6")["said"]  # a build gets a third: 2 s
+    assert "did not finish within 2 s" in said, said
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_a_compiler_printing_non_utf8_still_falls_back(tmp_path):
+    probe, _, _ = _native()
+    cxx = _script(tmp_path, "printf 'error: \\377\\376 bad\\n' >&2\nexit 1\n")
+    said = probe(tmp_path, CXX=str(cxx))["said"]
+    assert "Python kernels" in said and "failed: error:" in said, said
+
+
+def test_a_killed_builds_folder_is_removed_by_the_next(tmp_path):
+    from dtpshard.core.temporary import temporary_name
+
+    probe, where, name = _native()
+    (tmp_path / where).mkdir(parents=True, mode=0o700)
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    stale = tmp_path / where / temporary_name(name, "-abc123", pid=dead)
+    stale.mkdir()
+    (stale / "ring.so").write_bytes(b"half")
+    probe(tmp_path, CXX="false")
+    assert not stale.exists()
