@@ -181,7 +181,7 @@ def interrupted(argv, tmp, world, sig, group, ready=lambda: True):
         started = family(p.pid)  # the forkserver, the ranks, ...
         before = (tmp.parent / "stderr.txt").stat().st_size  # torch's warnings while training, say
         os.killpg(p.pid, sig) if group else p.send_signal(sig)
-        took = _gone(ranks, 15)
+        took = _gone(ranks, 60)  # liveness bounds, not speed: they hold at load 6
         p.communicate(timeout=60)
         with (tmp.parent / "stderr.txt").open() as f:
             f.seek(before)
@@ -191,8 +191,8 @@ def interrupted(argv, tmp, world, sig, group, ready=lambda: True):
             p.kill()
     print(f"{signal.Signals(sig).name} to the {'group' if group else 'launcher'}: ranks gone in {took:.2f} s",
           file=sys.stderr)
-    assert took < 10
-    _gone(started, 15)  # nothing the launch started outlives it
+    assert took < 60
+    _gone(started, 60)  # nothing the launch started outlives it
     assert not list(tmp.glob("dtpshard-ranks-*"))
     # torch's own log lines (a rank compiling as the signal came) are the run's output, not the signal's
     lines = [ln for ln in err.strip().splitlines() if not TORCH_LOG.match(ln)]

@@ -159,7 +159,9 @@ def test_no_litter_after_sigterm_sigint_or_sigkill(tmp_path, kind):
     p.kill()
     p.wait()
     assert [x for x in tmp_path.iterdir() if ".tmp-" in x.name]  # SIGKILL: nothing could run...
-    alive = tmp_path / f".{target.name}.tmp-{os.getppid()}"  # a live process's temporary is kept
+    from dtpshard.core.temporary import temporary_name
+
+    alive = tmp_path / temporary_name(target.name, pid=os.getppid())  # a live process's temporary is kept
     alive.write_text("busy")
     from dtpshard.core.io import atomic_path
 

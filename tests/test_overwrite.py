@@ -143,8 +143,10 @@ def test_a_killed_start_leaves_nothing_that_blocks_the_rerun(tmp_path):
 
     d = tmp_path / "exp"
     d.mkdir()
-    (d / ".lock").write_text("")
-    (d / ".config.json.tmp-4242").write_text("{")
+    (d / ".lock").write_text("dtpshard-lock 4000001\n")  # a dead process's lock
+    from dtpshard.core.temporary import temporary_name
+
+    (d / temporary_name("config.json", pid=4242)).write_text("{")
     refuse_unrelated(d, False, ("config.json",), "an experiment directory")
     (d / ".config.json").write_text("")
     with pytest.raises(UserError, match=r"holds \.config\.json\)"):

@@ -237,13 +237,16 @@ def test_terminated_permute_removes_its_temporary(hub, tmp_path, monkeypatch, ca
 
 
 def test_stale_temporaries_of_live_processes_are_kept(tmp_path):
-    live = tmp_path / f".out.tmp-{os.getppid()}-abc"  # our parent: alive
+    from dtpshard.core.temporary import temporary_name
+
+    live = tmp_path / temporary_name("out", "-abc", pid=os.getppid())  # our parent: alive
     live.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = tmp_path / f".out.tmp-{int(dead.stdout)}-xyz"
+    stale = tmp_path / temporary_name("out", "-xyz", pid=int(dead.stdout))
     stale.mkdir()
     (stale / "x").write_text("x")
-    others = [tmp_path / ".out.tmp-notapid", tmp_path / ".other.tmp-1-a", tmp_path / "out.tmp-1-a"]
+    others = [tmp_path / ".out.tmp-notapid", tmp_path / ".other.tmp-1-a", tmp_path / "out.tmp-1-a",
+              tmp_path / f".out.tmp-{int(dead.stdout)}-xyz"]  # a dead pid, but no check: a name someone else chose
     for p in others:
         p.mkdir()
     remove_stale_temporaries(tmp_path / "out")

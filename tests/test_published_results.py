@@ -9,6 +9,9 @@ import pytest
 from dtpshard.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
+# a copy is not an experiment dtpshard marked: its report is written only where none is (studies/report.py)
+REPORT = shutil.ignore_patterns("figures", "report.md")
+REPORT_AND_README = shutil.ignore_patterns("figures", "report.md", "README.md")
 STUDIES = ["smollm2-l3-d1", "smollm2-l3-d1-long", "smollm2-l3-d2", "smollm2-l3-d1-random16", "smollm2-l3-d1-seeds",
            "smollm2-l3-d1-adapters", "smollm2-l3-d1-adapters-long", "smollm2-l3-d1-shared",
            "smollm2-l3-d1-recipes", "smollm2-l3-d1-recipes-long"]
@@ -18,7 +21,7 @@ STUDIES = ["smollm2-l3-d1", "smollm2-l3-d1-long", "smollm2-l3-d2", "smollm2-l3-d
 def test_published_report_is_regenerated_from_its_metrics(name, tmp_path, monkeypatch):
     results = ROOT / "docs" / "results" / name
     copy = tmp_path / "study"
-    shutil.copytree(results, copy, ignore=shutil.ignore_patterns("figures", "README.md"))
+    shutil.copytree(results, copy, ignore=shutil.ignore_patterns("figures", "README.md", "report.md"))
     monkeypatch.chdir(ROOT)  # the δ = 2 study's [report] compare names the δ = 1 study from here
     assert main(["report", str(copy)]) == 0
     assert (copy / "report.md").read_text() == (results / "report.md").read_text()
@@ -28,7 +31,7 @@ def test_published_report_is_regenerated_from_its_metrics(name, tmp_path, monkey
 
 def test_a_relative_compare_from_elsewhere_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
     copy = tmp_path / "study"
-    shutil.copytree(ROOT / "docs" / "results" / "smollm2-l3-d2", copy, ignore=shutil.ignore_patterns("README.md"))
+    shutil.copytree(ROOT / "docs" / "results" / "smollm2-l3-d2", copy, ignore=REPORT_AND_README)
     monkeypatch.chdir(tmp_path)  # [report] compare names docs/results/smollm2-l3-d1, relative to the repository
     assert main(["report", str(copy)]) == 2
     err = capsys.readouterr().err
@@ -49,7 +52,7 @@ def _decode_rows():
 
 def test_the_shared_study_adds_its_decode_cost_from_the_bench_rows(tmp_path, capsys):
     copy = tmp_path / "shared"
-    shutil.copytree(ROOT / "docs" / "results" / "smollm2-l3-d1-shared", copy, ignore=shutil.ignore_patterns("figures"))
+    shutil.copytree(ROOT / "docs" / "results" / "smollm2-l3-d1-shared", copy, ignore=REPORT)
     (copy / "decode.json").write_text(json.dumps(_decode_rows()))
     assert main(["report", str(copy)]) == 0
     md = (copy / "report.md").read_text()
@@ -61,7 +64,7 @@ def test_the_shared_study_adds_its_decode_cost_from_the_bench_rows(tmp_path, cap
                                   '[{"batch": 1, "latency_ms": 0, "tp_tok_s": 1, "dtp_shared5_tok_s": null}]', "[1,"])
 def test_a_damaged_decode_record_is_one_line(tmp_path, capsys, text):
     copy = tmp_path / "shared"
-    shutil.copytree(ROOT / "docs" / "results" / "smollm2-l3-d1-shared", copy, ignore=shutil.ignore_patterns("figures"))
+    shutil.copytree(ROOT / "docs" / "results" / "smollm2-l3-d1-shared", copy, ignore=REPORT)
     (copy / "decode.json").write_text(text)
     assert main(["report", str(copy)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -75,11 +78,13 @@ COSTS = [{"recipe": "paper", "seconds": 4.0, "ratio": 1.0}, {"recipe": "streams"
 
 def test_the_recipe_study_adds_each_recipes_cost_of_a_step(tmp_path):
     copy = tmp_path / "recipes"
-    shutil.copytree(RECIPE_STUDY, copy, ignore=shutil.ignore_patterns("figures"))
+    shutil.copytree(RECIPE_STUDY, copy, ignore=REPORT)
     (copy / "cost.json").unlink(missing_ok=True)
     assert main(["report", str(copy)]) == 0
     assert "cost of a step" not in (copy / "report.md").read_text()
     (copy / "cost.json").write_text(json.dumps(COSTS))
+    (copy / "report.md").unlink()  # a copy is not an experiment dtpshard marked: its report is never replaced
+    shutil.rmtree(copy / "figures")
     assert main(["report", str(copy)]) == 0
     rows = [r for r in (copy / "report.md").read_text().splitlines() if r.startswith("| optimised, layerwise")]
     assert rows and all(r.endswith("| 1.40× |") for r in rows)
@@ -97,7 +102,7 @@ def test_the_recipe_study_adds_each_recipes_cost_of_a_step(tmp_path):
                                   '[{"recipe": "paper", "seconds": NaN, "ratio": 1}]', "[{"])
 def test_a_damaged_cost_record_is_one_line(tmp_path, capsys, text):
     copy = tmp_path / "recipes"
-    shutil.copytree(RECIPE_STUDY, copy, ignore=shutil.ignore_patterns("figures"))
+    shutil.copytree(RECIPE_STUDY, copy, ignore=REPORT)
     (copy / "cost.json").write_text(text)
     assert main(["report", str(copy)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

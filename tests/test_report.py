@@ -6,6 +6,7 @@ import numpy as np
 from scipy.stats import pearsonr
 
 from dtpshard.cli import main
+from dtpshard.core.owned import ID, mark
 from dtpshard.studies.report import load_study, write_report
 
 STEPS = [0, 50, 100]
@@ -22,7 +23,8 @@ ZERO = {"optimised": 1.0, "contiguous": 1.2, "random-0": 1.2, "random-1": 1.3, "
 
 def make_experiment(d, unfinished=None, plan=PLAN, zero_kl=ZERO):
     (d / "layouts").mkdir(parents=True)
-    (d / "config.json").write_text(json.dumps({"model": "synthetic", "devices": 4, "delay": 1,
+    dir_id = mark(d, "experiment")  # an experiment directory is dtpshard's: its report may be replaced
+    (d / "config.json").write_text(json.dumps({"model": "synthetic", "devices": 4, "delay": 1, ID: dir_id,
                                                "training": {"steps": 100, "micro_batch": 2, "grad_accum": 1,
                                                             "seq_len": 64}}))
     zero = {}

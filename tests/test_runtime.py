@@ -119,7 +119,7 @@ def test_killed_rank_ends_the_run_with_an_error(ckpt_dirs, capfd, monkeypatch):
     took = time.monotonic() - t
     err = capfd.readouterr().err
     assert rc == 2
-    assert took < 60, took
+    assert took < 120, took  # a liveness bound (the run ends, never hangs), held at load 6
     lines = [ln for ln in err.splitlines() if ln.strip()]
     survivor = [ln for ln in lines if ln.startswith("dtpshard run: error: rank 0:")]
     assert len(survivor) == 1 and "another rank died" in survivor[0], err

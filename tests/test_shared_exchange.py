@@ -128,10 +128,12 @@ def test_back_pressure_never_overwrites_an_unread_slot(tmp_path, kernels):
     assert sum(b > read_ms / 1000 / 2 for b in res[0]["blocked"]) >= 6, res[0]["blocked"]
 
 
+# Liveness bounds, never speed claims: each must hold on a machine at load 6 (a death is seen in ms
+# when idle, which the message's words prove; a hang only after the ring's 3 s timeout).
 @pytest.mark.parametrize("how, said, bound", [
-    ("kill", "another rank died (rank 1, pid {pid}, before it sent sum #4 of the exchange)", 2),
-    ("raise", "another rank ended (rank 1, pid {pid}, before it sent sum #4 of the exchange)", 2),
-    ("stop", "another rank hung or was stopped (rank 1, pid {pid}, has not sent sum #4 of the exchange in 3 s)", 6)])
+    ("kill", "another rank died (rank 1, pid {pid}, before it sent sum #4 of the exchange)", 30),
+    ("raise", "another rank ended (rank 1, pid {pid}, before it sent sum #4 of the exchange)", 30),
+    ("stop", "another rank hung or was stopped (rank 1, pid {pid}, has not sent sum #4 of the exchange in 3 s)", 60)])
 def test_a_lost_peer_is_one_line_within_a_bound(tmp_path, how, said, bound, kernels):
     procs = _start("lost", tmp_path, how)
     try:

@@ -1,9 +1,10 @@
 """Files in and out. Writes are atomic: nothing half-written, ever (a temporary sibling, then a
 rename). Reads name the file in their one-line error.
 
-A temporary is named `.NAME.tmp-PID...` next to NAME. A run killed outright (SIGKILL, power loss)
-cannot remove its own, so the next write of NAME removes those whose process is gone; SIGTERM
-during a write removes its own before the process exits (`exit_on_sigterm`). Every output gets
+A temporary is named `.NAME.tmp-PID-CHECK...` next to NAME (core/temporary.py). A run killed
+outright (SIGKILL, power loss) cannot remove its own, so the next write of NAME removes those whose
+process is gone (only names whose check holds: a user's look-alike is left alone); SIGTERM during a
+write removes its own before the process exits (`exit_on_sigterm`). Every output gets
 the mode a plain create gives (0666 minus the umask), whichever library wrote it.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 import os
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -43,12 +45,13 @@ from dtpshard.core.reading import (  # noqa: F401 (reading lives there; callers 
     read_text,
 )
 from dtpshard.core.rename import publish_new, publish_over
+from dtpshard.core.temporary import temporary_name, temporary_of
 
 _FULL_BYTES = 1 << 20  # a failed write with less than this free on its file system ran out of space
 
 
 def _tmp_sibling(path: Path, suffix: str = "") -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}{suffix}")
+    return path.with_name(temporary_name(path.name, suffix))
 
 
 PID_MAX = 1 << 22  # Linux's largest pid_max: a larger number in a file name is no process's
@@ -102,16 +105,22 @@ def refuse_links(path: str | Path) -> None:
 
 
 def remove_stale_temporaries(path: Path) -> None:
-    """Remove the temporaries of earlier writes of `path` whose process no longer exists."""
+    """Remove the temporaries of earlier writes of `path` whose process no longer exists: only
+    names core/temporary.py recognises as dtpshard's (their check holds), owned by this user."""
     parent = path.parent if str(path.parent) else Path(".")
-    prefix = f".{path.name}.tmp-"
     if not parent.is_dir():
         return
     for p in parent.iterdir():
-        pid = p.name[len(prefix):].split("-")[0].split(".")[0] if p.name.startswith(prefix) else ""
-        if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
+        found = temporary_of(p.name)
+        if found is None or found[0] != path.name or found[1] == os.getpid() or pid_alive(found[1]):
             continue  # not ours, or its writer still runs
-        if p.is_dir() and not p.is_symlink():
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        if st.st_uid != os.geteuid():
+            continue
+        if stat.S_ISDIR(st.st_mode):
             shutil.rmtree(p, ignore_errors=True)
         else:
             with contextlib.suppress(OSError):
@@ -156,7 +165,7 @@ def check_writable_dir(path: Path, create: bool = True) -> None:
         raise UserError(f"cannot write {path}: {blocker} is a file, not a directory")
     if not create and blocker is not None and blocker != parent:
         parent = blocker
-    probe = parent / f".{path.name}.tmp-{os.getpid()}-probe"
+    probe = parent / temporary_name(path.name, "-probe")
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -264,7 +273,7 @@ def atomic_dir(path: str | Path, force: bool = False) -> Iterator[Path]:
     remove_stale_temporaries(path)
     parent = path.parent if str(path.parent) else Path(".")
     with exit_on_sigterm():
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=parent))
+        tmp = Path(tempfile.mkdtemp(prefix=temporary_name(path.name, "-"), dir=parent))
         try:
             with writing(path):
                 share(tmp, 0o777)  # mkdtemp's 0700 would hide the output from other users
@@ -316,11 +325,35 @@ def files_id(paths: list[Path]) -> str:
 
 
 def cache_dir() -> Path:
-    """dtpshard's one cache folder (the parsed offline corpus, the dequantised demo model):
-    $DTPSHARD_CACHE, else $XDG_CACHE_HOME/dtpshard, else ~/.cache/dtpshard."""
+    """dtpshard's one cache folder (the parsed offline corpus, the dequantised demo model, the native
+    kernels, the vLLM environment): $DTPSHARD_CACHE, else $XDG_CACHE_HOME/dtpshard, else
+    ~/.cache/dtpshard. A relative $XDG_CACHE_HOME is ignored, as the XDG specification says: it would
+    name a folder under whatever directory the command runs in, which anyone may have shipped."""
     if os.environ.get("DTPSHARD_CACHE"):
-        return Path(os.environ["DTPSHARD_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dtpshard"
+        return Path(os.path.abspath(Path(os.environ["DTPSHARD_CACHE"]).expanduser()))
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "dtpshard"
+
+
+def private_dir(d: Path) -> str:
+    """Make folder `d` (mode 0700 where missing) and say why it cannot hold what this user runs
+    ("" if it can): a cache entry that is code is trusted only in an absolute, real folder of this
+    user that no one else may write (else anyone who can write there chooses the code)."""
+    d = Path(d)
+    if not d.is_absolute():
+        return f"{d} is not an absolute path"
+    try:
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = os.lstat(d)
+    except OSError as e:
+        return f"cannot make {d} ({(e.strerror or str(e)).lower()})"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{d} is not a directory (a symbolic link?)"
+    if st.st_uid != os.geteuid():
+        return f"{d} belongs to another user (uid {st.st_uid})"
+    if st.st_mode & 0o022:
+        return f"{d} may be written by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return ""
 
 
 # -- writing JSON: strict, every non-number a null ------------------------------------------------

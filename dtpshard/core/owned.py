@@ -3,9 +3,10 @@
 A directory is dtpshard's only if dtpshard marked it when it made it: MARK names the command and
 a random id, and the command's own record in the directory (a run's config.json, convert.json,
 an experiment's config.json, a teacher cache's plan.json) holds the same id under ID. The mark is
-bound to the directory it marks and to itself: it holds the inode numbers of both, so a mark
-copied (with its record) into another folder proves nothing there; a directory moved within its
-file system keeps both. Either file alone proves nothing either: a copied-in config.json has no
+bound to the directory it marks and to itself: it holds the inode numbers and birth times of both,
+so a mark copied (with its record) into another folder proves nothing there, even into a folder
+made anew with a deleted one's inode numbers; a directory moved within its file system keeps all
+four. Either file alone proves nothing either: a copied-in config.json has no
 mark, and a forged mark no record that agrees with it.
 
 A directory written whole and then published (a student, a run's adapters, a permuted
@@ -19,9 +20,12 @@ is refused in one line naming the first such file, before anything is removed.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import shutil
 import stat
+import struct
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -30,10 +34,12 @@ from typing import Any
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_dir, dumps, read_json_object, writing
+from dtpshard.core.lock import is_lock
+from dtpshard.core.temporary import temporary_name, temporary_of
 
-MARK = "dtpshard-dir.json"  # {"made_by": "dtpshard", "command", "id", "dir", "ino"[, "names"]}
+MARK = "dtpshard-dir.json"  # {"made_by": "dtpshard", "command", "id", "dir", "ino", "born"[, "names"]}
 ID = "dir_id"  # the key under which a command's record holds its directory's id
-_KEYS = {"made_by", "command", "id", "dir", "ino", "names"}
+_KEYS = {"made_by", "command", "id", "dir", "ino", "born", "names"}
 MAX_NAMES = 1 << 16  # files a sealed directory lists (a student has tens)
 
 # The first entry under a directory that the command did not write there (None: all of it is its
@@ -53,10 +59,37 @@ def raw_mark(d: Path) -> dict[str, Any] | None:
     return mark if mark.get("made_by") == "dtpshard" else None
 
 
-def _bound(mark: dict[str, Any], d: Path) -> bool:
-    """Whether `mark` was written into d itself (not copied there from another directory)."""
+_STATX_BTIME, _AT_SYMLINK_NOFOLLOW, _AT_EMPTY_PATH = 0x800, 0x100, 0x1000
+
+
+def birth_ns(path: Path | int) -> int | None:
+    """When the inode at `path` (or open descriptor) was made, in ns (statx's btime; Python's stat
+    has none on Linux), or None where the file system or the C library does not say. Unlike an inode
+    number, which ext4 gives to the next file made at once, no later file is born at the same ns."""
     try:
-        return mark.get("dir") == os.lstat(d).st_ino and mark.get("ino") == os.lstat(Path(d) / MARK).st_ino
+        libc = ctypes.CDLL(None, use_errno=True)
+        statx = libc.statx
+    except (OSError, AttributeError):
+        return None
+    buf = ctypes.create_string_buffer(256)
+    if isinstance(path, int):
+        done = statx(path, b"", _AT_EMPTY_PATH, _STATX_BTIME, buf)
+    else:
+        done = statx(-100, os.fsencode(os.path.abspath(path)), _AT_SYMLINK_NOFOLLOW, _STATX_BTIME, buf)
+    mask, = struct.unpack_from("I", buf, 0)
+    if done != 0 or not mask & _STATX_BTIME:
+        return None
+    sec, nsec = struct.unpack_from("qI", buf, 80)  # stx_btime: after mask .. attributes_mask, atime
+    return sec * 1_000_000_000 + nsec
+
+
+def _bound(mark: dict[str, Any], d: Path) -> bool:
+    """Whether `mark` was written into d itself (not copied there from another directory): the
+    inode numbers and birth times of d and of the mark file are the ones it holds. A folder made
+    anew after d was deleted may get d's numbers at once (ext4), never its birth time."""
+    try:
+        return (mark.get("dir") == os.lstat(d).st_ino and mark.get("ino") == os.lstat(Path(d) / MARK).st_ino
+                and "born" in mark and mark.get("born") == [birth_ns(Path(d)), birth_ns(Path(d) / MARK)])
     except OSError:
         return False
 
@@ -97,12 +130,14 @@ def mark(d: Path, command: str, names: Iterable[str] | None = None) -> str:
     d = Path(d)
     d.mkdir(parents=True, exist_ok=True)
     new = uuid.uuid4().hex
-    tmp = d / f".{MARK}.tmp-{os.getpid()}"
+    tmp = d / temporary_name(MARK)
     with writing(tmp):  # replaced whole, by rename: a stale mark is the command's own to replace
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # this process's own temporary (its name's check holds for this pid)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:  # the file's own inode goes inside it: a rename keeps it, a copy does not
             data = {"made_by": "dtpshard", "command": command, "id": new, "dir": os.lstat(d).st_ino,
-                    "ino": os.fstat(fd).st_ino}
+                    "ino": os.fstat(fd).st_ino, "born": [birth_ns(d), birth_ns(fd)]}
             if names is not None:
                 data["names"] = sorted(names)
             os.write(fd, (dumps(data) + "\n").encode())
@@ -156,21 +191,23 @@ def stray(d: Path, files: set[str]) -> Path | None:
 
 
 def is_leftover(name: str, names: Iterable[str]) -> bool:
-    """A kill's leftover of an atomic write of one of `names` (.NAME.tmp-PID...)."""
-    return name.startswith(".") and ".tmp-" in name and name[1:].split(".tmp-")[0] in set(names)
+    """A kill's leftover of an atomic write of one of `names`: a name core/temporary.py recognises."""
+    found = temporary_of(name)
+    return found is not None and found[0] in set(names)
 
 
 def own_entries(command: str, record: str, names: Iterable[str],
                 inside: dict[str, Inside] | None = None, extra: Iterable[str] = ()) -> Inside:
     """The check of a whole directory of `command` (recorded in `record`) as a subdirectory of
     another's (an experiment's runs, convert's run): every entry is one of `names` (a file, or a
-    directory that `inside` checks), `extra` (the lock) or a leftover; d is the command's own."""
+    directory that `inside` checks), `extra` (the lock, when dtpshard made it) or a leftover; d is the
+    command's own."""
     def check(p: Path) -> Path | None:
         if not is_ours(p, command, record):
             return p / MARK if os.path.lexists(p / MARK) else p
         allowed = set(names)
         for e in sorted(p.iterdir()):
-            if e.name in (MARK, *extra) and not e.is_symlink() or is_leftover(e.name, allowed):
+            if e.name == MARK and not e.is_symlink() or e.name in extra and is_lock(e) or is_leftover(e.name, allowed):
                 continue
             if e.name not in allowed:
                 return e

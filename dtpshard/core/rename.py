@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.temporary import temporary_name
 
 _AT_FDCWD = -100
 _NOREPLACE, _EXCHANGE = 1, 2
@@ -88,7 +89,7 @@ def publish_over(src: Path, dst: Path) -> None:
         publish_new(src, dst)
         return
     if not done:
-        old = dst.with_name(f".{dst.name}.tmp-{os.getpid()}.old")
+        old = dst.with_name(temporary_name(dst.name, ".old"))
         os.replace(dst, old)
         os.replace(src, dst)
         src = old

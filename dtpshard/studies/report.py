@@ -15,12 +15,15 @@ interpolation. Step matching compares the optimised and contiguous groups' mean 
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs
 from dtpshard.core.io import atomic_write_text
+from dtpshard.core.owned import MARK, is_ours
 from dtpshard.studies import provenance as p
 from dtpshard.studies.adapters import adapter_lines
 from dtpshard.studies.compare import optional_sections
@@ -314,6 +317,20 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
     return "\n".join(head + body)
 
 
+def _check_ours(d: Path) -> None:
+    """report.md and figures/ are replaced only in an experiment directory dtpshard marked
+    (core/owned.py). Anywhere else (a copy of a published study, a folder of the user's that holds
+    runs/*/metrics.jsonl) they are written only where neither exists: a user's report.md or
+    figures/ is never overwritten."""
+    if is_ours(d, "experiment", "config.json"):
+        return
+    found = [n for n in ("report.md", "figures") if os.path.lexists(d / n)]
+    if found:
+        raise UserError(f"{d / found[0]}: exists, and {d} is not an experiment directory dtpshard marked (no "
+                        f"{MARK} that its config.json agrees with), so it may be someone else's; nothing was "
+                        f"written (move it away, or report a directory `dtpshard experiment` made)")
+
+
 def write_report(directory: Path) -> Path:
     d = Path(directory)
     # report.md and figures/ live in the experiment directory they report on, but never are (or
@@ -321,6 +338,7 @@ def write_report(directory: Path) -> Path:
     read = ("config.json", p.LAYOUT_DIR, p.ZEROSHOT, p.SCORES, p.TIMINGS, p.PROVENANCE, p.RUNS)
     check_outputs({"report": d / "report.md", "figures": d / "figures"}, {"the experiment's": [d / n for n in read]})
     study = load_study(directory)
+    _check_ours(d)
     where = Path(directory) / "figures"
     created = not where.exists()
     try:

@@ -30,7 +30,7 @@ from dtpshard.core.io import (
     read_json,
     remove_stale_temporaries,
 )
-from dtpshard.core.lock import LOCK, locked  # noqa: F401 (a run's lock; importable here)
+from dtpshard.core.lock import LOCK, is_lock, locked, not_a_lock  # noqa: F401 (a run's lock; importable here)
 from dtpshard.core.owned import (
     ID,
     MARK,
@@ -105,9 +105,10 @@ def refuse_foreign(out: Path, expect: str = "", what: str = "a distillation run"
                         f"not {what}; choose another --out")
 
 
-def _ours(name: str, owned: tuple[str, ...]) -> bool:
-    """One of the directory's own names: its files, the lock, or a kill's .NAME.tmp-PID leftover."""
-    return name in owned or name in (LOCK, MARK) or is_leftover(name, owned)
+def _ours(p: Path, owned: tuple[str, ...]) -> bool:
+    """One of the directory's own names: its files, its mark, a lock dtpshard made (a user's own
+    `.lock` is the user's content) or a kill's leftover temporary."""
+    return p.name in owned or p.name == MARK or p.name == LOCK and is_lock(p) or is_leftover(p.name, owned)
 
 
 def refuse_unrelated(run: Path, force: bool, owned: tuple[str, ...] = OWNED, what: str = "a dtpshard run",
@@ -116,7 +117,9 @@ def refuse_unrelated(run: Path, force: bool, owned: tuple[str, ...] = OWNED, wha
     `owned`): a run's files are never written beside someone else's, unless --force says so."""
     if force or not run.is_dir() or (run / record).exists():
         return
-    other = sorted(p.name for p in run.iterdir() if not _ours(p.name, owned))
+    if os.path.lexists(run / LOCK) and not is_lock(run / LOCK):  # a user's .lock is the user's content
+        raise not_a_lock(run / LOCK, run)
+    other = sorted(p.name for p in run.iterdir() if not _ours(p, owned))
     if other:
         more = f" and {len(other) - 1} more" if len(other) > 1 else ""
         raise UserError(f"--out {run}: not empty and not {what} (holds {other[0]}{more}); "
@@ -259,7 +262,9 @@ def check_state(path: Path, state: dict[str, Any], config: dict[str, Any], steps
         if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
             raise bad(f"no valid {key!r} (a damaged checkpoint)")
     saved = state["config"]
-    if saved.get(ID) is not None and saved.get(ID) != config.get(ID):
+    if not isinstance(saved.get(ID), str) or not saved[ID]:  # proof of its run, never optional
+        raise bad(f"holds no directory id ({ID!r}), so nothing binds it to this run (a checkpoint copied in?)")
+    if saved[ID] != config.get(ID):
         raise bad("was written by another run (its directory id differs): a checkpoint copied in")
     diff = config_differences(saved, config, [k for k in compared_keys() if k in saved])
     if diff:

@@ -7,17 +7,27 @@ the same two ops against the same shared words, and calls back into transport/sh
 everything rare, so the ring's rules stay written once.
 
 It is compiled against the running torch by the system's C++ compiler into dtpshard's cache,
-once per torch version and source, under a lock (ranks starting together build it once). Where
-it cannot be built or loaded (no compiler, a failed build, `DTPSHARD_NATIVE=0`), the Python ring
-serves and `why_not()` says why: the transport line every engine prints carries it.
+once per torch version and source, under the cache's lock (core/lock.py: ranks starting together
+build it once). The cache is data, checked before it is trusted as a checkpoint is: its folder
+must be this user's, absolute and written by no one else (core/io.py `private_dir`), and a library
+is loaded only when its SHA-256 is the one recorded beside it (`ring-KEY.so.sha256`) when this code
+built it; anything else is built again. A build is bounded in time (a third of the run's
+`--timeout`, at most BUILD_SECONDS) and its compiler runs in its own process group, killed with it
+on a timeout, an interrupt or the parent's death; its temporary folder is named and removed as
+every other temporary (core/temporary.py). Where the kernels cannot be built or loaded (no
+compiler, a failed or timed-out build, `DTPSHARD_NATIVE=0`, a cache folder others may write), the
+Python ring serves and `why_not()` says why: the transport line every engine prints carries it.
+torch.utils.cpp_extension's builder is not used: it bounds no build in time and loads what its
+cache holds without a check.
 """
 from __future__ import annotations
 
-import fcntl
-import functools
+import contextlib
 import hashlib
 import os
 import shutil
+import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -26,8 +36,17 @@ from pathlib import Path
 import torch
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import cache_dir
+from dtpshard.core.io import (
+    atomic_write_text,
+    cache_dir,
+    exit_on_sigterm,
+    file_sha256,
+    private_dir,
+    remove_stale_temporaries,
+)
+from dtpshard.core.lock import LOCK, acquire, release
 from dtpshard.core.reading import read_bytes
+from dtpshard.core.temporary import temporary_name
 
 SOURCE = Path(__file__).with_name("ring.cpp")
 VARIABLE = "DTPSHARD_NATIVE"
@@ -46,22 +65,64 @@ def _key(source: bytes) -> str:
                                      sys.version.split()[0].encode()])).hexdigest()[:16]
 
 
-def _build(cxx: str, out: Path) -> str:
-    """Compile ring.cpp into `out` -> "" or the compiler's first error line."""
+BUILD_SECONDS = 300.0  # a build's bound when the run's own timeout is longer (a cold build takes ~40 s)
+OPS = ("exchange_attach", "exchange_detach")  # defined by ring.cpp alone (transport/ops.py defines the others)
+
+
+def _no_orphan() -> None:
+    """In the compiler's process before exec: it dies with the process that started it (Linux)."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _build(cxx: str, out: Path, seconds: float) -> str:
+    """Compile ring.cpp into `out` within `seconds` -> "" or why not (the compiler's first error line)."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     cmd = [cxx, "-shared", "-fPIC", "-O2", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
            *(f"-I{p}" for p in include_paths()), str(SOURCE), "-o", str(out),
            *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu"]
+    try:  # its own process group: a timeout or an interrupt ends the compiler and everything it started
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, preexec_fn=_no_orphan)
+    except OSError as e:
+        return f"{cxx} did not run ({e.strerror or e})"
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"{cxx} did not run ({e})"
-    if done.returncode:
-        lines = [x for x in done.stderr.splitlines() if "error" in x] or done.stderr.splitlines() or ["no output"]
+        _, err = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return f"{cxx} did not finish within {seconds:.3g} s (the build is bounded by the run's --timeout)"
+    finally:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    text = err.decode("utf-8", errors="replace")  # a compiler's messages in any encoding are still a reason
+    if proc.returncode:
+        lines = [x for x in text.splitlines() if "error" in x] or text.splitlines() or ["no output"]
         return f"{cxx} failed: {lines[0][:200]}"
     return ""
+
+
+def _digest(lib: Path) -> str:
+    """The SHA-256 of the regular file `lib` (no link followed, no FIFO waited on)."""
+    return file_sha256(lib)
+
+
+def _verified(lib: Path) -> bool:
+    """Whether `lib` is what this code built: a regular file of this user with one link, whose
+    SHA-256 is the one recorded beside it after the build."""
+    record = lib.with_name(lib.name + ".sha256")
+    try:
+        st = os.lstat(lib)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():
+            return False
+        want = read_bytes(record, 128, "the native library's hash").decode().strip()
+        return want == _digest(lib)
+    except (OSError, UserError, UnicodeDecodeError):
+        return False
 
 
 def wanted() -> bool:
@@ -72,9 +133,28 @@ def wanted() -> bool:
     return setting == "1"
 
 
-@functools.cache
-def why_not() -> str:
-    """Load the native ops into this process -> "" if they serve, else why the Python ring does."""
+def _forget_old_lock(path: Path) -> None:
+    """dtpshard before core/lock.py's rule left an empty `.lock` in this folder, which is its own
+    (private_dir checked it): that one, empty, of this user, with one link, is removed so the lock
+    can be made anew; anything else at the name is left to core/lock.py to refuse."""
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_size == 0 and st.st_nlink == 1 and st.st_uid == os.geteuid():
+            os.unlink(path)
+
+
+_LOADED: list[str] = []  # the one answer of this process (a library is loaded once)
+
+
+def why_not(timeout: float = BUILD_SECONDS * 3) -> str:
+    """Load the native ops into this process -> "" if they serve, else why the Python ring does.
+    `timeout`: the run's own; a build (and a wait for another process's) takes at most a third."""
+    if not _LOADED:
+        _LOADED.append(_load(min(BUILD_SECONDS, max(1.0, timeout / 3))))
+    return _LOADED[0]
+
+
+def _load(seconds: float) -> str:
     if not wanted():
         return f"{VARIABLE}=0"
     if sys.platform != "linux":
@@ -83,20 +163,42 @@ def why_not() -> str:
     source = read_bytes(SOURCE, 1 << 20, "the native ring's source")
     where = cache_dir() / "native"
     lib = where / f"ring-{_key(source)}.so"
+    unsafe = private_dir(where)
+    if unsafe:
+        return f"the cache is not safe to run code from: {unsafe}"
+    _forget_old_lock(where / LOCK)
     try:
-        where.mkdir(parents=True, exist_ok=True)
-        with open(where / ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released by the OS however this process ends
-            if not lib.exists():
-                if cxx is None:
-                    return (f"CXX={os.environ['CXX'].strip()[:60]!r} not found" if os.environ.get("CXX", "").strip()
-                            else "no C++ compiler found (set CXX)")
-                with tempfile.TemporaryDirectory(dir=where) as tmp:
-                    why = _build(cxx, Path(tmp) / "ring.so")
+        fd = acquire(where / LOCK, where, wait=seconds)
+    except UserError as e:
+        return str(e)
+    try:
+        if not _verified(lib):
+            if os.path.lexists(lib) and not os.path.isfile(lib) or os.path.islink(lib):
+                return f"{lib} is not a regular file; remove it to build the native kernels"
+            if cxx is None:
+                return (f"CXX={os.environ['CXX'].strip()[:60]!r} not found" if os.environ.get("CXX", "").strip()
+                        else "no C++ compiler found (set CXX)")
+            remove_stale_temporaries(lib)  # the build folders of builds killed outright
+            with exit_on_sigterm():
+                tmp = Path(tempfile.mkdtemp(prefix=temporary_name(lib.name, "-"), dir=where))
+                try:
+                    why = _build(cxx, tmp / "ring.so", seconds)
                     if why:
                         return why
-                    os.replace(Path(tmp) / "ring.so", lib)
+                    atomic_write_text(lib.with_name(lib.name + ".sha256"), _digest(tmp / "ring.so") + "\n")
+                    os.replace(tmp / "ring.so", lib)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            if not _verified(lib):
+                return f"{lib} is not what was just built (changed meanwhile)"
         torch.ops.load_library(str(lib))
     except (OSError, RuntimeError) as e:  # RuntimeError: torch refused the library's registrations
         return f"could not build or load {lib} ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})"
+    finally:
+        release(where / LOCK, fd)
+    missing = [op for op in OPS if not hasattr(torch.ops.dtpshard, op)]
+    missing += [op for op in ("exchange_start", "exchange_value")
+                if not torch._C._dispatch_has_kernel_for_dispatch_key(f"dtpshard::{op}", "CompositeExplicitAutograd")]
+    if missing:
+        return f"{lib} loaded but registers no {missing[0]} op (a library of another source?)"
     return ""

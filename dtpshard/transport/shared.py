@@ -119,7 +119,7 @@ class SharedRing:
 
     def register(self) -> None:
         """Make this ring the one the ops find under its key, native kernels included where built."""
-        self.native_why = native.why_not()
+        self.native_why = native.why_not(self.timeout)
         self.native = not self.native_why
         RINGS[self.key] = self
         if self.native:
