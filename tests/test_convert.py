@@ -214,3 +214,28 @@ def test_plan_reads_no_weight(setup, tmp_path, monkeypatch, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "stage distillation" in err[0] and "--plan" in err[0], err
     assert not out.exists()
+
+
+def test_partial_student_from_one_command(setup, tmp_path, capsys):
+    """convert --delayed SHARE: the modules chosen by sensitivity under the optimised layout, the
+    layout refined for them, the student recording the set; --plan says the share of syncs removed;
+    a rerun with another set is refused naming it; a bad share is refused before stage 1."""
+    out = tmp_path / "partial"
+    assert main(args_for(setup, out, delayed="0.5") + ["--plan"]) == 0
+    assert "syncs removed: 3 of 6 modules delayed, 50% of the all-reduces (chosen by sensitivity)" in \
+        capsys.readouterr().out
+    assert main(args_for(setup, out, delayed="0.5") + ["--plan", "--json"]) == 0
+    layout_row = [p for p in json.loads(capsys.readouterr().out) if p["stage"] == "layout"][0]
+    assert layout_row["syncs_removed"] == 0.5 and layout_row["delayed"] == 3
+    assert main(args_for(setup, out, delayed="0.5") + ["--json"]) == 0
+    capsys.readouterr()
+    layout = json.loads((out / "layout.json").read_text())
+    sens = layout["score"]["delayed"]["sensitivity"]["kl"]
+    assert layout["delayed"] == sorted(sorted(range(6), key=lambda m: (sens[m], m))[:3])
+    assert layout["score"]["contiguous_J"] <= layout["score"]["J"]
+    block = json.loads((out / "student" / "config.json").read_text())["dtp"]
+    assert block["delayed"] == layout["delayed"]
+    for bad, why in ((dict(delayed="0.25"), "delayed"), (dict(delayed="1.5"), "(0, 1]"), (dict(delayed="7"), "7")):
+        assert main(args_for(setup, tmp_path / "other" if why != "delayed" else out, **bad)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and why in err[0], err

@@ -64,10 +64,11 @@ def convert_cmd(flags: Annotated[ConvertFlags, Parameter(name="*")],  # type: ig
             check_sharing(resolved(teacher, cfg), sharing)
             removed = check_delaying(resolved(teacher, cfg), delaying)
             plans = convert_plan.plan_convert(resolved(teacher, cfg), data, run, timed=True)
-            if json:
-                print(dumps([*[s.to_json() for s in plans], removed]))
-            else:
-                print("\n".join([*(s.describe() for s in plans), removed["describe"]]))
+            rows = [s.to_json() for s in plans]
+            for row in rows:  # the share of syncs removed is the layout's: said with its stage
+                if row.get("stage") == "layout":
+                    row.update({k: v for k, v in removed.items() if k != "describe"})
+            print(dumps(rows) if json else "\n".join([*(s.describe() for s in plans), removed["describe"]]))
             convert_plan.refuse_unless_fits(plans)
             return 0
         p = convert(teacher, cfg, data, run, sharing, delaying)
