@@ -310,3 +310,22 @@ def test_peft_reads_the_adapters_over_the_permuted_teacher(setup, run, tmp_path)
     student = load_file(run / "final" / "model.safetensors")
     for name, w in student.items():
         torch.testing.assert_close(merged[name], w, rtol=0, atol=1e-6)
+
+
+def test_a_partial_students_adapters_under_fsdp_match_one_process(dp):
+    """A partial student (only modules 0, 3 and 4 delayed, from its layout) trained with adapters on
+    two FSDP processes follows one process's curves, and its merged student records the set."""
+    from dataclasses import replace
+
+    from test_distill_ddp import STEPS, assert_same_curves, ddp_args
+
+    s, _ = dp
+    partial = dict(s, layout=s["root"] / "partial.json")
+    replace(Layout.load(s["layout"]), delayed=(0, 3, 4)).save(partial["layout"])
+    one, two = s["root"] / "partial-one", s["root"] / "partial-two"
+    assert main(args_for(partial, one, **STEPS) + ["--adapters", str(RANK)]) == 0
+    assert main(ddp_args(partial, two) + ["--nproc", "2", "--adapters", str(RANK), "--fsdp"]) == 0
+    assert_same_curves(one, two)
+    for run in (one, two):
+        assert json.loads((run / "final" / "config.json").read_text())["dtp"]["delayed"] == [0, 3, 4]
+        assert json.loads((run / "config.json").read_text())["delayed"] == [0, 3, 4]

@@ -171,3 +171,23 @@ def test_sensitivity_resumed_at_the_module_equals_full_forwards():
         want = (dense.exp() * (dense - one)).sum(-1).mean().item()
         assert got["kl"][m] == pytest.approx(want, rel=1e-3, abs=1e-7), m
     assert min(got["kl"]) > 0 and got["tokens"] == ids.numel()
+
+
+@pytest.mark.parametrize("recorded, says", [([0, 99], "outside"), ([3, 1], "not a valid DTP setting"),
+                                             ([], "not a valid DTP setting"), ("1-3", "not a valid DTP setting")])
+def test_a_student_whose_set_does_not_fit_is_refused_in_one_line(tmp_path, capsys, recorded, says):
+    import json
+
+    from dtpshard.cli import main
+    from tiny import save_tiny
+
+    teacher = save_tiny(tmp_path / "teacher", "llama", seed=1)
+    student = tmp_path / "student"
+    DTPModel.from_pretrained(teacher, 2, 1, delayed=(1, 2)).save_pretrained(student, source=teacher)
+    cfg = json.loads((student / "config.json").read_text())
+    assert cfg["dtp"]["delayed"] == [1, 2]
+    cfg["dtp"]["delayed"] = recorded
+    (student / "config.json").write_text(json.dumps(cfg))
+    assert main(["generate", str(student), "--prompt", "x", "--max-new-tokens", "2", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0] and "delayed" in err[0], err

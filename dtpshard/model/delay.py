@@ -19,11 +19,20 @@ from dtpshard.core.delayed import is_delayed
 from dtpshard.core.settings import DTPSettings
 
 
-def _own_scale_int(m: int, modules: int, devices: int, delay: int, stage3: str,
+def _first_landing(modules: int, delay: int, delayed: tuple[int, ...] | None) -> int:
+    """The first module after which some sum lands, at a whole δ: δ itself unless a plain module
+    (its sum lands where it is made) comes first."""
+    if delayed is None:
+        return delay
+    chosen = set(delayed)
+    plain = next((k for k in range(modules) if k not in chosen), modules)
+    return min(plain, delayed[0] + delay)
+
+
+def _own_scale_int(m: int, modules: int, devices: int, delay: int, stage3: str, first: int,
                    delayed: tuple[int, ...] | None = None) -> float:
     """s_m at a whole δ: √L before the first landing (stage 1), the stage-3 scale for a delayed
     module whose sum never lands, 1 otherwise (a plain module, and the steady state)."""
-    first = delay if delayed is None else min(k if k not in delayed else k + delay for k in range(modules))
     if m < first:  # stage 1: nothing has arrived yet
         return math.sqrt(devices)
     if is_delayed(m, delayed) and m >= modules - delay:  # stage 3: this broadcast never lands
@@ -78,18 +87,20 @@ class Schedule:
         return [(a, b) for b in range(M) for a in range(b) if b <= first.get(a, M)]
 
 
-def schedule(modules: int, devices: int, delay: float, stage3: str, delayed: tuple[int, ...] | None = None) -> Schedule:
+def schedule(modules: int, devices: int, delay: float, stage3: str,
+             delayed: tuple[int, ...] | None = None) -> Schedule:
     """Per module m: s_m and the arrivals, for the settings of a core.settings.DTPSettings (checked
     by core.settings.resolve_dtp); `schedule_for(M, settings)` takes the settings whole. `delayed`:
     the modules whose sums land δ modules later (None: all); every other module's sum lands at
     once, at the module itself, after the delayed arrivals (docs/design.md §1, per-module delay)."""
     d = math.floor(delay)
     a = delay - d
+    first = {k: _first_landing(modules, k, delayed) for k in (d, d + 1)}
     steps = []
     for m in range(modules):
-        s = _own_scale_int(m, modules, devices, d, stage3, delayed)
+        s = _own_scale_int(m, modules, devices, d, stage3, first[d], delayed)
         if a > 0:
-            s = (1 - a) * s + a * _own_scale_int(m, modules, devices, d + 1, stage3, delayed)
+            s = (1 - a) * s + a * _own_scale_int(m, modules, devices, d + 1, stage3, first[d + 1], delayed)
         arrivals = [(k, w) for k, w in ((m - d, 1.0 - a), (m - d - 1, a))
                     if k >= 0 and w > 0 and is_delayed(k, delayed)]
         if not is_delayed(m, delayed):
