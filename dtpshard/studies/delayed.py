@@ -58,12 +58,18 @@ def arms(study: Study) -> list[PartialArm]:
 
 
 def pilots(study: Study) -> dict[tuple[str, float | None, float | None], list[Run]]:
-    """The recipe calibration: runs of partial layouts at their arm's own lr or CE weight."""
+    """The recipe calibration: runs of partial layouts at their arm's own lr or CE weight, and
+    beside them the same layout's seed-0 run at the study's recipe (the one chosen)."""
     partial = {n for n, info in study.layouts.items() if info.delayed is not None}
     out: dict[tuple[str, float | None, float | None], list[Run]] = {}
     for run in study.recipe_runs:
         if run.layout in partial:
             out.setdefault((run.layout, run.lr, run.ce_weight), []).append(run)
+    t = study.config.training if study.config else None
+    for layout in {k[0] for k in out} if t is not None else ():
+        chosen = [r for r in study.layouts[layout].runs if r.seed == 0]
+        if chosen:
+            out[layout, t.lr, t.ce_weight] = chosen
     return out
 
 

@@ -166,6 +166,8 @@ def _load(seconds: float) -> str:
     unsafe = private_dir(where)
     if unsafe:
         return f"the cache is not safe to run code from: {unsafe}"
+    if _verified(lib):  # built before: loaded without the lock, which only a build needs (its wait is bounded)
+        return _register(lib)
     _forget_old_lock(where / LOCK)
     try:
         fd = acquire(where / LOCK, where, wait=seconds)
@@ -191,11 +193,19 @@ def _load(seconds: float) -> str:
                     shutil.rmtree(tmp, ignore_errors=True)
             if not _verified(lib):
                 return f"{lib} is not what was just built (changed meanwhile)"
-        torch.ops.load_library(str(lib))
-    except (OSError, RuntimeError) as e:  # RuntimeError: torch refused the library's registrations
-        return f"could not build or load {lib} ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})"
+    except OSError as e:
+        return f"could not build {lib} ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})"
     finally:
         release(where / LOCK, fd)
+    return _register(lib)
+
+
+def _register(lib: Path) -> str:
+    """Load the verified library's ops into this process -> "" if they serve, else why not."""
+    try:
+        torch.ops.load_library(str(lib))
+    except (OSError, RuntimeError) as e:  # RuntimeError: torch refused the library's registrations
+        return f"could not load {lib} ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})"
     missing = [op for op in OPS if not hasattr(torch.ops.dtpshard, op)]
     missing += [op for op in ("exchange_start", "exchange_value")
                 if not torch._C._dispatch_has_kernel_for_dispatch_key(f"dtpshard::{op}", "CompositeExplicitAutograd")]
