@@ -104,6 +104,29 @@ def refuse_links(path: str | Path) -> None:
             return
 
 
+def append_bytes(path: str | Path, data: bytes) -> None:
+    """Append `data` to `path` (created if missing) and fsync it. The one way dtpshard writes through
+    a name rather than replacing it, so the name is checked as a lock's is: never a symbolic link
+    (`refuse_links`, O_NOFOLLOW), never a file with more than one name (a hard link: the other name
+    is someone else's file, written too), only a regular file. One line naming it."""
+    path = Path(path)
+    refuse_links(path)
+    with writing(path):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o666)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                what = "a file with more than one name (a hard link)" if stat.S_ISREG(st.st_mode) else \
+                    "not a regular file"
+                raise UserError(f"{path}: is {what}; dtpshard never writes through one (it would write the "
+                                "other name's file too): move it away, or choose another --out")
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def remove_stale_temporaries(path: Path) -> None:
     """Remove the temporaries of earlier writes of `path` whose process no longer exists: only
     names core/temporary.py recognises as dtpshard's (their check holds), owned by this user."""

@@ -1,0 +1,139 @@
+"""Issue 60, the fifth hostile sweep, each class by the rule that covers it:
+A. nothing deletes what it did not create, and nothing is written through a name with more than one
+   link (serve/env.py builds its environment whole in a temporary and publishes it sealed; every
+   append goes through core/io.py's `append_bytes`; every temporary is core/temporary.py's);
+B. nothing does work in proportion to a number a user typed before that number is bounded;
+C. a report's number is checked as what it measures (studies/stats.py's checks);
+D. a published result names its inputs by what they are, never by a machine's path.
+Each refusal is one line, exit 2, with nothing touched."""
+import os
+from pathlib import Path
+
+import pytest
+
+from dtpshard.core.errors import UserError
+from dtpshard.core.temporary import temporary_name
+from dtpshard.serve import env as serve_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- A. the vLLM environment: built whole, replaced only when it holds nothing else ---------------
+class _Builder:
+    """venv.EnvBuilder's stand-in: a python, a script naming its folder, a pyvenv.cfg."""
+
+    def __init__(self, **kw):
+        pass
+
+    def create(self, d):
+        d = Path(d)
+        (d / "bin").mkdir(parents=True)
+        (d / "bin" / "python").write_text("#!/bin/sh\n")
+        (d / "bin" / "pip").write_text(f"#!{d}/bin/python\n")
+        (d / "pyvenv.cfg").write_text(f"command = python -m venv {d}\n")
+
+
+@pytest.fixture
+def fake_build(monkeypatch):
+    """serve.env with no pip and no vLLM: `state["broken"]` (an inode) makes the environment published
+    in that folder stop running; one built anew runs."""
+    state = {"broken": None, "pip": lambda: None}
+
+    def site(python):
+        if python.parents[1].name == serve_env.VENV and python.parents[1].stat().st_ino == state["broken"]:
+            return None
+        d = python.parents[1] / "site"
+        d.mkdir(exist_ok=True)
+        return d
+
+    monkeypatch.setattr(serve_env.venv, "EnvBuilder", _Builder)
+    monkeypatch.setattr(serve_env, "_pip", lambda python, *a: state["pip"]())
+    monkeypatch.setattr(serve_env, "_site_packages", site)
+    return state
+
+
+def _tree(d: Path) -> list:
+    return sorted((str(p.relative_to(d)), p.is_dir() or p.read_bytes()) for p in d.rglob("*"))
+
+
+def test_the_environment_is_published_whole_and_names_its_own_folder(fake_build, tmp_path):
+    env = tmp_path / "env"
+    assert serve_env.ensure(env) == env / "venv" / "bin" / "python"
+    assert (env / "venv" / "bin" / "pip").read_text() == f"#!{env / 'venv'}/bin/python\n"  # relocated
+    assert str(env / "venv") in (env / "venv" / "bin" / "vllm").read_text()
+    assert not [p for p in env.iterdir() if ".tmp-" in p.name]
+
+
+def test_a_rebuild_never_removes_a_users_script_in_the_environment(fake_build, tmp_path):
+    env = tmp_path / "env"
+    serve_env.ensure(env)
+    (env / "venv" / "bin" / "my-tool").write_text("mine")
+    fake_build["broken"] = (env / "venv").stat().st_ino  # it no longer runs: the next call builds it again
+    before = _tree(env)
+    with pytest.raises(UserError, match="my-tool") as e:
+        serve_env.ensure(env)
+    assert "\n" not in str(e.value) and _tree(env) == before
+    (env / "venv" / "bin" / "my-tool").unlink()
+    serve_env.ensure(env)  # nothing of anyone else's in it: replaced
+    assert (env / "venv").stat().st_ino != fake_build["broken"] and (env / "venv" / "bin" / "pip").is_file()
+
+
+def test_an_interrupted_build_leaves_no_half_made_environment(fake_build, tmp_path):
+    env = tmp_path / "env"
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    fake_build["pip"] = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        serve_env.ensure(env)
+    assert not (env / "venv").exists() and not [p for p in env.iterdir() if ".tmp-" in p.name]
+    # a kill's leftover (a dead process's temporary) is the next build's to remove
+    dead = env / temporary_name("venv", "-abcdef", pid=4_000_000 - 1)
+    (dead / "bin").mkdir(parents=True)
+    fake_build["pip"] = lambda: None
+    serve_env.ensure(env)
+    assert not dead.exists() and (env / "venv" / "bin" / "python").is_file()
+
+
+def test_a_users_file_in_the_overlay_is_never_removed(fake_build, tmp_path, monkeypatch):
+    env = tmp_path / "env"
+    serve_env.ensure(env)
+    (env / serve_env.OVERLAY / "notes.txt").write_text("mine")
+    monkeypatch.setattr(serve_env, "_linked_to", lambda env: None)  # as if another dtpshard had linked it
+    with pytest.raises(UserError, match="notes.txt"):
+        serve_env.ensure(env)
+    assert (env / serve_env.OVERLAY / "notes.txt").read_text() == "mine"
+
+
+def test_metrics_are_never_appended_through_a_hard_link(tmp_path):
+    from dtpshard.training.metrics import METRICS, Metrics
+
+    victim = tmp_path / "victim.jsonl"
+    victim.write_text("mine\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    os.link(victim, run / METRICS)
+    metrics = Metrics(run)
+    with pytest.raises(UserError, match="hard link") as e:
+        metrics.truncate(len("mine\n"))  # a resume's first touch of its metrics, before any step
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="hard link"):
+        metrics.append({"kind": "train", "step": 1})
+    assert victim.read_text() == "mine\n"
+
+
+def test_a_sharded_steps_temporary_is_core_temporarys(tmp_path):
+    from dtpshard.training import fsdp, rundir
+
+    run = tmp_path / "run"
+    root = run / rundir.SHARDED_CHECKPOINT
+    (root / "step-00000002").mkdir(parents=True)
+    (root / "LATEST").write_text("step-00000002\n")
+    dead = root / temporary_name("step-00000004", pid=4_000_000 - 1)
+    dead.mkdir()
+    (root / ".step-00000006.tmp").mkdir()  # a user's folder that only looks like the old fixed name
+    (root / "mine").mkdir()
+    assert rundir._sharded_checkpoint(root) == root / ".step-00000006.tmp"
+    fsdp.clean(run)
+    assert sorted(p.name for p in root.iterdir()) == [".step-00000006.tmp", "LATEST", "mine", "step-00000002"]
