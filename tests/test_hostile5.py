@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from dtpshard.core.errors import UserError
 from dtpshard.core.temporary import temporary_name
@@ -137,3 +138,69 @@ def test_a_sharded_steps_temporary_is_core_temporarys(tmp_path):
     assert rundir._sharded_checkpoint(root) == root / ".step-00000006.tmp"
     fsdp.clean(run)
     assert sorted(p.name for p in root.iterdir()) == [".step-00000006.tmp", "LATEST", "mine", "step-00000002"]
+
+
+# -- B. no work in proportion to a number before it is bounded ------------------------------------
+@pytest.fixture(scope="module")
+def corpus(tiny_dirs, tmp_path_factory):
+    from dtpshard.data.blocks import load_texts
+    from dtpshard.model.checkpoint import load_tokenizer
+    from test_distill import random_docs
+
+    text = tmp_path_factory.mktemp("corpus") / "docs.txt"
+    text.write_text("\n\n".join(random_docs(60, 0)))
+    return load_tokenizer(tiny_dirs["llama"]), load_texts([str(text)], role="train")
+
+
+def test_uses_streams_asks_each_phase_not_each_step():
+    from dtpshard.training.recipes import RECIPES, uses_streams
+
+    for name, recipe in RECIPES.items():
+        for steps in (1, 2, 3, 7, 10, 41):  # the phase changes only where `starts` says, and the answer agrees
+            phases = [recipe.phase(s, steps, 1.0) for s in range(steps)]
+            assert {s for s in range(1, steps) if phases[s] != phases[s - 1]} <= set(recipe.starts(steps))
+            assert uses_streams(name, steps) == any(p.streams > 0 for p in phases)
+    assert [uses_streams(n, 1 << 31) for n in ("paper", "streams", "curriculum", "layerwise")] == \
+        [False, True, False, True]  # at once: four phases asked, not 2^31 steps
+
+
+@pytest.mark.parametrize("flag, value", [("--steps", "10000000000"), ("--grad-accum", "1000000000000")])
+def test_steps_and_grad_accum_are_bounded(capsys, flag, value):
+    from dtpshard.cli import main
+
+    assert main(["distill", "teacher", "--out", "run", flag, value, "--plan"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0] and ("2^31" in err[0] or "65536" in err[0]), err
+
+
+def test_training_blocks_are_made_when_a_step_needs_them(corpus):
+    """A run of 2^31 steps starts at once, and block t of a stream read from t on is block t of the
+    stream read from 0 (a resume trains on exactly the uninterrupted run's blocks)."""
+    from dtpshard.data.stream import BlockStream
+
+    tok, texts = corpus
+    whole = BlockStream(tok, texts, 17, 40, seed=3).window(0, 40)
+    huge = BlockStream(tok, texts, 17, (1 << 31) * 64, seed=3)
+    assert torch.equal(huge.window(24, 32), whole[24:32])
+    assert torch.equal(huge.window(4, 8), whole[4:8])  # an earlier window: the stream again from its start
+    windows = huge.windows([0, 10, 30], 2)
+    assert len(windows) == 3 and torch.equal(windows[2], whole[30:32])
+
+
+def test_the_fingerprint_of_a_short_run_is_the_hash_of_all_its_blocks(corpus):
+    from dtpshard.core.io import short_sha256
+    from dtpshard.data.blocks import make_blocks
+    from dtpshard.data.stream import BlockStream
+
+    tok, texts = corpus
+    old = make_blocks(tok, texts, 17, 40, seed=3, shuffle=True, repeat=True)  # what a run recorded before
+    assert BlockStream(tok, texts, 17, 40, seed=3).fingerprint() == short_sha256(old.numpy().tobytes())
+
+
+def test_a_permutation_test_of_many_layouts_is_sampled():
+    from dtpshard.studies.seeds import SAMPLED_SPLITS, split_test
+
+    values = [float(i % 7) for i in range(40)]  # C(40, 20) splits: never listed
+    diff, p, exact = split_test(values)
+    assert not exact and 0 <= p <= 1 and split_test(values) == (diff, p, exact)  # seeded: the same each time
+    assert SAMPLED_SPLITS < 1 << 20

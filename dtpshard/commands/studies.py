@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Unpack
 
-from dtpshard.core.vocab import Count, Device, LearningRate, NonNegativeInt
+from dtpshard.core.vocab import Count, Device, GradAccum, LearningRate, NonNegativeInt, Steps
 from dtpshard.studies.config import STUDY, Overrides
 
 
@@ -43,8 +43,8 @@ def report_cmd(directory: Path) -> int:
     return 0
 
 
-def demo_cmd(*, out: Path = Path("dtpshard-demo"), steps: Count = 20, seq_len: Count = 256,
-             calibration_blocks: Count = 8, eval_blocks: Count = 4, micro_batch: Count = 2, grad_accum: Count = 1,
+def demo_cmd(*, out: Path = Path("dtpshard-demo"), steps: Steps = 20, seq_len: Count = 256,
+             calibration_blocks: Count = 8, eval_blocks: Count = 4, micro_batch: Count = 2, grad_accum: GradAccum = 1,
              eval_every: Count = 5, lr: LearningRate = 2e-4, warmup: NonNegativeInt = 3, random_layouts: Count = 2,
              seeds: NonNegativeInt = 1, device: Device = "auto", force: bool = False) -> int:
     """The README's quick start, the whole pipeline: affinity, optimised / contiguous / random / anti

@@ -105,20 +105,18 @@ def refuse_links(path: str | Path) -> None:
 
 
 def append_bytes(path: str | Path, data: bytes) -> None:
-    """Append `data` to `path` (created if missing) and fsync it. The one way dtpshard writes through
-    a name rather than replacing it, so the name is checked as a lock's is: never a symbolic link
-    (`refuse_links`, O_NOFOLLOW), never a file with more than one name (a hard link: the other name
-    is someone else's file, written too), only a regular file. One line naming it."""
+    """Append `data` to `path` (created if missing), fsync'ed: the one write through a name, so never
+    through a symbolic link (`refuse_links`, O_NOFOLLOW), a hard link (the other name's file would be
+    written too) or anything but a regular file; one line naming it."""
     path = Path(path)
     refuse_links(path)
     with writing(path):
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                      0o666)
         try:
-            st = os.fstat(fd)
+            st, what = os.fstat(fd), "a file with more than one name (a hard link)"
             if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-                what = "a file with more than one name (a hard link)" if stat.S_ISREG(st.st_mode) else \
-                    "not a regular file"
+                what = what if stat.S_ISREG(st.st_mode) else "not a regular file"
                 raise UserError(f"{path}: is {what}; dtpshard never writes through one (it would write the "
                                 "other name's file too): move it away, or choose another --out")
             os.write(fd, data)
