@@ -204,3 +204,38 @@ def test_a_permutation_test_of_many_layouts_is_sampled():
     diff, p, exact = split_test(values)
     assert not exact and 0 <= p <= 1 and split_test(values) == (diff, p, exact)  # seeded: the same each time
     assert SAMPLED_SPLITS < 1 << 20
+
+
+# -- C. a report's number checked as what it measures ---------------------------------------------
+def test_numbers_are_checked_as_what_they_measure():
+    from dtpshard.studies.stats import is_kl, is_number, is_rate, is_step
+
+    inf = float("inf")
+    assert not is_number(inf) and not is_number(-inf) and not is_number(float("nan")) and is_number(1e308)
+    assert is_kl(0.0) and not is_kl(-0.1) and not is_kl(inf)
+    assert is_rate(1.5) and not is_rate(0) and not is_rate(inf)
+    assert is_step(500) and is_step(500.0) and not is_step(inf) and not is_step(2.5) and not is_step(-1)
+
+
+@pytest.mark.parametrize("row", [{"batch": 1, "latency_ms": 0, "tp_tok_s": float("inf")},
+                                 {"batch": 1, "latency_ms": 0, "tp_tok_s": 10, "dtp_tok_s": -1},
+                                 {"batch": float("inf"), "latency_ms": 0, "tp_tok_s": 10},
+                                 {"batch": 1, "latency_ms": 0, "tp_tok_s": 10, "delayed": 2}])
+def test_decode_rows_are_refused_in_one_line(tmp_path, row):
+    import json
+    from types import SimpleNamespace
+
+    from dtpshard.studies.shared import DECODE, decode_rows
+
+    (tmp_path / DECODE).write_text(json.dumps([row]))  # json writes Infinity, as a hand edit may
+    with pytest.raises(UserError) as e:
+        decode_rows(SimpleNamespace(directory=tmp_path))
+    assert "\n" not in str(e.value) and DECODE in str(e.value)
+
+
+def test_a_shared_fraction_that_shares_no_neuron_is_refused():
+    from dtpshard.core.shape import shared_count
+
+    with pytest.raises(UserError, match="shares no neuron of 64; the smallest fraction that shares one is"):
+        shared_count(64, 4, 1e-12)
+    assert shared_count(3072, 4, 0) == 0 and shared_count(3072, 4, 0.1) == 308
