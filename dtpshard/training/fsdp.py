@@ -146,7 +146,7 @@ def _is_step(name: str) -> bool:
     return name.startswith("step-") and name[5:].isdigit()
 
 
-def _OPTIONS(load: bool = False) -> Any:  # noqa: N802 - a constant, made when torch.distributed is loaded
+def _OPTIONS(load: bool = False) -> Any:  # a constant, made when torch.distributed is loaded
     """What a checkpoint holds: the trained tensors only. The frozen ones (the embedding and LM
     head; with adapters, every base weight) are read from the teacher again on resume, so a load
     sets only the trained ones (dcp.load has refused a checkpoint without one of them)."""

@@ -131,7 +131,7 @@ def _read(out: Path, name: str) -> dict[str, Any]:
     return read_json_object(out / name, f"teacher cache {name}", keys=keys)
 
 
-def CACHE_TREE(d: Path) -> Path | None:  # noqa: N802 - an owned.Inside, named as rundir.RUN_TREE
+def CACHE_TREE(d: Path) -> Path | None:  # an owned.Inside, named as rundir.RUN_TREE
     """A teacher cache inside another command's directory (an experiment's): its own, holding only
     its plan, manifest and shards (and the lock, or a kill's leftovers of them)."""
     shards = [p.name for p in d.glob("shard-*.safetensors")]
