@@ -1,4 +1,4 @@
-"""`dtpshard experiment`, `report`, `demo` and `study`, over dtpshard/studies/: each prints the
+"""`dtpshard experiment`, `report`, `publish`, `demo` and `study`, over dtpshard/studies/: each prints the
 report's path alone on stdout, so a script can open it."""
 from __future__ import annotations
 
@@ -40,6 +40,21 @@ def report_cmd(directory: Path) -> int:
     from dtpshard.studies.report import write_report
 
     print(write_report(directory))
+    return 0
+
+
+def publish_cmd(directory: Path, *, out: Path) -> int:
+    """Copy an experiment's records (config.json, provenance, scores, layouts, every run's config.json
+    and metrics) into a new directory OUT, with every input named by what it is instead of its path on
+    this machine (docs/trust.md, Results), and write its report there.
+
+    Args:
+        directory: the experiment directory
+        out: the published study (must not exist)
+    """
+    from dtpshard.studies.publish import publish
+
+    print(publish(directory, out))
     return 0
 
 
