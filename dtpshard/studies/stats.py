@@ -37,9 +37,24 @@ def is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+# a report draws what it reads, and matplotlib's locators overflow near float's limit: no run's KL
+# comes near 1e6 nats, nor its perplexity near 1e300
+MAX_KL, MAX_PERPLEXITY = 1e6, 1e300
+
+
 def is_kl(v: object) -> bool:
-    """A KL divergence (or a loss, a perplexity's log): finite and >= 0."""
-    return is_number(v) and v >= 0
+    """A KL divergence (or a loss, a perplexity's log): finite, >= 0 and below MAX_KL."""
+    return is_number(v) and 0 <= v <= MAX_KL
+
+
+def is_perplexity(v: object) -> bool:
+    """A perplexity: exp of a cross-entropy, so >= 1, and below MAX_PERPLEXITY."""
+    return is_number(v) and 1 <= v <= MAX_PERPLEXITY
+
+
+def is_fraction(v: object) -> bool:
+    """An agreement or a share: from 0 to 1."""
+    return is_number(v) and 0 <= v <= 1
 
 
 def is_rate(v: object) -> bool:
