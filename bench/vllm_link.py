@@ -42,7 +42,7 @@ class _DelayedWork(dist.Work):
         self.inner, self.done = inner, [0.0]
         inner.get_future().add_done_callback(lambda _: self.done.__setitem__(0, time.perf_counter()))
 
-    def wait(self, timeout=None) -> bool:  # noqa: ANN001 - c10d's signature
+    def wait(self, timeout=None) -> bool:  # c10d's signature
         self.inner.wait()
         if LATENCY[0] > 0:
             _sleep_until((self.done[0] or time.perf_counter()) + LATENCY[0])
@@ -62,10 +62,10 @@ class _DelayedGroup(dist.ProcessGroup):
         super().__init__(inner.rank(), inner.size())
         self.inner = inner
 
-    def allreduce(self, tensors, opts=None):  # noqa: ANN001 - c10d's signature
+    def allreduce(self, tensors, opts=None):  # c10d's signature
         return _DelayedWork(self.inner.allreduce(tensors, dist.AllreduceOptions() if opts is None else opts))
 
-    def getBackendName(self) -> str:  # noqa: N802 - c10d's name
+    def getBackendName(self) -> str:  # c10d's name
         return "delayed-gloo"
 
 

@@ -39,6 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "teacher-cache": ("dtpshard.commands.training:teacher_cache_cmd", "the teacher's top-k, for distill"),
     "experiment": ("dtpshard.commands.studies:experiment_cmd", "run a whole study from a config file (resumable)"),
     "report": ("dtpshard.commands.studies:report_cmd", "Markdown report with figures for an experiment directory"),
+    "publish": ("dtpshard.commands.studies:publish_cmd", "an experiment's records and report, with no local path"),
     "demo": ("dtpshard.commands.studies:demo_cmd", "the whole pipeline on SmolLM2-135M, offline, on a CPU"),
     "study": ("dtpshard.commands.studies:study_cmd", "the SmolLM2 study: does J predict the KL after training?"),
     "run": ("dtpshard.commands.generate:run_cmd", "DTP across processes (use under torchrun)"),

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from dtpshard.cli import main
 from dtpshard.core.layout import Layout
 from dtpshard.model.checkpoint import open_checkpoint
+from dtpshard.model.dtp import DTPModel
 from dtpshard.training.distill import DistillConfig, distill
 
 
@@ -46,3 +48,26 @@ def test_starting_distill_on_a_dense_teacher_reads_its_config_once(tiny_dirs, tm
                           eval_text=[str(text)], progress=False, device="cpu"))
     assert (tmp_path / "run" / "DONE").exists()
     assert config_reads.count((teacher / "config.json").resolve()) == 1, config_reads
+
+
+@pytest.mark.parametrize("with_layout", [False, True])
+def test_generate_reads_the_models_config_once(tiny_dirs, tmp_path, config_reads, capsys, with_layout):
+    model = tiny_dirs["llama"]
+    layout = []
+    if with_layout:
+        Layout.random(open_checkpoint(model).shape, devices=2, delay=1, seed=0).save(tmp_path / "layout.json")
+        layout = ["--layout", str(tmp_path / "layout.json")]
+    config_reads.clear()
+    assert main(["generate", str(model), "--devices", "2", "--delay", "1", "--prompt", "hello world",
+                 "--max-new-tokens", "2", *layout]) == 0
+    assert capsys.readouterr().out.startswith("hello world")
+    assert config_reads == [(model / "config.json").resolve()], config_reads
+
+
+def test_generate_from_a_student_reads_its_config_once(tiny_dirs, tmp_path, config_reads, capsys):
+    student = tmp_path / "student"
+    DTPModel.from_pretrained(tiny_dirs["llama"], 2, 1).save_pretrained(student)
+    config_reads.clear()
+    assert main(["generate", str(student), "--prompt", "hello world", "--max-new-tokens", "2",
+                 "--tokenizer", str(tiny_dirs["llama"])]) == 0
+    assert config_reads == [(student / "config.json").resolve()], config_reads

@@ -19,7 +19,7 @@ BAD = {Count: "0", NonNegativeInt: "-1", Seed: "-1", PositiveNumber: "nan", NonN
 REQUIRED = {"generate": ["m", "--prompt", "x"], "layout": ["a", "--out", "o"], "permute": ["m", "l", "--out", "o"],
             "score": ["a", "l"], "affinity": ["m", "--out", "o"], "eval": ["m"], "distill": ["t", "--out", "o"],
             "convert": ["t", "--out", "o"], "experiment": ["s", "--out", "o"], "report": ["d"], "demo": [], "study": [],
-            "run": ["m", "--prompt", "x"],
+            "run": ["m", "--prompt", "x"], "publish": ["d", "--out", "o"],
             "teacher-cache": ["t", "--out", "o"]}
 
 
@@ -66,7 +66,7 @@ def test_bad_flag_value_is_refused_while_parsing(command, dest, hint, capsys, tm
     (["run", "m", "--prompt", "x", "--timeout", "nan"], "--timeout nan: must be a finite number > 0"),
     (["run", "m", "--prompt", "x", "--threads", "-1"], "--threads -1: must be an integer >= 0"),
     (["distill", "t", "--out", "o", "--timeout", "nan"], "--timeout nan: must be a finite number > 0"),
-    (["distill", "t", "--out", "o", "--steps", "2.5"], "--steps 2.5: must be an integer >= 1"),
+    (["distill", "t", "--out", "o", "--steps", "2.5"], "--steps 2.5: must be an integer from 1 to 2^31"),
     (["layout", "a", "--out", "o", "--kind", "best"], "--kind best: must be one of optimised, contiguous"),
     (["distill", "t", "--out", "o", "--compile", "maybe"], "unknown argument maybe"),  # bare --compile is `on`
     (["distill", "t", "--out", "o", "--compile=maybe"], "--compile maybe: must be one of auto, on, off"),
@@ -90,7 +90,7 @@ def test_config_file_with_overrides(tmp_path):
     assert (got.steps, got.lr, got.text, got.progress, str(got.out)) == (9, 0.001, ["a.txt", "b.txt"], False, "run")
     assert type(got.steps) is int  # plain values: config.json and YAML dumps stay as they were
     cfg.write_text("steps: 0\n")
-    with pytest.raises(cli.Refused, match="--steps 0: must be an integer >= 1"):
+    with pytest.raises(cli.Refused, match=r"--steps 0: must be an integer from 1 to 2\^31"):
         cli.parse("distill", fn, ["teacher", "--out", "o", "--config", str(cfg)])
 
 

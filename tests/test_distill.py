@@ -171,7 +171,8 @@ def test_training_and_calibration_never_see_eval_documents(setup, tiny_dirs):
 
     cfg = resolve(DistillConfig(teacher=setup["model"], out=setup["root"] / "x", text=[str(setup["text"])],
                                 steps=20, seq_len=32, micro_batch=2, grad_accum=2))
-    train, _ = train_blocks_for(cfg, 1, tok)
+    stream, _ = train_blocks_for(cfg, 1, tok)
+    train = stream.window(0, len(stream))
     calib = make_blocks(tok, load_texts([str(setup["text"])], role="calibration"), 33, 50)
     ev, _ = eval_blocks_for(setup["model"], text=[str(setup["text"])], blocks=8, seq_len=32)
     docs = setup["text"].read_text().split("\n\n")

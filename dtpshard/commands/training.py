@@ -9,7 +9,7 @@ from cyclopts import Parameter
 
 from dtpshard.core.io import dumps, read_json_object
 from dtpshard.core.settings import NO_FLAGS, DTPFlags
-from dtpshard.core.vocab import Count, Device, Seed
+from dtpshard.core.vocab import Count, Device, GradAccum, Seed, Steps
 from dtpshard.training.settings import DistillConfig, Precision
 
 
@@ -85,10 +85,11 @@ def distill_cmd(cfg: Annotated[DistillConfig, Parameter(name="*")], *, json: boo
 
 
 def teacher_cache_cmd(teacher: Path, *, out: Path, k: Count = 64, dtype: Literal["float16", "bfloat16"] = "float16",
-                      seeds: list[Seed] | None = None, steps: Count = 1000, seq_len: Count = 1024,
-                      micro_batch: Count = 4, grad_accum: Count = 4, nproc: Count = 1, text: list[str] | None = None,
-                      dataset: str | None = None, text_field: str = "text", tokenizer: Path | None = None,
-                      device: Device = "auto", progress: bool = True, force: bool = False) -> int:
+                      seeds: list[Seed] | None = None, steps: Steps = 1000, seq_len: Count = 1024,
+                      micro_batch: Count = 4, grad_accum: GradAccum = 4, nproc: Count = 1,
+                      text: list[str] | None = None, dataset: str | None = None, text_field: str = "text",
+                      tokenizer: Path | None = None, device: Device = "auto", progress: bool = True,
+                      force: bool = False) -> int:
     """Cache TEACHER's top-k next-token log-probabilities of the training blocks of `distill` runs
     with these settings (one per seed), for `distill --teacher-cache DIR`. Rerun to resume.
 

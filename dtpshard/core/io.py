@@ -104,6 +104,27 @@ def refuse_links(path: str | Path) -> None:
             return
 
 
+def append_bytes(path: str | Path, data: bytes) -> None:
+    """Append `data` to `path` (created if missing), fsync'ed: the one write through a name, so never
+    through a symbolic link (`refuse_links`, O_NOFOLLOW), a hard link (the other name's file would be
+    written too) or anything but a regular file; one line naming it."""
+    path = Path(path)
+    refuse_links(path)
+    with writing(path):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o666)
+        try:
+            st, what = os.fstat(fd), "a file with more than one name (a hard link)"
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                what = what if stat.S_ISREG(st.st_mode) else "not a regular file"
+                raise UserError(f"{path}: is {what}; dtpshard never writes through one (it would write the "
+                                "other name's file too): move it away, or choose another --out")
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def remove_stale_temporaries(path: Path) -> None:
     """Remove the temporaries of earlier writes of `path` whose process no longer exists: only
     names core/temporary.py recognises as dtpshard's (their check holds), owned by this user."""

@@ -353,6 +353,9 @@ def shared_count(neurons: int, devices: int, fraction: float) -> int:
     if not 0 <= fraction < 1:
         raise UserError(f"--shared {fraction:g}: the fraction of neurons shared must be in [0, 1)")
     n = math.ceil(round(fraction * neurons, 9))  # rounded first: 0.1 x 3070 is 307.00000000000006
+    if fraction > 0 and n == 0:  # a fraction asked for is never silently none
+        raise UserError(f"--shared {fraction:g}: shares no neuron of {neurons}; the smallest fraction that shares "
+                        f"one is {1 / neurons:.3g} (or give 0 for none)")
     while (neurons - n) % devices:
         n += 1
     if n >= neurons:

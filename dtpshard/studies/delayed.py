@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_path, atomic_write_text, dumps, read_json_object
 from dtpshard.studies.adapters import fmt_seeds
 from dtpshard.studies.provenance import SENSITIVITY, timed
 from dtpshard.studies.shared import decode_rows
-from dtpshard.studies.stats import Curve, mean_curve, mean_sd
+from dtpshard.studies.stats import MAX_KL, Curve, is_kl, mean_curve, mean_sd
 from dtpshard.studies.study import Run, Study
 
 GOAL_LATENCY = 0.5  # ms added to every sum: where decode gains are compared with the share removed
@@ -236,6 +237,10 @@ def study_sensitivity(cfg: Any, model: Path, out: Path, base: str, layout: Any, 
     done = read_json_object(path, "module sensitivity") if path.is_file() else {}
     entry = done.get(base)
     if isinstance(entry, dict) and entry.get("layout_sha256") == layout.content_sha256():
+        kl = entry.get("kl")
+        if not isinstance(kl, list) or not kl or not all(map(is_kl, kl)):  # it chooses which modules are delayed
+            raise UserError(f"{path}: {base}'s 'kl' must be a list of KLs (finite numbers from 0 to {MAX_KL:g}); "
+                            "delete the file to measure again")
         return entry
     from dtpshard.affinity.sensitivity import SENSITIVITY_BLOCKS
     from dtpshard.core.devices import pick_device

@@ -20,7 +20,7 @@ from pathlib import Path
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_path, read_json
 from dtpshard.studies.adapters import fmt_seeds, seeds_at
-from dtpshard.studies.stats import Curve, is_number, mean_curve, step_matching
+from dtpshard.studies.stats import Curve, is_rate, mean_curve, step_matching
 from dtpshard.studies.study import Run, Study
 
 SEEDS = 3  # a baseline is a mean over at least this many training seeds
@@ -74,7 +74,7 @@ def step_costs(study: Study) -> dict[str, float]:
     rows = read_json(path, "bench/bench_distill.py's JSON rows", 1 << 16)
     if not isinstance(rows, list) or not rows or not all(
             isinstance(r, dict) and isinstance(r.get("recipe"), str)
-            and all(is_number(r.get(k)) and r[k] > 0 for k in ("seconds", "ratio")) for r in rows):
+            and all(is_rate(r.get(k)) for k in ("seconds", "ratio")) for r in rows):
         raise UserError(f"{path}: not bench/bench_distill.py --recipes --json's rows (a list of rows with a recipe "
                         "name and positive numbers for seconds and ratio)")
     return {r["recipe"]: float(r["ratio"]) for r in rows}

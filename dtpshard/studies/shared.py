@@ -17,7 +17,7 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_path
 from dtpshard.core.reading import read_json
 from dtpshard.studies.adapters import fmt_seeds
-from dtpshard.studies.stats import Curve, is_number, mean_curve, mean_sd, step_matching
+from dtpshard.studies.stats import Curve, is_number, is_rate, is_step, mean_curve, mean_sd, step_matching
 from dtpshard.studies.study import Study
 
 DECODE = "decode.json"  # bench/bench_vllm.py --json's rows, copied in by hand (not an experiment's output)
@@ -64,12 +64,20 @@ def decode_rows(study: Study) -> list[dict[str, Any]]:
     rows = read_json(path, "bench/bench_vllm.py's JSON rows", 1 << 20)
 
     need = ("batch", "latency_ms", "tp_tok_s")
-    if not isinstance(rows, list) or not rows or not all(
-            isinstance(r, dict) and all(is_number(r.get(k)) for k in need)
-            and all(is_number(v) for k, v in r.items() if k.endswith(("_tok_s", "_rank_weights"))) for r in rows):
-        raise UserError(f"{path}: not bench/bench_vllm.py's JSON rows (a list of rows with numbers for "
-                        f"{', '.join(need)} and every *_tok_s)")
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and _decode_row(r) for r in rows):
+        raise UserError(f"{path}: not bench/bench_vllm.py's JSON rows (a list of rows with {', '.join(need)}: a "
+                        "batch an integer >= 1, a latency finite and >= 0, every *_tok_s, *_rank_weights and "
+                        "dtp_per_tp finite and > 0, a delayed share from 0 to 1)")
     return rows
+
+
+def _decode_row(r: dict[str, Any]) -> bool:
+    """One decode.json row, each number checked as what it measures (studies/stats.py)."""
+    rates = [v for k, v in r.items() if k.endswith(("_tok_s", "_rank_weights")) or k == "dtp_per_tp"]
+    delayed = r.get("delayed")
+    return (is_step(r.get("batch")) and r["batch"] >= 1 and is_number(r.get("latency_ms")) and r["latency_ms"] >= 0
+            and is_rate(r.get("tp_tok_s")) and all(map(is_rate, rates))
+            and (delayed is None or is_number(delayed) and 0 <= delayed <= 1))
 
 
 def shared_lines(study: Study, figures: dict[str, str]) -> list[str]:
@@ -109,7 +117,7 @@ def shared_lines(study: Study, figures: dict[str, str]) -> list[str]:
                 f"--json` as {DECODE} here and run `dtpshard report` again.", ""]
         return out
     fractions = sorted({a.fraction for a in all_arms})
-    cols = [f for f in fractions if f"{bench_arm(f)}_tok_s" in rows[0]]
+    cols = [f for f in fractions if all(f"{bench_arm(f)}_tok_s" in r for r in rows)]  # rows may differ in keys
     out += ["What it costs at decode (bench/bench_vllm.py's random model in vLLM, its own shapes; decode tokens/s "
             f"and the ratio to the unshared student, from {DECODE}):", "",
             "| batch | latency ms | TP | " + " | ".join(f"{f:.0%} shared" for f in cols) + " |",
@@ -120,7 +128,7 @@ def shared_lines(study: Study, figures: dict[str, str]) -> list[str]:
                                                        f" ({r[bench_arm(f) + '_tok_s'] / dtp:.3f}×)") for f in cols]
         out.append(f"| {r['batch']} | {r['latency_ms']:g} | {r['tp_tok_s']:.1f} | " + " | ".join(cells) + " |")
     weights = [f"{f:.0%} {rows[0][bench_arm(f) + '_rank_weights'] / 1e6:.1f} M" for f in cols
-               if f"{bench_arm(f)}_rank_weights" in rows[0]]
+               if all(f"{bench_arm(f)}_rank_weights" in r for r in rows)]
     out += ["", "Weights a rank holds: " + ", ".join(weights) + "." if weights else "", ""]
     if "shared" in figures:
         out += [f"![KL at the last step against decode tokens/s]({figures['shared']})", "",

@@ -31,9 +31,40 @@ class MeanSd:
 
 
 def is_number(v: object) -> bool:
-    """A JSON value a report may compute with: an int or float, not a bool, not NaN (a bench's
-    rows, copied in by hand, are checked field by field with it)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+    """A JSON value a report may compute with: an int or float, not a bool, finite (not NaN, not
+    ±Infinity, which Python's JSON reader takes). Each measured kind below adds its own range, and a
+    report input is checked as what it measures."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# a report draws what it reads, and matplotlib's locators overflow near float's limit: no run's KL
+# comes near 1e6 nats, nor its perplexity near 1e300
+MAX_KL, MAX_PERPLEXITY = 1e6, 1e300
+
+
+def is_kl(v: object) -> bool:
+    """A KL divergence (or a loss, a perplexity's log): finite, >= 0 and below MAX_KL."""
+    return is_number(v) and 0 <= v <= MAX_KL
+
+
+def is_perplexity(v: object) -> bool:
+    """A perplexity: exp of a cross-entropy, so >= 1, and below MAX_PERPLEXITY."""
+    return is_number(v) and 1 <= v <= MAX_PERPLEXITY
+
+
+def is_fraction(v: object) -> bool:
+    """An agreement or a share: from 0 to 1."""
+    return is_number(v) and 0 <= v <= 1
+
+
+def is_rate(v: object) -> bool:
+    """A throughput, a duration or a ratio of them: finite and > 0."""
+    return is_number(v) and v > 0
+
+
+def is_step(v: object, limit: int = 1 << 31) -> bool:
+    """A step (or a batch, a count): an integer from 0 to `limit` (a whole float too, as JSON has it)."""
+    return is_number(v) and float(v).is_integer() and 0 <= v <= limit
 
 
 def mean_sd(values: Sequence[float]) -> MeanSd:

@@ -14,6 +14,7 @@ from dtpshard.core.io import read_json_object
 from dtpshard.core.layout import Layout, is_layout_file
 from dtpshard.core.owned import every
 from dtpshard.core.vocab import LAYOUT_KINDS
+from dtpshard.studies import stats
 from dtpshard.studies.config import Experiment, read_record
 from dtpshard.studies.provenance import LAYOUT_DIR, PROVENANCE, RUNS, SCORES, TEACHER_CACHE, TIMINGS, ZEROSHOT
 from dtpshard.studies.stats import Curve, make_curve
@@ -97,14 +98,28 @@ def _table(obj: dict[str, Any], key: str, path: Path) -> dict[str, Any]:
     return v
 
 
-def _num(obj: dict[str, Any], key: str, path: Path, kind: type = float) -> Any:
-    """obj[key] as a number (None when absent or null); anything else names the file."""
+_KL = (stats.is_kl, f"a KL: a finite number from 0 to {stats.MAX_KL:g}")
+_PPL = (stats.is_perplexity, f"a perplexity: a finite number from 1 to {stats.MAX_PERPLEXITY:g}")
+_TOP1 = (stats.is_fraction, "an agreement: a number from 0 to 1")
+# each measured key a report reads, checked as what it measures (studies/stats.py): a value out of
+# its range would reach a figure's axes or a table as a number no run can give
+MEASURES = {"kl": _KL, "eval_kl": _KL, "ppl": _PPL, "eval_ppl": _PPL, "top1": _TOP1, "eval_top1": _TOP1,
+            "step": (stats.is_step, "a step: an integer from 0 to 2^31"),
+            "J": (lambda v: stats.is_number(v) and v >= 0, "a score J: a finite number >= 0")}
+
+
+def _num(obj: dict[str, Any], key: str, path: Path, kind: type = float, measure: str | None = None) -> Any:
+    """obj[key] as a number (None when absent or null); anything else names the file. `measure`
+    (default the key): a key of MEASURES the value must be."""
     v = obj.get(key)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
         raise UserError(f"{path}: {key!r} must be {'an integer' if kind is int else 'a number'}, found "
                         f"{json.dumps(v)[:40]}")
+    ok, wants = MEASURES.get(measure or key, (stats.is_number, "a finite number"))
+    if not ok(v):
+        raise UserError(f"{path}: {key!r} must be {wants}, found {json.dumps(v)[:40]}")
     return v
 
 
@@ -250,7 +265,7 @@ def load_study(directory: Path) -> Study:
     scores = _read_json(scores_path, "proxy scores") or {}
     for name, info in layouts.items():
         table = _table(scores, name, scores_path)
-        info.proxy_J = {p: _num(table, p, scores_path) for p in table}
+        info.proxy_J = {p: _num(table, p, scores_path, measure="J") for p in table}
     proxies = config.proxies if config else Experiment(model="").proxies  # no config.json yet: the default
     # a layout optimised under another proxy: J is still the first's. J/random keeps its meaning:
     # every edge is normalised to sum 1 whatever the proxy, so the random expectation is n_edges / L for all

@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from dtpshard.core.errors import UserError, first_line
-from dtpshard.core.io import SMALL_JSON, atomic_path, atomic_write_text, read_text
+from dtpshard.core.io import SMALL_JSON, atomic_path, atomic_write_text, pid_alive, read_text
+from dtpshard.core.temporary import temporary_name, temporary_of
 from dtpshard.training.rundir import SHARDED_CHECKPOINT as DIR
 
 LATEST = "LATEST"
@@ -129,14 +130,23 @@ def clean(run: Path) -> None:
     if not root.is_dir():
         return
     keep = latest(run)
-    for p in root.iterdir():
-        if p.is_dir() and p != keep:
+    for p in root.iterdir():  # only what save() writes: a step directory, a dead writer's temporary
+        found = temporary_of(p.name)
+        ours = _is_step(p.name) or found is not None and (_is_step(found[0]) or found[0] == LATEST) \
+            and not pid_alive(found[1])
+        if not ours or p == keep or p.is_symlink():
+            continue
+        if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
-        elif p.is_file() and p.name != LATEST:
+        else:
             p.unlink(missing_ok=True)
 
 
-def _OPTIONS(load: bool = False) -> Any:  # noqa: N802 - a constant, made when torch.distributed is loaded
+def _is_step(name: str) -> bool:
+    return name.startswith("step-") and name[5:].isdigit()
+
+
+def _OPTIONS(load: bool = False) -> Any:  # a constant, made when torch.distributed is loaded
     """What a checkpoint holds: the trained tensors only. The frozen ones (the embedding and LM
     head; with adapters, every base weight) are read from the teacher again on resume, so a load
     sets only the trained ones (dcp.load has refused a checkpoint without one of them)."""
@@ -153,7 +163,7 @@ def save(run: Path, step: int, net: nn.Module, opt: torch.optim.Optimizer, extra
 
     root = run / DIR
     final = root / _step_name(step)
-    tmp = root / f".{final.name}.tmp"
+    tmp = root / temporary_name(final.name, pid=_writer_pid())
     if main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -165,6 +175,18 @@ def save(run: Path, step: int, net: nn.Module, opt: torch.optim.Optimizer, extra
             torch.save(extra, f)
         publish(run, tmp, final)
     barrier()
+
+
+def _writer_pid() -> int:
+    """Rank 0's pid, on every rank: the step's temporary (core/temporary.py) is one name for all the
+    ranks that write into it, and rank 0's, the process that publishes it."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return os.getpid()
+    box = [os.getpid()]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
 
 
 def publish(run: Path, tmp: Path, final: Path) -> None:

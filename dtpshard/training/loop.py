@@ -34,6 +34,7 @@ from dtpshard.core.layout import as_layout
 from dtpshard.core.memory import return_freed_memory
 from dtpshard.core.owned import ID, replacing
 from dtpshard.core.shape import check_seq_len, family_config
+from dtpshard.data.stream import BlockStream
 from dtpshard.model import adapters
 from dtpshard.model.checkpoint import load_hf_config, open_checkpoint
 from dtpshard.model.shards import Weights
@@ -138,7 +139,7 @@ class _Run:
     peaks: memory.PhasePeaks
     ckpt: Any  # the teacher's checkpoint
     layout: Any  # core.layout.Layout, or None: contiguous
-    train_data: torch.Tensor  # [blocks, seq_len + 1]
+    train_data: BlockStream  # [blocks, seq_len + 1], a step's window at a time
     ev: torch.Tensor  # [eval blocks, seq_len + 1]
     cache: TeacherCache | None
     hashes: TeacherHashes | None = None  # rank 0: the card's sha256 of the teacher, hashed meanwhile
@@ -159,8 +160,7 @@ class _Run:
     def tokens_per_step(self) -> int:
         return self.cfg.micro_batch * self.cfg.grad_accum * self.d.world * self.cfg.seq_len
 
-    def wall(self) -> float:
-        """Training seconds, summed over resumes."""
+    def wall(self) -> float:  # training seconds, summed over resumes
         return self.wall0 + time.perf_counter() - self.t0
 
 
@@ -303,11 +303,11 @@ def _step(r: _Run, step: int) -> dict[str, Any]:
     lr = r.sched.get_last_lr()[0]
     r.opt.zero_grad(set_to_none=True)
     G = cfg.micro_batch * cfg.grad_accum * d.world
-    rows = [step * G + (a * d.world + d.rank) * cfg.micro_batch for a in range(cfg.grad_accum)]
+    starts = [step * G + (a * d.world + d.rank) * cfg.micro_batch for a in range(cfg.grad_accum)]
+    micro = r.train_data.windows(starts, cfg.micro_batch)  # this rank's micro-batches, each made when used
     phase = recipe_for(cfg.recipe).phase(step, cfg.steps, cfg.delay)
     with r.net0.model.delayed(phase.delay):
-        sums = accumulate(r.net, r.strategy, r.teacher, [r.train_data[i:i + cfg.micro_batch] for i in rows], cfg,
-                          d.device, r.cache, phase)
+        sums = accumulate(r.net, r.strategy, r.teacher, micro, cfg, d.device, r.cache, phase)
     params = [p for _, p in r.named]
     grad_norm = full_norm(torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf))
     sums = d.sum(sums) / (G * cfg.seq_len)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dtpshard.core.errors import UserError, naming
-from dtpshard.core.io import atomic_path, check_regular, dumps, loads, read_bytes, refuse_links, writing
+from dtpshard.core.io import append_bytes, atomic_path, check_regular, dumps, loads, read_bytes
 from dtpshard.training.settings import require_tensorboard
 
 METRICS = "metrics.jsonl"
@@ -47,18 +47,11 @@ class Metrics:
             data = read_bytes(self.path, METRICS_BYTES, "metrics file")[:size]
             with atomic_path(self.path) as tmp:
                 tmp.write_bytes(data)
-        elif not self.path.exists():
-            self.path.touch()
+        else:  # created if missing, and checked before any step: never appended through a link
+            append_bytes(self.path, b"")
 
     def append(self, row: dict[str, Any]) -> None:
-        refuse_links(self.path)
-        with writing(self.path):  # appended, never through a link (O_NOFOLLOW: a link planted since, ELOOP)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
-            try:
-                os.write(fd, (dumps(row) + "\n").encode())  # strict JSON: a NaN is written null
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        append_bytes(self.path, (dumps(row) + "\n").encode())  # strict JSON: a NaN is written null
         if self.writer is not None:
             kind = row.get("kind", "train")
             for key, value in row.items():

@@ -30,6 +30,8 @@ from dtpshard.core.io import dumps, short_sha256
 from dtpshard.core.layout import Layout
 from dtpshard.core.settings import resolve_dtp
 from dtpshard.core.shape import shape_from_hf_config
+from dtpshard.data.blocks import load_texts
+from dtpshard.data.stream import BlockStream
 from dtpshard.model.adapters import adapters_off
 from dtpshard.model.checkpoint import (
     Checkpoint,
@@ -40,7 +42,6 @@ from dtpshard.model.checkpoint import (
     student_record,
 )
 from dtpshard.model.hf import resolve_dtype
-from dtpshard.training.evaluate import source_blocks
 from dtpshard.training.losses import eval_sums, kl_ce_sums, stream_distance, topk_kl_ce_sums
 
 # the recipe and a run's settings, defined without torch (the CLI, a study file and the report read them)
@@ -158,15 +159,15 @@ def save_dtype(cfg: DistillConfig, ckpt: Any) -> torch.dtype:
 
 
 def train_blocks_for(cfg: DistillConfig, world: int, tokenizer: Any,
-                     ckpt: Checkpoint | None = None) -> tuple[torch.Tensor, str]:
-    """All training blocks of the run, in training order: [steps × global batch, seq_len + 1]
-    (`ckpt`: the teacher, when it is open already)."""
+                     ckpt: Checkpoint | None = None) -> tuple[BlockStream, str]:
+    """The run's training blocks in training order, steps × global blocks of seq_len + 1 tokens,
+    made when a step asks for them (data/stream.py); `ckpt`: the teacher, when it is open already."""
     n = cfg.steps * cfg.micro_batch * cfg.grad_accum * world
-    blocks, source = source_blocks(tokenizer, cfg.text, cfg.dataset, "train", cfg.seq_len, n, cfg.text_field,
-                                   seed=cfg.seed, shuffle=True, repeat=True)
+    texts = load_texts(cfg.text, cfg.dataset, role="train", text_field=cfg.text_field)
     vocab = (read_shape(cfg.teacher) if ckpt is None else ckpt.shape).vocab
-    check_token_ids(blocks, vocab, cfg.tokenizer or cfg.teacher)
-    return blocks, source
+    stream = BlockStream(tokenizer, texts, cfg.seq_len + 1, n, cfg.seed,
+                         check=lambda blocks: check_token_ids(blocks, vocab, cfg.tokenizer or cfg.teacher))
+    return stream, texts.source
 
 
 def resolve(cfg: DistillConfig, hf_config: Any = None, layout: Layout | None = None) -> DistillConfig:
@@ -206,7 +207,7 @@ def resolve(cfg: DistillConfig, hf_config: Any = None, layout: Layout | None = N
 
 
 def run_config(cfg: DistillConfig, shape: Any, layout: Any, world: int, device: str,
-               train: torch.Tensor, train_src: str, ev: torch.Tensor, eval_src: str,
+               train: BlockStream, train_src: str, ev: torch.Tensor, eval_src: str,
                cache: Any = None) -> dict[str, Any]:
     """config.json: every DistillConfig field plus what was derived from the inputs (Derived)."""
     out = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()}
@@ -219,7 +220,7 @@ def run_config(cfg: DistillConfig, shape: Any, layout: Any, world: int, device: 
         layout_sha256=None if layout is None else layout.content_sha256(),
         world_size=world, global_batch=G, tokens_per_step=G * cfg.seq_len,
         device_type=torch.device(device).type,
-        train_data=train_src, train_blocks=int(train.shape[0]), train_data_sha256=_sha(train.numpy().tobytes()),
+        train_data=train_src, train_blocks=len(train), train_data_sha256=train.fingerprint(),
         eval_data=eval_src, eval_data_sha256=_sha(ev.numpy().tobytes()),
         teacher_cache_id=None if cache is None else cache.identity(),
         torch=torch.__version__, threads=torch.get_num_threads())))

@@ -1,7 +1,8 @@
 """Distillation recipes (docs/design.md §4): what each optimizer step trains the student towards, as
 a pure function of the step, so that a run resumes bit-identically from its step alone.
 
-A recipe is a name and a `phase(step, steps, delay)`. The loop asks it once per step and does
+A recipe is a name, a `phase(step, steps, delay)` and `starts(steps)`, the steps where its phase
+changes (so a question about every step is asked of a few). The loop asks it once per step and does
 what the Phase says; it never asks which recipe runs. A Phase holds three numbers:
 
 - `delay`: the δ of this step's training forward (the run's own δ at evaluation, always);
@@ -40,6 +41,10 @@ class Paper:
     def phase(self, step: int, steps: int, delay: float) -> Phase:
         return Phase(delay)
 
+    def starts(self, steps: int) -> list[int]:
+        """The steps after 0 where the phase changes (none)."""
+        return []
+
 
 @dataclass(frozen=True)
 class StreamsFirst:
@@ -60,6 +65,9 @@ class StreamsFirst:
             return Phase(delay, logits=0.0, streams=1.0)
         return Phase(delay)
 
+    def starts(self, steps: int) -> list[int]:
+        return [round(self.split * steps)]
+
 
 @dataclass(frozen=True)
 class Curriculum:
@@ -78,6 +86,10 @@ class Curriculum:
             return Phase(delay)
         return Phase(delay * math.floor(self.levels * step / end) / self.levels)
 
+    def starts(self, steps: int) -> list[int]:
+        end = max(1, round(self.ramp * steps))
+        return [-(-k * end // self.levels) for k in range(1, self.levels)] + [end]
+
 
 @dataclass(frozen=True)
 class Layerwise:
@@ -91,6 +103,9 @@ class Layerwise:
     def phase(self, step: int, steps: int, delay: float) -> Phase:
         return Phase(delay, logits=1.0, streams=self.weight)
 
+    def starts(self, steps: int) -> list[int]:
+        return []
+
 
 RECIPES = {r.name: r for r in (Paper(), StreamsFirst(), Curriculum(), Layerwise())}
 RecipeName = Literal["paper", "streams", "curriculum", "layerwise"]  # RECIPES' keys (tests/test_recipes.py)
@@ -102,6 +117,7 @@ def recipe_for(name: str) -> Paper | StreamsFirst | Curriculum | Layerwise:
 
 
 def uses_streams(name: str, steps: int) -> bool:
-    """Whether any step of this recipe matches streams (it needs the dense teacher's streams)."""
+    """Whether any step of this recipe matches streams (it needs the dense teacher's streams): asked
+    of the first step of each phase (`starts`), never of every step, whatever --steps says."""
     r = RECIPES[name]
-    return any(r.phase(s, steps, 1.0).streams > 0 for s in range(steps))
+    return any(r.phase(s, steps, 1.0).streams > 0 for s in {0, *r.starts(steps)} if 0 <= s < steps)

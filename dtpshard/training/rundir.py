@@ -44,6 +44,7 @@ from dtpshard.core.owned import (
     refuse_other,
     sealed,
 )
+from dtpshard.core.temporary import temporary_of
 from dtpshard.training.metrics import METRICS, METRICS_BYTES, Metrics, NoMetrics, metrics_for, read_metrics  # noqa: F401
 from dtpshard.training.settings import FORMAT, compared_keys
 
@@ -166,7 +167,8 @@ def _sharded_checkpoint(d: Path) -> Path | None:
     for p in sorted(d.iterdir()):
         if p.name == "LATEST" and p.is_file() and not p.is_symlink():
             continue
-        step = p.name.removeprefix(".").removesuffix(".tmp")
+        found = temporary_of(p.name)  # a step being written: core/temporary.py's name of it
+        step = found[0] if found is not None else p.name
         if not (step.startswith("step-") and step[5:].isdigit()) or p.is_symlink() or not p.is_dir():
             return p
         inner = next((q for q in sorted(p.iterdir()) if q.is_symlink() or not q.is_file()

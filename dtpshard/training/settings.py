@@ -24,6 +24,7 @@ from dtpshard.core.vocab import (
     DelayedBy,
     Device,
     Fraction,
+    GradAccum,
     LearningRate,
     NonNegativeInt,
     NonNegativeNumber,
@@ -33,6 +34,7 @@ from dtpshard.core.vocab import (
     SharedBy,
     SharedFraction,
     Stage3,
+    Steps,
 )
 from dtpshard.training.recipes import DEFAULT_RECIPE, RecipeName
 
@@ -91,10 +93,10 @@ class Recipe:
         adapter_targets: the projections that get adapters
     """
 
-    steps: Count = 1000
+    steps: Steps = 1000
     seq_len: Count = 1024
     micro_batch: Count = 4
-    grad_accum: Count = 4
+    grad_accum: GradAccum = 4
     lr: LearningRate = 5e-5
     warmup: NonNegativeInt = 100
     min_lr_ratio: Fraction = 0.1

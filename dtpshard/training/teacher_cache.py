@@ -44,6 +44,7 @@ from dtpshard.core.io import (
     short_sha256,
 )
 from dtpshard.core.owned import ID, claim, is_ours, own_entries
+from dtpshard.data.stream import BlockStream
 from dtpshard.model.checkpoint import TOKENIZER_FILES, Checkpoint, open_checkpoint
 from dtpshard.model.dtp import DTPModel
 from dtpshard.training.losses import chunk_tokens, teacher_topk
@@ -130,7 +131,7 @@ def _read(out: Path, name: str) -> dict[str, Any]:
     return read_json_object(out / name, f"teacher cache {name}", keys=keys)
 
 
-def CACHE_TREE(d: Path) -> Path | None:  # noqa: N802 - an owned.Inside, named as rundir.RUN_TREE
+def CACHE_TREE(d: Path) -> Path | None:  # an owned.Inside, named as rundir.RUN_TREE
     """A teacher cache inside another command's directory (an experiment's): its own, holding only
     its plan, manifest and shards (and the lock, or a kill's leftovers of them)."""
     shards = [p.name for p in d.glob("shard-*.safetensors")]
@@ -210,14 +211,18 @@ class TeacherCache:
                 raise UserError(f"{where}: built for another teacher ({what} hash {self.manifest[key]}, "
                                 f"{teacher} has {now[key]})")
 
-    def check(self, teacher: Path, blocks: torch.Tensor, tokenizer: Path | None = None) -> None:
+    def check(self, teacher: Path, blocks: BlockStream | torch.Tensor, tokenizer: Path | None = None) -> None:
         """Refuse a cache of another teacher or tokenizer, seq_len, or one that lacks a block of the run."""
         where = f"--teacher-cache {self.path}"
-        self.check_for(teacher, blocks.shape[1] - 1, tokenizer)
-        for i, b in enumerate(blocks):
-            if block_key(b) not in self.index:
-                raise UserError(f"{where}: built for other training blocks (block {i} of this run is not in it; "
-                                "build it with this run's data, seq-len, steps, batch and seed)")
+        self.check_for(teacher, (blocks.seq_len if isinstance(blocks, BlockStream) else blocks.shape[1]) - 1, tokenizer)
+        if len(blocks) > len(self.index):  # before a block is made: the run needs more than the cache holds
+            raise UserError(f"{where}: holds {len(self.index)} blocks, the run trains on {len(blocks)} (build it with "
+                            "this run's data, seq-len, steps, batch and seed)")
+        for k, chunk in enumerate(blocks.chunks() if isinstance(blocks, BlockStream) else blocks.split(1024)):
+            for i, b in enumerate(chunk):
+                if block_key(b) not in self.index:
+                    raise UserError(f"{where}: built for other training blocks (block {k * 1024 + i} of this run is "
+                                    "not in it; build it with this run's data, seq-len, steps, batch and seed)")
 
     def lookup(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(top_ids [b, T, k] int64, top_logp [b, T, k], tail_logp [b, T]) of blocks [b, T + 1]."""
@@ -261,7 +266,8 @@ def cache_blocks(teacher: Path | Checkpoint, seeds: list[int], steps: int, seq_l
         cfg = DistillConfig(teacher=ckpt.path, out=Path("."), steps=steps, seq_len=seq_len,
                             micro_batch=micro_batch, grad_accum=grad_accum, text=text, dataset=dataset, seed=seed,
                             text_field=text_field, tokenizer=None if tokenizer is None else Path(tokenizer))
-        parts.append(train_blocks_for(cfg, nproc, tok, ckpt)[0])
+        stream = train_blocks_for(cfg, nproc, tok, ckpt)[0]
+        parts.append(stream.window(0, len(stream)))
     return torch.cat(parts)
 
 
