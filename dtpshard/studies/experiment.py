@@ -326,7 +326,8 @@ def _teacher_cache(cfg: Experiment, model: Path, out: Path, runs: list[tuple[str
     with _timed(out, "teacher cache"):
         return build_cache(teacher, blocks, out / TEACHER_CACHE, cfg.teacher_cache_k, micro_batch=t.micro_batch,
                            device=pick_device(cfg.device), precision=t.precision, progress=t.progress,
-                           tokenizer=tokenizer)
+                           tokenizer=tokenizer, force=True)  # arms added with new seeds: the study's own cache
+                                                             # grows (claim clears only a cache of ours)
 
 
 def _arms(cfg: Experiment, model: Path, layouts: dict[str, Path], out: Path,
