@@ -125,7 +125,7 @@ def test_other_config_refused_unless_force(study, tmp_path, capsys):
     (lambda t: t.replace('kind = "anti"', 'kind = "anti"\ncolour = "red"'), "unknown key 'arms[3].colour'"),
     (lambda t: t.replace("devices = 2", 'devices = "two"'), "devices = 'two': must be an integer"),
     (lambda t: t.replace("lr = 0.001", "lr = -0.001"), "training.lr = -0.001: must be a number > 0 and at most 1"),
-    (lambda t: t.replace("steps = 2", "steps = 0"), "training.steps = 0: must be an integer >= 1"),
+    (lambda t: t.replace("steps = 2", "steps = 0"), "training.steps = 0: must be an integer from 1 to 2^31"),
     (lambda t: t.replace("steps = 2", "steps = 2.5"), "training.steps = 2.5: must be an integer"),
     (lambda t: t.replace("blocks = 2\nseq_len", "blocks = 0\nseq_len"),
      "calibration.blocks = 0: must be an integer >= 1"),

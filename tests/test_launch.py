@@ -73,8 +73,19 @@ def _env(tmp: Path | None = None) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     if tmp is not None:  # the launcher's temporary directory goes here, where the test can look
         tmp.mkdir(exist_ok=True)
-        env["TMPDIR"] = str(tmp)
+        env["TMPDIR"] = str(short(tmp))
     return env
+
+
+def short(tmp: Path) -> Path:
+    """`tmp` by a short name (a link in /tmp): the forkserver's socket lives under TMPDIR, and a unix
+    socket's path holds at most 107 bytes, which pytest-xdist's deeper tmp_path can exceed."""
+    import hashlib
+
+    link = Path("/tmp") / f"dtp-{hashlib.sha256(str(tmp).encode()).hexdigest()[:10]}"
+    if not link.is_symlink():
+        link.symlink_to(tmp)
+    return link
 
 
 def _torchrun(model, world):

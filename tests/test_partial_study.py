@@ -51,3 +51,20 @@ def test_partial_arms_end_to_end(tmp_path, tiny_dirs, capsys):
     assert main(["report", str(out)]) == 0
     md = (out / "report.md").read_text()
     assert "each partial student at least 0.9 × share × that" in md and "): met." in md
+
+
+def test_arms_added_with_new_seeds_grow_the_studys_teacher_cache(tmp_path, tiny_dirs, capsys):
+    """A study with a teacher cache gains an arm of another seed: its own cache is rebuilt for
+    every seed's blocks (it was refused as "holds something else" before)."""
+    text = corpus(tmp_path / "corpus.txt")
+    base = config_text(tiny_dirs["llama"], text)
+    base = base[:base.index("[[arms]]")].replace('device = "cpu"', 'device = "cpu"\nteacher_cache_k = 8')
+    one = '[[arms]]\nkind = "contiguous"\nseeds = [0]\n'
+    (tmp_path / "study.toml").write_text(base + one)
+    out = tmp_path / "exp"
+    assert main(["experiment", str(tmp_path / "study.toml"), "--out", str(out)]) == 0
+    first = json.loads((out / "teacher-cache" / "plan.json").read_text())["blocks"]
+    (tmp_path / "study.toml").write_text(base + one + '[[arms]]\nkind = "contiguous"\nseeds = [1]\n')
+    assert main(["experiment", str(tmp_path / "study.toml"), "--out", str(out)]) == 0
+    assert json.loads((out / "teacher-cache" / "plan.json").read_text())["blocks"] > first
+    assert sorted(p.name for p in (out / "runs").iterdir()) == ["contiguous-s0", "contiguous-s1"]

@@ -173,7 +173,8 @@ def _forkserver_up(p):
         if any("forkserver" in cmdline(c) for c in family(p.pid, recursive=False)):
             return
         time.sleep(0.01)
-    raise AssertionError("no forkserver started")
+    err = p.communicate(timeout=60)[1] if p.poll() is not None else ""
+    raise AssertionError(f"no forkserver started (the launch ended with {p.returncode}: {err[-2000:]})")
 
 
 def stopped(model, tmp, sig, group, when):

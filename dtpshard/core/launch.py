@@ -222,6 +222,9 @@ def _context() -> Any:
         os.environ[STARTED_BY] = str(os.getpid())  # it dies with this process (core/forkserver.py)
         try:
             forkserver.ensure_running()  # a no-op once it runs
+        except OSError as e:  # its unix socket lives under TMPDIR: a path of at most 107 bytes
+            raise UserError(f"cannot start the ranks' forkserver ({e}): its socket goes under the temporary "
+                            f"directory {tempfile.gettempdir()}; set TMPDIR to a shorter path") from None
         finally:
             del os.environ[STARTED_BY]
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)

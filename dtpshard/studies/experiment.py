@@ -294,7 +294,7 @@ def _zero_shot(cfg: Experiment, model: Path, layouts: dict[str, Path], out: Path
     teacher = _CachedTeacher(DTPModel.from_state_dict(ckpt.hf_config, sd, settings=DENSE).to(dev).eval())
     ev, train = cfg.evaluation, cfg.training
     blocks, _ = eval_blocks_for(model, ev.text, ev.dataset, ev.blocks, train.seq_len,
-                                load_tokenizer(cfg.tokenizer or model), cfg.text_field)
+                                load_tokenizer(cfg.tokenizer or model), cfg.text_field, named=cfg.tokenizer)
     micro = ev.micro_batch or train.micro_batch
     for name in todo:
         with _timed(out, "zero-shot"):

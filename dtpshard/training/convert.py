@@ -275,7 +275,8 @@ def preflight(cfg: DistillConfig) -> None:
     ckpt = open_checkpoint(cfg.teacher)
     check_seq_len(ckpt.hf_config, cfg.seq_len)
     tok = ckpt.tokenizer(cfg.tokenizer)
-    eval_blocks_for(ckpt, cfg.eval_text, cfg.eval_dataset, cfg.eval_blocks, cfg.seq_len, tok, cfg.text_field)
+    eval_blocks_for(ckpt, cfg.eval_text, cfg.eval_dataset, cfg.eval_blocks, cfg.seq_len, tok, cfg.text_field,
+                    named=cfg.tokenizer)
     if cfg.teacher_cache is not None:
         from dtpshard.training.teacher_cache import TeacherCache
 

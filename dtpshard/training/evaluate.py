@@ -86,14 +86,14 @@ def source_blocks(tok: Any, text: list[str] | None, dataset: str | None, role: s
 
 def eval_blocks_for(model: Path | Checkpoint, text: list[str] | None = None, dataset: str | None = None,
                     blocks: int = 16, seq_len: int = 1024, tokenizer: Any = None,
-                    text_field: str = "text") -> tuple[torch.Tensor, str]:
+                    text_field: str = "text", named: str | Path | None = None) -> tuple[torch.Tensor, str]:
     """The first `blocks` held-out blocks [blocks, seq_len + 1] (role "eval": disjoint from every
     calibration and training block); default the offline corpus. `model`: its directory, or the
-    checkpoint already open."""
+    checkpoint already open; `named`: the directory `tokenizer` came from (default the model's)."""
     tok = tokenizer if tokenizer is not None else load_tokenizer(model)
     ev, source = source_blocks(tok, text, dataset, "eval", seq_len, blocks, text_field, shuffle=False)
     shape = model.shape if isinstance(model, Checkpoint) else read_shape(model)
-    where = (model.path if isinstance(model, Checkpoint) else model) if tokenizer is None else "the given tokenizer"
+    where = named or (model.path if isinstance(model, Checkpoint) else model)
     check_token_ids(ev, shape.vocab, where)
     return ev, source
 
@@ -120,7 +120,8 @@ def evaluate_model(model: Path, dtp: DTPFlags = NO_FLAGS, *, layout: Path | None
             raise UserError(f"teacher {teacher} has another shape than {model}: "
                             f"{'; '.join(dense.shape.differences(student.shape))}")
     ev, source = eval_blocks_for(student.checkpoint, text=text, dataset=dataset, blocks=blocks, seq_len=seq_len,
-                                 tokenizer=student.checkpoint.tokenizer(tokenizer), text_field=text_field)
+                                 tokenizer=student.checkpoint.tokenizer(tokenizer), text_field=text_field,
+                                 named=tokenizer)
     if compile:
         for net in (student, dense):
             if net is not None:  # evaluation reads h, the LM head's input, so compile that

@@ -233,7 +233,7 @@ def _inputs(cfg: DistillConfig, d: Dist, strategy: Strategy, plan: memory.Memory
     tok = ckpt.tokenizer(cfg.tokenizer)
     train_data, train_src = train_blocks_for(cfg, d.world, tok, ckpt)
     ev, eval_src = eval_blocks_for(ckpt, cfg.eval_text, cfg.eval_dataset, cfg.eval_blocks, cfg.seq_len,
-                                   tok, cfg.text_field)
+                                   tok, cfg.text_field, named=cfg.tokenizer)
     cache = None
     if cfg.teacher_cache is not None:
         cache = TeacherCache(cfg.teacher_cache)
