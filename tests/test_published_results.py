@@ -144,3 +144,17 @@ def test_publish_names_every_input_by_what_it_is(tmp_path, capsys):
         rel = f.relative_to(results)
         if f.is_file() and rel.parts[0] not in ("figures", "README.md"):
             assert (tmp_path / "published" / rel).read_text() == f.read_text(), rel
+
+
+def test_published_decode_numbers_were_measured_on_the_transport_the_code_uses():
+    """Every DTP arm of a published decode.json (bench/bench_vllm.py's rows) says it ran on the
+    shared-memory ring's native kernels, what the engine uses on one CPU host today; a number
+    measured on the ring's Python kernels (as the shared study's first one was) is not published."""
+    found = sorted((ROOT / "docs" / "results").glob("*/decode.json"))
+    assert found
+    for path in found:
+        for row in json.loads(path.read_text()):
+            for key, said in row.items():
+                arm = key.removesuffix("_transport")
+                if key.endswith("_transport") and arm.startswith("dtp") and arm not in ("dtp_python", "dtp_collective"):
+                    assert said.startswith("shared memory") and said.endswith("native kernels)"), (path, key, said)
