@@ -1,11 +1,9 @@
-"""Starting the ranks of a multi-process run: torchrun's environment, the process group, a local
-launcher (`--nproc L`), and failures that end a rank with one line instead of a hang.
+"""Starting a multi-process run's ranks: torchrun's environment, the process group, a local launcher
+(`--nproc L`), and failures that end a rank with one line instead of a hang.
 
-torchrun (or `launch_local`) sets RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
-(checked, with --timeout and --nproc, in core/launch_checks.py); `process_group` joins them with a
-timeout on both the rendezvous and every collective, and ends the group in order: every posted
-transfer taken, a barrier, then the group destroyed, so that no gloo thread or transfer outlives
-it; a torchrun rank then leaves without the interpreter's teardown (`leave`).
+torchrun (or `launch_local`) sets RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (core/launch_checks.py
+checks them); `process_group` joins them with a timeout on the rendezvous and every collective and ends the group in
+order (transfers taken, a barrier, the group destroyed); a torchrun rank then leaves without teardown (`leave`).
 """
 from __future__ import annotations
 
@@ -222,9 +220,8 @@ def _context() -> Any:
         os.environ[STARTED_BY] = str(os.getpid())  # it dies with this process (core/forkserver.py)
         try:
             forkserver.ensure_running()  # a no-op once it runs
-        except OSError as e:  # its unix socket lives under TMPDIR: a path of at most 107 bytes
-            raise UserError(f"cannot start the ranks' forkserver ({e}): its socket goes under the temporary "
-                            f"directory {tempfile.gettempdir()}; set TMPDIR to a shorter path") from None
+        except OSError as e:  # its unix socket goes under TMPDIR: a path of at most 107 bytes
+            raise UserError(f"the ranks' forkserver: {e} ({tempfile.gettempdir()}): set TMPDIR shorter") from None
         finally:
             del os.environ[STARTED_BY]
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)

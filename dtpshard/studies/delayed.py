@@ -103,13 +103,14 @@ def delayed_lines(study: Study, figures: dict[str, str]) -> list[str]:
                 "evaluation):", "",
                 "| layout | lr | CE weight | " + " | ".join(f"KL @ {s:g}" for s in evals) + " |",
                 "|---|---:|---:|" + "---:|" * len(evals)]
+        t = study.config.training if study.config else None
         for (layout, lr, ce), runs in sorted(calibration.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0,
                                                                                    kv[0][2] or 0)):
             kl = mean_curve([r.kl for r in runs])
-            out.append(f"| {layout} | {lr:g} | {ce:g} | " + " | ".join(
+            chosen = " (chosen)" if t is not None and (lr, ce) == (t.lr, t.ce_weight) else ""
+            out.append(f"| {layout}{chosen} | {lr:g} | {ce:g} | " + " | ".join(
                 "–" if kl.at(s) is None else f"{kl.at(s):.3f}" for s in evals) + " |"
                 if lr is not None and ce is not None else f"| {layout} | ? | ? | |")
-        t = study.config.training if study.config else None
         if t is not None:
             out += ["", f"The arms below train at lr {t.lr:g} with CE weight {t.ce_weight:g}.", ""]
     if not all_arms:
