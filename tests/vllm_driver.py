@@ -33,6 +33,20 @@ import time
 from pathlib import Path
 
 LAUNCHED = "WORLD_SIZE" in os.environ  # under torchrun
+SEGMENTS = Path("/dev/shm")
+
+
+def _own_segments() -> str:
+    """Under the external launcher vLLM names its CPU communicator's shared-memory segments after
+    the init method, "env://" in every run: two runs at once on one host, or a killed run's
+    leftovers, collide ("create shm in SHMManager failed. errno: 17"). This launch's rendezvous id
+    (torchrun's, unique per launch) makes the names its own, so main can unlink them at its end."""
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    tag = f"dtpshard-vllm-{os.environ['TORCHELASTIC_RUN_ID']}"
+    named = _CPUSHMDistributed.make_group_name
+    _CPUSHMDistributed.make_group_name = staticmethod(lambda comm: tag + named(comm).lstrip("/"))
+    return tag
 
 
 def _pin(threads: int) -> None:
@@ -150,8 +164,7 @@ def _transport(model) -> str:
 
 
 def run(spec: dict) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     if spec.get("threads"):
         _pin(spec["threads"])
@@ -167,6 +180,27 @@ def run(spec: dict) -> dict:
                   max_num_seqs=spec.get("max_num_seqs", 16), seed=0, **engine)
     except Exception as e:  # the refusal is what the test reads
         return {"error": f"{type(e).__name__}: {e}"}
+    # vLLM's own workers leave their communicator's segments named (16 MiB a run): unlinked after
+    idents = set() if LAUNCHED else set(llm.apply_model(_dist_ident)) - {""}
+    try:
+        return _serve(llm, spec)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm  # under torchrun the process groups stay: the next engine (same TP) finds them made
+        gc.collect()
+        for segment in (s for ident in idents for s in SEGMENTS.glob(f"{ident}-*cpushm_*")):
+            segment.unlink(missing_ok=True)
+
+
+def _dist_ident(model) -> str:
+    """In each of vLLM's workers: the name its CPU communicator's segments begin with."""
+    return os.environ.get("VLLM_DIST_IDENT", "")
+
+
+def _serve(llm, spec: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True,
                             logprobs=spec.get("logprobs"), prompt_logprobs=spec.get("prompt_logprobs"))
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
@@ -190,19 +224,21 @@ def run(spec: dict) -> dict:
         import piecewise_probe
 
         result["piecewise"] = dict(piecewise_probe.REPORT)
-    llm.llm_engine.engine_core.shutdown()
-    del llm  # under torchrun the process groups stay: the next engine (same TP) finds them made
-    gc.collect()
     return result
 
 
 def main(specs_path: str, out_path: str) -> int:
     specs = json.loads(open(specs_path).read())
+    tag = _own_segments() if LAUNCHED else None
     results = []
-    for spec in specs:
-        results.append(run(spec))
-        if os.environ.get("RANK", "0") == "0":
-            open(out_path, "w").write(json.dumps(results))  # what is done survives a later engine's crash
+    try:
+        for spec in specs:
+            results.append(run(spec))
+            if os.environ.get("RANK", "0") == "0":
+                open(out_path, "w").write(json.dumps(results))  # what is done survives a later engine's crash
+    finally:  # vLLM leaves them named; every rank joined long ago, so each unlinks the one it made
+        for segment in SEGMENTS.glob(f"{tag}*_{os.environ['RANK']}") if tag else ():
+            segment.unlink(missing_ok=True)
     return 0
 
 
