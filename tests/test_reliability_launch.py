@@ -66,7 +66,7 @@ def refused(argv, capfd, *words):
 def nothing_spawned(monkeypatch):
     import dtpshard.core.launch as launch
 
-    monkeypatch.setattr(launch, "_context", lambda: pytest.fail("the launcher started"))
+    monkeypatch.setattr(launch, "forkserver_context", lambda: pytest.fail("the launcher started"))
 
 
 # -- torchrun's environment ------------------------------------------------------------------------

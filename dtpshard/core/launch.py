@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import multiprocessing as mp
 import os
 import re
 import signal
@@ -22,7 +21,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
-from multiprocessing import forkserver, reduction, resource_tracker
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +30,9 @@ import torch.distributed as dist
 
 from dtpshard.core.ending import die_with_parent, end_rank, exit_code, flush, rank_failed
 from dtpshard.core.errors import UserError, explain, first_line
-from dtpshard.core.forkserver import STARTED_BY
+from dtpshard.core.forkserver import STOPS, forkserver_context
 from dtpshard.core.launch_checks import check_nproc, check_threads, check_timeout, cores, env_int, world_from_env
 from dtpshard.core.reading import read_text
-from dtpshard.core.shape import FAMILY
 
 __all__ = ["RankExit", "RankFailure", "at_shutdown", "cause", "check_threads", "cores", "end_group", "free_port",
            "join_group", "joined", "launch_local", "process_group", "root_cause", "set_threads", "world_from_env"]
@@ -195,37 +193,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_PRELOAD = ("dtpshard.core.forkserver", "dtpshard.runtime.run", "dtpshard.training.loop", "dtpshard.model.generate",
-            *(f.modeling for f in FAMILY.values()), "transformers.tokenization_utils_fast")
 STOP_GRACE = 3.0  # seconds a stopped rank has between SIGTERM (its temporaries removed) and SIGKILL
 _LAUNCHER = "DTPSHARD_LAUNCHER_PID"  # a rank's environment: the process that started it
 REPORT_BYTES = 1 << 20  # a rank's report to its launcher: one line, or a traceback
-_STOPS = {signal.SIGINT, signal.SIGTERM}
-
-
-def _context() -> Any:
-    """A forkserver that imports torch and transformers once, so a rank starts in a fraction of a
-    second instead of re-importing them (spawn); plain fork is unsafe once OpenMP threads exist.
-    Started with SIGINT and SIGTERM blocked, which it and every rank it forks inherit (`_child`
-    unblocks them): a Ctrl-C or a SIGTERM sent to the whole process group is the launcher's to
-    handle; a forkserver killed while it imports would fail the launcher's next start (EOFError).
-    Blocked, not ignored: one that reaches the launcher meanwhile is held, not lost."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(_PRELOAD))
-    if threading.current_thread() is threading.main_thread():
-        resource_tracker.ensure_running()  # the forkserver's first step, which unblocks both signals
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
-        os.environ[STARTED_BY] = str(os.getpid())  # it dies with this process (core/forkserver.py)
-        try:
-            forkserver.ensure_running()  # a no-op once it runs
-        except OSError as e:  # its unix socket goes under TMPDIR: a path of at most 107 bytes
-            raise UserError(f"the ranks' forkserver: {e} ({tempfile.gettempdir()}): set TMPDIR shorter") from None
-        finally:
-            del os.environ[STARTED_BY]
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-    return ctx
 
 
 def _adopt_stdio(out: Any, err: Any) -> None:
@@ -258,7 +228,7 @@ def _child(stdio: Any, env: dict[str, str], target: Callable[..., Any], args: tu
     global _report
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops the ranks (if the forkserver did not)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's way to stop a rank
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)  # blocked in the forkserver (`_context`)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)  # blocked in the forkserver (`forkserver_context`)
     die_with_parent(int(env[_LAUNCHER]))
     os.environ.clear()  # the launcher's environment now, not the forkserver's from when it started
     os.environ.update(env)
@@ -317,7 +287,7 @@ def launch_local(nproc: int, target: Callable[..., Any], args: tuple = (), grace
     check_nproc(nproc)
     with _catching((signal.SIGINT, signal.SIGTERM)) as caught, \
             tempfile.TemporaryDirectory(prefix="dtpshard-ranks-") as report:
-        ctx = _context()
+        ctx = forkserver_context()
         sys.stdout.flush()
         sys.stderr.flush()
         base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
