@@ -70,6 +70,7 @@ from dtpshard.core.reading import read_text
 from dtpshard.core.settings import DENSE
 from dtpshard.layouts.make import make_layout
 from dtpshard.layouts.score import colocated_score
+from dtpshard.studies.arms import shared_suffix
 from dtpshard.studies.config import (  # noqa: F401
     FORMAT,
     OPTIMISING,
@@ -80,7 +81,6 @@ from dtpshard.studies.config import (  # noqa: F401
     read_record,
     record,
     resolve_model,
-    shared_suffix,
 )
 from dtpshard.studies.provenance import (
     LAYOUT_DIR,
