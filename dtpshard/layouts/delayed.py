@@ -97,18 +97,18 @@ def suffix(share: float | None, by: str) -> str:
     return f"-delayed{100 * share:.4g}" + ("" if by == "sensitivity" else f"-{by}")
 
 
-def prepare(delayed: str, delayed_by: str, *, source: Path, model: Path | None, shape: Any,
+def prepare(delayed: str | None, delayed_by: str, *, source: Path, model: Path | None, shape: Any,
             text: list[str] | None, blocks: int, seq_len: int, seed: int) -> tuple[Path | None, Any]:
     """`dtpshard layout --delayed`'s inputs checked before any layout is made: (the checkpoint
     sensitivity is measured on, default a model directory `source`; its token blocks), both None
-    where the set is listed or drawn."""
+    where the set is listed or drawn, or every module is delayed (`delayed` None)."""
     from dtpshard.core.shape import UNIT_FIELDS
     from dtpshard.model.checkpoint import read_shape
 
-    spec = parse_spec(delayed)
+    spec = None if delayed is None else parse_spec(delayed)
     if isinstance(spec, tuple):
         check_delayed(spec, shape.modules)
-    if isinstance(spec, tuple) or delayed_by != "sensitivity":
+    if spec is None or isinstance(spec, tuple) or delayed_by != "sensitivity":
         if model is not None:
             raise UserError("--model is read only to measure sensitivity (--delayed SHARE --delayed-by sensitivity)")
         return None, None

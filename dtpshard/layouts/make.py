@@ -132,13 +132,10 @@ def write_layout(source: Path, out: Path, devices: int = DEFAULT.devices, delay:
     check_delay(shape, delay)  # a layout has no stage-3 scale
     check_output_file(Path(out))  # before the (possibly long) optimisation, not after
     check_replaceable(Path(out), is_layout_file, "a layout file (dtpshard.layout/1)")
-    if delayed is not None:
-        from dtpshard.layouts.delayed import measure_for_layout, partial_layout, prepare
+    from dtpshard.layouts.delayed import measure_for_layout, partial_layout, prepare
 
-        model, ids = prepare(delayed, delayed_by, source=source, model=model, shape=shape, text=text, blocks=blocks,
-                             seq_len=seq_len, seed=seed)
-    elif model is not None:
-        raise UserError("--model is read only to measure sensitivity (--delayed SHARE --delayed-by sensitivity)")
+    model, ids = prepare(delayed, delayed_by, source=source, model=model, shape=shape, text=text, blocks=blocks,
+                         seq_len=seq_len, seed=seed)
     layout = make_layout(shape, settings, kind, affinity=affinity, layers=layers, restarts=restarts,
                          seed=seed, kv_search=kv_search, max_sweeps=max_sweeps, shared=shared, shared_by=shared_by)
     if affinity is not None:
