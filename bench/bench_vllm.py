@@ -48,8 +48,9 @@ Each rank runs `--threads` torch threads pinned to its own cores.
 
 The last line with --json is a JSON list of rows {executor, tp, batch, latency_ms, rounds, and per
 arm ARM_tok_s (the median), ARM_tok_s_rounds, ARM_per_tp and ARM_per_tp_range (not for tp) and
-ARM_transport, model_share}. Run by the project's python; vLLM runs in the environment
-`python -m dtpshard.serve.env` builds (or $DTPSHARD_VLLM_PYTHON), as for the tests.
+ARM_transport and ARM_model_share (the model forward's share of a decode step)}. Run by the
+project's python; vLLM runs in the environment `python -m dtpshard.serve.env` builds (or
+$DTPSHARD_VLLM_PYTHON), as for the tests.
 """
 from __future__ import annotations
 
@@ -273,8 +274,7 @@ def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], 
                     ratios = [t / tp_t for (t, _), (tp_t, _) in zip(got, per_round["tp"])]
                     row[f"{arm}_per_tp"] = statistics.median(ratios)
                     row[f"{arm}_per_tp_range"] = [min(ratios), max(ratios)]
-                if arm == "dtp":
-                    row["model_share"] = statistics.median(share for _, share in got)
+                row[f"{arm}_model_share"] = statistics.median(share for _, share in got)
             rows.append(row)
     return rows
 
@@ -306,7 +306,7 @@ def table(rows: list[dict]) -> str:
             *(f"{names[a]} / TP" for a in arms if a != "tp")]
     if "nocomm" in arms:
         head.append("DTP's share of the ceiling's gain")
-    head.append("model share of a step")
+    head.append("DTP's model share of a step")
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in rows:
         cells = [r["executor"], r["tp"], r["batch"], f"{r['latency_ms']:g}", *(f"{r[a + '_tok_s']:.1f}" for a in arms),
@@ -314,7 +314,7 @@ def table(rows: list[dict]) -> str:
         if "nocomm" in arms:
             gain = r["nocomm_tok_s"] - r["tp_tok_s"]
             cells.append(f"{(r['dtp_tok_s'] - r['tp_tok_s']) / gain:.0%}" if gain > 1e-9 else "n/a (no-comm ≤ TP)")
-        cells.append(f"{r['model_share']:.0%}" if r["model_share"] else "n/a")
+        cells.append(f"{r['dtp_model_share']:.0%}" if r["dtp_model_share"] else "n/a")
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines.append("")
     lines += [f"- {names[a]}: {rows[0][a + '_transport']}" for a in arms]

@@ -1,0 +1,31 @@
+"""bench/bench_vllm.py's rows of partial students: each share's row carries that student's own
+numbers (speed, ratio, transport, the model's share of a step), never the full student's."""
+import importlib.util
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_vllm.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_vllm", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_partial_rows_carry_their_own_numbers():
+    bench = _bench()
+    arm = bench.delayed_arm(0.5)
+    row = {"tp": 2, "batch": 1, "latency_ms": 0.5, "executor": "external", "rounds": 3,
+           "tp_tok_s": 10.0, "tp_transport": "ring", "tp_model_share": 0.5,
+           "dtp_tok_s": 12.0, "dtp_per_tp": 1.2, "dtp_per_tp_range": [1.1, 1.3], "dtp_transport": "ring",
+           "dtp_model_share": 0.9,
+           f"{arm}_tok_s": 11.0, f"{arm}_per_tp": 1.1, f"{arm}_per_tp_range": [1.0, 1.2],
+           f"{arm}_transport": "ring and vLLM's all-reduce", f"{arm}_model_share": 0.7}
+    full, half = bench.delayed_rows([row], [0.5])
+    assert full["delayed"] == 1.0 and full["dtp_tok_s"] == 12.0 and full["dtp_model_share"] == 0.9
+    assert not any(k.startswith(arm) for k in full)
+    assert half["delayed"] == 0.5 and half["dtp_tok_s"] == 11.0 and half["dtp_per_tp"] == 1.1
+    assert half["dtp_model_share"] == 0.7 and half["dtp_transport"] == "ring and vLLM's all-reduce"
+    assert half["tp_tok_s"] == 10.0  # the baseline of the same rounds
+    assert "| 90% |" in bench.table([full]) and "| 70% |" in bench.table([half])
