@@ -16,6 +16,7 @@ from dtpshard.core import lock as lock_module
 from dtpshard.core.errors import UserError
 from dtpshard.core.lock import LOCK, locked, locked_output
 from test_faults import DISTILL
+from tiny import linked_victim
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,11 +29,7 @@ def one_line(capsys, *words):
 
 # -- 1. a lock is the command's own file ----------------------------------------------------------
 def test_a_hard_linked_lock_is_never_written_or_removed(tmp_path):
-    victim = tmp_path / "victim.txt"
-    victim.write_text("precious")
-    run = tmp_path / "run"
-    run.mkdir()
-    os.link(victim, run / LOCK)
+    victim, run = linked_victim(tmp_path, LOCK)
     with pytest.raises(UserError, match="hard link"), locked(run):
         pass
     assert victim.read_text() == "precious" and (run / LOCK).exists()

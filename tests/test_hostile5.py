@@ -6,7 +6,6 @@ B. nothing does work in proportion to a number a user typed before that number i
 C. a report's number is checked as what it measures (studies/stats.py's checks);
 D. a published result names its inputs by what they are, never by a machine's path.
 Each refusal is one line, exit 2, with nothing touched."""
-import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 from dtpshard.core.errors import UserError
 from dtpshard.core.temporary import temporary_name
 from dtpshard.serve import env as serve_env
+from tiny import linked_victim
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,11 +110,7 @@ def test_a_users_file_in_the_overlay_is_never_removed(fake_build, tmp_path, monk
 def test_metrics_are_never_appended_through_a_hard_link(tmp_path):
     from dtpshard.training.metrics import METRICS, Metrics
 
-    victim = tmp_path / "victim.jsonl"
-    victim.write_text("mine\n")
-    run = tmp_path / "run"
-    run.mkdir()
-    os.link(victim, run / METRICS)
+    victim, run = linked_victim(tmp_path, METRICS, "mine\n")
     metrics = Metrics(run)
     with pytest.raises(UserError, match="hard link") as e:
         metrics.truncate(len("mine\n"))  # a resume's first touch of its metrics, before any step

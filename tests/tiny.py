@@ -134,3 +134,15 @@ def copy_owned(src, dst):
             f.write(json.dumps(data))
             f.truncate()
     return dst
+
+
+def linked_victim(tmp_path: Path, name: str, text: str = "precious") -> tuple[Path, Path]:
+    """A user's file and a directory `run` whose `name` is a hard link to it: what a command must
+    neither write through nor remove. -> (the user's file, run)."""
+    import os
+
+    victim = tmp_path / f"victim{Path(name).suffix or '.txt'}"
+    victim.write_text(text)
+    (run := tmp_path / "run").mkdir()
+    os.link(victim, run / name)
+    return victim, run
