@@ -23,6 +23,8 @@ try:
     print(json.dumps({"said": said}))
 except Exception as e:
     print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+finally:  # a group left to the interpreter's exit can abort it (gloo's threads: SIGABRT)
+    dist.destroy_process_group()
 """
 
 
