@@ -3,6 +3,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,20 @@ import transformers  # noqa: E402
 transformers.utils.logging.disable_progress_bar()
 
 
+# Files whose engines take minutes on one worker go first, one to each worker, the rest by test count
+# (pyproject's --no-loadscope-reorder keeps this order): xdist's own order, by count, left them to
+# one worker at the end while the other sat idle.
+FIRST = ("test_vllm.py", "test_vllm_shared.py")
+
+
+def _first_the_long_files(items):
+    count = Counter(item.path.name for item in items)
+    items.sort(key=lambda item: (FIRST.index(item.path.name) if item.path.name in FIRST else len(FIRST),
+                                 -count[item.path.name], item.path.name))
+
+
 def pytest_collection_modifyitems(config, items):
+    _first_the_long_files(items)
     if os.environ.get("DTPSHARD_SLOW") == "1":
         for item in items:  # real-model and compile tests run for minutes on a small CPU
             if "slow" in item.keywords:
