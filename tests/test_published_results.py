@@ -15,7 +15,8 @@ REPORT = shutil.ignore_patterns("figures", "report.md")
 REPORT_AND_README = shutil.ignore_patterns("figures", "report.md", "README.md")
 STUDIES = ["smollm2-l3-d1", "smollm2-l3-d1-long", "smollm2-l3-d2", "smollm2-l3-d1-random16", "smollm2-l3-d1-seeds",
            "smollm2-l3-d1-adapters", "smollm2-l3-d1-adapters-long", "smollm2-l3-d1-shared",
-           "smollm2-l3-d1-recipes", "smollm2-l3-d1-recipes-long", "smollm2-l3-d1-delayed"]
+           "smollm2-l3-d1-recipes", "smollm2-l3-d1-recipes-long", "smollm2-l3-d1-delayed",
+           "smollm2-l3-d1-delayed-long"]
 
 
 @pytest.mark.parametrize("name", STUDIES)
