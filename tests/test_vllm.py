@@ -292,6 +292,24 @@ def post(url: str, body: dict, timeout: float = 600) -> dict:
         return json.loads(resp.read())
 
 
+def _segments_of(pid: int) -> set[Path]:
+    """The vLLM segments in /dev/shm that process `pid` or a descendant maps: a server's own, which
+    vLLM leaves named when the server is stopped (16 MiB a run)."""
+    pids, found = [pid], set()
+    while pids:
+        p = pids.pop()
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                pids += [int(c) for c in (task / "children").read_text().split()]
+            for line in Path(f"/proc/{p}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith("/dev/shm/") and "cpushm" in fields[5]:
+                    found.add(Path(fields[5]))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
 def test_vllm_server_completions(tmp_path_factory):
     """The command `dtpshard convert` prints for vLLM's CPU build (model/student.py
     serving_commands), run as printed, in vLLM's default mode, serves /v1/completions on 127.0.0.1
@@ -320,12 +338,16 @@ def test_vllm_server_completions(tmp_path_factory):
                       {"model": str(student), "prompt": batch, "max_tokens": NEW, "temperature": 0,
                        "ignore_eos": True, "return_token_ids": True})
     finally:
+        made = _segments_of(server.pid)
         server.terminate()
         try:
             server.wait(60)
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+        for segment in made:
+            segment.unlink(missing_ok=True)
+    assert made, "the server's shared-memory segments were not found (so none was removed)"
     got = [c["token_ids"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
     assert got == reference(student, batch)[0]
 
