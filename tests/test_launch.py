@@ -33,6 +33,14 @@ ROOT = Path(__file__).resolve().parents[1]
 GLOO_THREADS = {"gloo_tcp_loop", "pt_gloo_runloop"}
 PROMPT = "import torch"
 TORCH_LOG = re.compile(r"(\[rank\d+\]:)?[DIWE]\d{4} \d\d:\d\d:\d\d")  # [rank0]:W1201 23:38:32.296000 ...
+TRANSPORT = "dtpshard run: the partials travel over "
+
+
+def signal_said(err: str) -> list[str]:
+    """What a launch printed because of a signal: torch's log lines (a rank compiling as the signal
+    came) and the ranks' transport line (printed as generation starts, before or after the signal
+    by chance) are the run's own output."""
+    return [ln for ln in err.strip().splitlines() if not TORCH_LOG.match(ln) and not ln.startswith(TRANSPORT)]
 
 
 def _threads() -> list[str]:
@@ -205,8 +213,7 @@ def interrupted(argv, tmp, world, sig, group, ready=lambda: True):
     assert took < 60
     _gone(started, 60)  # nothing the launch started outlives it
     assert not list(tmp.glob("dtpshard-ranks-*"))
-    # torch's own log lines (a rank compiling as the signal came) are the run's output, not the signal's
-    lines = [ln for ln in err.strip().splitlines() if not TORCH_LOG.match(ln)]
+    lines = signal_said(err)
     assert len(lines) == 1 and "Traceback" not in err, err
     return p.returncode, lines[0]
 

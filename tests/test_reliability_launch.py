@@ -15,7 +15,7 @@ from dtpshard.core import launch_checks
 from dtpshard.core.errors import UserError
 from dtpshard.core.launch import launch_local, process_group
 from dtpshard.core.launch_checks import PROCS_PER_CORE, RANK_BYTES, check_nproc, cores
-from test_launch import PROMPT, _env, cmdline, ended, family
+from test_launch import PROMPT, _env, cmdline, ended, family, signal_said
 from tiny import command_line, save_tiny
 
 TORCHRUN = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -199,7 +199,7 @@ def stopped(model, tmp, sig, group, when):
         time.sleep(0.05)
     assert all(ended(q) for q in seen), [cmdline(q) for q in seen if not ended(q)]  # nothing outlives the launch
     assert not list(tmp.glob("dtpshard-ranks-*"))
-    return p.returncode, err.strip()
+    return p.returncode, "\n".join(signal_said(err))
 
 
 WHEN = [0.1, 0.5, 1, 2, 4, "forkserver"]
