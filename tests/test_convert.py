@@ -235,7 +235,8 @@ def test_partial_student_from_one_command(setup, tmp_path, capsys):
     assert layout["score"]["contiguous_J"] <= layout["score"]["J"]
     block = json.loads((out / "student" / "config.json").read_text())["dtp"]
     assert block["delayed"] == layout["delayed"]
-    for bad, why in ((dict(delayed="0.25"), "delayed"), (dict(delayed="1.5"), "(0, 1]"), (dict(delayed="7"), "7")):
+    for bad, why in ((dict(delayed="0.25"), "delayed"), (dict(delayed="1.5"), "(0, 1]"), (dict(delayed="7"), "7"),
+                     ({"delayed": "1-3", "delayed-by": "upper"}, "--delayed-by upper: it chooses a share's")):
         assert main(args_for(setup, tmp_path / "other" if why != "delayed" else out, **bad)) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and why in err[0], err

@@ -58,6 +58,8 @@ def test_upper_and_listed_sets_need_no_model(dense, tmp_path):
     (["--delayed", "0.0", "--delayed-by", "upper"], "must be in (0, 1]"),
     (["--delayed", "3-1"], "--delayed"),
     (["--delayed", "0-99"], "outside"),
+    (["--delayed", "10-20", "--delayed-by", "upper"], "--delayed-by upper: it chooses a share's modules"),
+    (["--delayed-by", "random"], "--delayed-by random: it chooses a share's modules"),
 ])
 def test_flags_that_cannot_apply_are_refused_in_one_line(dense, tmp_path, capsys, flags, says):
     model, _ = dense

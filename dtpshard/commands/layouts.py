@@ -25,7 +25,7 @@ CHECK_TOL = 1e-4  # --check logits' default: layouts/permute.py CHECK_TOL (not i
 def layout_cmd(source: Path, *, out: Path, devices: Count = DEFAULT.devices, delay: Delay = DEFAULT.delay,
                kind: LayoutKind = "optimised", layers: Count | None = None, restarts: Count = 1, seed: Seed = 0,
                kv_search: KvSearch = "assignment", max_sweeps: Count = 20, shared: SharedFraction = 0.0,
-               shared_by: SharedBy = "fo", delayed: str | None = None, delayed_by: DelayedBy = "sensitivity",
+               shared_by: SharedBy = "fo", delayed: str | None = None, delayed_by: DelayedBy | None = None,
                model: Path | None = None, text: list[str] | None = None, blocks: Count = 8, seq_len: Count = 256,
                json: bool = False) -> int:
     """Make a layout (docs/design.md §3) and write it as JSON; prints J, its random expectation and the time.
@@ -46,8 +46,8 @@ def layout_cmd(source: Path, *, out: Path, devices: Count = DEFAULT.devices, del
         shared_by: the shared neurons: the top by up-edge affinity mass (fo), by down-edge mass (dn), or random
         delayed: delay only some modules, the rest plain tensor parallel (docs/design.md §1): a share of them written
             with a decimal point (0.5, 1.0), or module indices (10-59, 0,2,10-19; module 2i is layer i's attention)
-        delayed_by: which modules a share delays: least measured sensitivity (KL to the dense model with that module
-            alone delayed, under this layout; needs --model), the upper ones, or random (seeded by --seed)
+        delayed_by: which modules a share delays: least measured sensitivity (the default: KL to the dense model with
+            that module alone delayed, under this layout; needs --model), the upper ones, or random (seeded by --seed)
         model: the dense checkpoint sensitivity is measured on (default: SOURCE when it is a model directory)
         text: sensitivity's calibration text files or directories (default: the offline corpus)
         blocks: sensitivity's calibration blocks

@@ -134,6 +134,21 @@ def describe(delayed: tuple[int, ...] | None, modules: int) -> str:
     return f"{len(delayed)} of {modules} modules ({compact(delayed, modules)})"
 
 
+def resolve_delayed_by(delayed: Any, by: str | None) -> str | None:
+    """The rule that chooses a share's modules: `by`, by sensitivity when not given; None where
+    nothing is chosen (every module delayed, or the modules listed). A rule given there would
+    change nothing, so it is refused rather than ignored."""
+    if by is not None and by not in DELAYED_BY:
+        raise UserError(f"--delayed-by {quote(by)}: one of {', '.join(DELAYED_BY)}")
+    if delayed is None or isinstance(parse_spec(delayed), tuple):
+        if by is not None:
+            said = "--delayed is not given (every module is delayed)" if delayed is None else \
+                f"--delayed {quote(delayed)} lists the modules"
+            raise UserError(f"--delayed-by {by}: it chooses a share's modules, and {said}")
+        return None
+    return by or "sensitivity"
+
+
 def choose_delayed(spec: float | tuple[int, ...], by: str, modules: int, sensitivity: Any = None,
                    seed: int = 0, flag: str = "--delayed") -> tuple[int, ...] | None:
     """The set a spec names: explicit indices as they are; a share's `share_count` modules, those

@@ -19,7 +19,7 @@ import numpy as np
 
 from dtpshard.affinity.file import Affinity, edges_for_delay
 from dtpshard.core.delayed import describe as describe_delayed
-from dtpshard.core.delayed import parse_spec
+from dtpshard.core.delayed import resolve_delayed_by
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, check_replaceable
 from dtpshard.core.io import check_output_file
@@ -27,7 +27,7 @@ from dtpshard.core.layout import Layout, is_layout_file
 from dtpshard.core.lock import one_writer
 from dtpshard.core.settings import DEFAULT, DTPSettings, plain_delay
 from dtpshard.core.shape import UnitShape, check_delay, check_devices, shared_count
-from dtpshard.core.vocab import DELAYED_BY, FIXED_KINDS, LAYOUT_KINDS, OPTIMISING_KINDS, SHARED_BY
+from dtpshard.core.vocab import FIXED_KINDS, LAYOUT_KINDS, OPTIMISING_KINDS, SHARED_BY
 from dtpshard.layouts.optimise import Problem, choose_shared, optimise_layout, score_record
 from dtpshard.layouts.score import layout_devices
 
@@ -94,7 +94,7 @@ def make_layout(model: UnitShape, settings: DTPSettings, kind: str, *, affinity:
 def write_layout(source: Path, out: Path, devices: int = DEFAULT.devices, delay: float = DEFAULT.delay,
                  kind: str = "optimised", layers: int | None = None, restarts: int = 1, seed: int = 0,
                  kv_search: str = "assignment", max_sweeps: int = 20, shared: float = 0.0,
-                 shared_by: str = "fo", delayed: str | None = None, delayed_by: str = "sensitivity",
+                 shared_by: str = "fo", delayed: str | None = None, delayed_by: str | None = None,
                  model: Path | None = None, text: list[str] | None = None, blocks: int = 8,
                  seq_len: int = 256) -> Layout:
     """`dtpshard layout`: a layout of `kind` from a model directory (contiguous, random: unscored)
@@ -107,10 +107,7 @@ def write_layout(source: Path, out: Path, devices: int = DEFAULT.devices, delay:
     source = Path(source)
     if not source.exists():
         raise UserError(f"{source}: no such model directory or affinity file")
-    if delayed is not None:
-        parse_spec(delayed)  # a bad spec, before anything is read
-    if delayed_by not in DELAYED_BY:
-        raise UserError(f"--delayed-by {delayed_by!r}: one of {', '.join(DELAYED_BY)}")
+    delayed_by = resolve_delayed_by(delayed, delayed_by)  # a bad spec or rule, before anything is read
     check_outputs({"--out": out}, {"the source": source, "the model": model, "the text": text})
     affinity = None
     if source.is_dir():

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dtpshard.affinity.settings import CalibrationData, PassSettings
-from dtpshard.core.delayed import check_delayed, parse_spec
+from dtpshard.core.delayed import check_delayed, parse_spec, resolve_delayed_by
 from dtpshard.core.devices import config_dtype
 from dtpshard.core.errors import UserError
 from dtpshard.core.guard import check_outputs, local_paths
@@ -46,7 +46,6 @@ from dtpshard.core.io import (
     read_text,
 )
 from dtpshard.core.owned import ID, MARK, replacing
-from dtpshard.core.vocab import DELAYED_BY
 from dtpshard.model.student import serving_commands
 from dtpshard.training import convert_state as state
 from dtpshard.training.convert_state import AFFINITY, OWNED, STAGES, Paths, check_record  # noqa: F401 (importable here)
@@ -116,7 +115,7 @@ def layout_stage(p: Paths, cfg: DistillConfig, progress: bool, sharing: Sharing 
             from dtpshard.layouts.delayed import measure_for_layout, partial_layout
 
             sens = None
-            if delaying.delayed_by == "sensitivity" and not isinstance(parse_spec(delaying.delayed), tuple):
+            if delaying.delayed_by == "sensitivity":  # resolved: a share's rule
                 from dtpshard.affinity.sensitivity import SENSITIVITY_BLOCKS
                 from dtpshard.layouts.delayed import sensitivity_ids
 
@@ -236,16 +235,14 @@ def check_delaying(cfg: DistillConfig, delaying: Delaying) -> dict[str, Any]:
     from dtpshard.core.delayed import share_count
     from dtpshard.model.checkpoint import read_shape
 
-    if delaying.delayed_by not in DELAYED_BY:
-        raise UserError(f"--delayed-by {delaying.delayed_by!r}: one of {', '.join(DELAYED_BY)}")
+    by = resolve_delayed_by(delaying.delayed, delaying.delayed_by)
     M = read_shape(cfg.teacher).modules
     if delaying.delayed is None:
         count = M
     else:
         spec = parse_spec(delaying.delayed)
         count = len(check_delayed(spec, M) or range(M)) if isinstance(spec, tuple) else share_count(spec, M)
-    how = "" if delaying.delayed is None or isinstance(parse_spec(delaying.delayed), tuple) else \
-        f" (chosen by {delaying.delayed_by})"
+    how = "" if by is None else f" (chosen by {by})"
     return {"delayed": count, "modules": M, "syncs_removed": count / M,
             "describe": f"syncs removed: {count} of {M} modules delayed, {100 * count / M:.0f}% of the all-reduces"
                         f"{how}"}
@@ -299,6 +296,7 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
     cfg = resolved(teacher, cfg)
     check_sharing(cfg, sharing)
     check_delaying(cfg, delaying)
+    delaying = dataclasses.replace(delaying, delayed_by=resolve_delayed_by(delaying.delayed, delaying.delayed_by))
     p = Paths(cfg.out)
     check_outputs({"--out": p.out, "--tensorboard": cfg.tensorboard, "--spill-dir": run.spill_dir},
                   {"the teacher directory": cfg.teacher, "the tokenizer directory": cfg.tokenizer,

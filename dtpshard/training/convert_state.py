@@ -71,7 +71,9 @@ def record(cfg: DistillConfig, data: CalibrationData, run: PassSettings, proxy: 
     if sharing is not None and sharing.shared:
         layout.update(shared=sharing.shared, shared_by=sharing.shared_by)
     if delaying is not None and delaying.delayed is not None:  # a directory made before --delayed delays all
-        layout.update(delayed=delaying.delayed, delayed_by=delaying.delayed_by)
+        layout.update(delayed=delaying.delayed)
+        if delaying.delayed_by is not None:  # a share's rule (a listed set has none)
+            layout.update(delayed_by=delaying.delayed_by)
     earlier = set(calibration) | set(layout)
     distillation = {k: getattr(cfg, k) for k in compared_fields(DistillConfig) if k not in earlier}
     distillation.update(save_dtype=cfg.save_dtype, max_shard_size=cfg.max_shard_size,

@@ -261,12 +261,12 @@ class Delaying:
     Args:
         delayed: delay only some modules, the rest plain tensor parallel: a share of them written with a decimal point
             (0.5), or module indices (10-59; module 2i is layer i's attention); default every module
-        delayed_by: which modules a share delays: least measured sensitivity (KL to the dense model with that module
-            alone delayed, under the optimised layout, on the calibration blocks), the upper ones, or random
+        delayed_by: which modules a share delays: least measured sensitivity (the default: KL to the dense model with
+            that module alone delayed, under the optimised layout, on the calibration blocks), the upper ones, or random
     """
 
     delayed: str | None = None
-    delayed_by: DelayedBy = "sensitivity"
+    delayed_by: DelayedBy | None = None
 
 
 EVERY_MODULE = Delaying()
