@@ -42,6 +42,8 @@ def test_partial_arms_end_to_end(tmp_path, tiny_dirs, capsys):
     md = (out / "report.md").read_text()
     assert "## Partial students" in md and "| optimised-delayed50 | 0.0005 | 0.1 |" in md
     assert "No decode measurement" in md and (out / "figures" / "delayed.png").is_file()
+    assert "| optimised-delayed50 | 50% | sensitivity |" in md
+    assert "| optimised-delayed100 | 100% | – |" in md  # every module delayed: chosen by no rule
     assert "## Distillation recipes" not in md  # the pilot is the partial section's, not the recipe study's
     rows = [{"tp": 2, "batch": 1, "latency_ms": 0.5, "tp_tok_s": 100.0, "dtp_tok_s": 100.0 + 40 * s,
              "dtp_per_tp": 1 + 0.4 * s, "delayed": s} for s in (1.0, 0.5, 0.25)]

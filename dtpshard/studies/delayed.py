@@ -123,7 +123,8 @@ def delayed_lines(study: Study, figures: dict[str, str]) -> list[str]:
     out += ["| " + " | ".join(head) + " |", "|---|---:|---|---:|" + "---:|" * (len(head) - 4)]
     for a in all_arms:
         kl = a.kl
-        cells = [a.layout, f"{a.share:.0%}", a.by or "listed", str(len(a.runs)),
+        by = "–" if a.share == 1 else a.by or "listed"  # every module delayed: no rule chose them
+        cells = [a.layout, f"{a.share:.0%}", by, str(len(a.runs)),
                  "–" if a.zero_kl is None else f"{a.zero_kl:.3f}", "–" if a.zero_top1 is None else f"{a.zero_top1:.3f}",
                  *("–" if kl.at(s) is None else f"{kl.at(s):.3f}" for s in evals[:-1]),
                  fmt_seeds(a.ends(end)), fmt_seeds(a.top1(end))]
