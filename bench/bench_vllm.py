@@ -59,7 +59,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -99,15 +98,14 @@ def make_pair(root: Path, devices: int, delay: float = 1, family: str = "llama",
 def run_engines(python: Path, specs: list[dict], tp: int, env: dict, executor: str = "external") -> list[dict]:
     """Each spec's engine in its own torchrun (a second engine in the same ranks can hang), or with
     executor "mp" in one plain process that starts vLLM's own TP workers."""
-    launcher = [str(python.parent / "torchrun"), "--standalone", "--nproc-per-node", str(tp)]
-    if executor == "mp":
-        launcher = [str(python)]
+    from vllm_driver import launch
+
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, spec in enumerate(specs):
             (Path(tmp) / f"{i}.json").write_text(json.dumps([spec]))
-            done = subprocess.run([*launcher, str(ROOT / "tests" / "vllm_driver.py"), f"{tmp}/{i}.json",
-                                   f"{tmp}/{i}-out.json"], env=env, capture_output=True, text=True)
+            done = launch(python, Path(tmp, f"{i}.json"), Path(tmp, f"{i}-out.json"),
+                          world=None if executor == "mp" else tp, env=env)
             if done.returncode or not (Path(tmp) / f"{i}-out.json").exists():
                 raise SystemExit(f"vLLM failed:\n{done.stderr[-4000:]}")
             (result,) = json.loads((Path(tmp) / f"{i}-out.json").read_text())

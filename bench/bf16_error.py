@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # vllm_driver: the engine's launch
 TEXTS, TOKENS, PROMPT, NEW = 6, 160, 32, 48
 
 
@@ -37,13 +37,12 @@ def texts(tokenizer) -> list[list[int]]:
 
 def serve(python: Path, model: Path, dtype: str, prompts: list[list[int]], tmp: Path, tag: str) -> dict:
     from dtpshard.serve.env import runtime_env
+    from vllm_driver import launch
 
     spec = [{"model": str(model), "tp": 3, "dtype": dtype, "prompts": prompts, "max_tokens": NEW,
              "prompt_logprobs": 0, "enforce_eager": True, "max_model_len": 512}]
     (tmp / f"{tag}.json").write_text(json.dumps(spec))
-    launcher = [str(python.parent / "torchrun"), "--standalone", "--nproc-per-node", "3"]
-    done = subprocess.run([*launcher, str(ROOT / "tests" / "vllm_driver.py"), str(tmp / f"{tag}.json"),
-                           str(tmp / f"{tag}-out.json")], env=runtime_env("0|1|0"), capture_output=True, text=True)
+    done = launch(python, tmp / f"{tag}.json", tmp / f"{tag}-out.json", world=3, env=runtime_env("0|1|0"))
     if done.returncode:
         raise SystemExit(f"vLLM failed ({tag}):\n{done.stderr[-3000:]}")
     (result,) = json.loads((tmp / f"{tag}-out.json").read_text())

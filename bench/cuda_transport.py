@@ -118,15 +118,14 @@ def vllm_one_gpu() -> bool:
     import importlib.util
     import json
     import os
-    import subprocess
 
     if importlib.util.find_spec("vllm") is None:
         print("SKIP  vLLM at TP 1: vllm is not installed here (pip install vllm, then this checkout)")
         return True
-    from bench_vllm import make_pair
+    from bench_vllm import make_pair  # puts tests/ on the path
     from dtpshard.model.dtp import DTPModel
+    from vllm_driver import launch
 
-    root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU")}
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 8000, (5 + 7 * i,), generator=g).tolist() for i in range(4)]
@@ -135,8 +134,7 @@ def vllm_one_gpu() -> bool:
         specs = [{"model": str(student), "tp": 1, "dtype": "float32", "prompts": prompts, "max_tokens": 16,
                   "enforce_eager": eager, "max_model_len": 1024} for eager in (False, True)]
         Path(tmp, "specs.json").write_text(json.dumps(specs))
-        done = subprocess.run([sys.executable, str(root / "tests" / "vllm_driver.py"), f"{tmp}/specs.json",
-                               f"{tmp}/out.json"], env=env, capture_output=True, text=True, timeout=1500)
+        done = launch(Path(sys.executable), Path(tmp, "specs.json"), Path(tmp, "out.json"), env=env, timeout=1500)
         if done.returncode or not Path(tmp, "out.json").exists():
             return check("vLLM at TP 1", False, f"driver exit {done.returncode}: {done.stderr[-1500:]}")
         graphs, eager = json.loads(Path(tmp, "out.json").read_text())

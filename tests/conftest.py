@@ -31,7 +31,7 @@ transformers.utils.logging.disable_progress_bar()
 # Files whose engines take minutes on one worker go first, one to each worker, the rest by test count
 # (pyproject's --no-loadscope-reorder keeps this order): xdist's own order, by count, left them to
 # one worker at the end while the other sat idle.
-FIRST = ("test_vllm.py", "test_vllm_shared.py")
+FIRST = ("test_vllm.py", "test_vllm_server.py", "test_vllm_shared.py")
 
 
 def _first_the_long_files(items):

@@ -1,8 +1,8 @@
 """vLLM serves a DTP student at tensor-parallel size L (dtpshard/serve/): its greedy tokens are
 `dtpshard generate`'s (DTPModel.generate), its top logprobs are DTPModel's log-softmax to 1e-4
-in fp32, its OpenAI server answers with the same tokens, and a TP size other than L is refused
-in one line. Students are tiny random ones saved by DTPModel.save_pretrained (the format a
-distill writes), head_dim 32 (the smallest vLLM's CPU attention takes).
+in fp32 (the OpenAI server and the command-line refusal of another TP size: test_vllm_server.py).
+Students are tiny random ones saved by DTPModel.save_pretrained (the format a distill writes),
+head_dim 32 (the smallest vLLM's CPU attention takes).
 
 vLLM runs in its own environment (dtpshard.serve.env: `python -m dtpshard.serve.env` builds it,
 .ci/run does so), as subprocesses: every LLM engine one after the other in one process
@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,8 +22,8 @@ from dtpshard.model.dtp import DTPModel
 from dtpshard.serve.env import PYTHON_VAR, found_python, runtime_env
 from graph_order import overlaps
 from tiny import save_tiny
+from vllm_driver import launch
 
-HERE = Path(__file__).parent
 PYTHON = found_python()
 pytestmark = [
     pytest.mark.skipif(PYTHON is None or not PYTHON.exists(),
@@ -103,14 +99,12 @@ def run_driver(specs: list[dict], root: Path, name: str, world: int | None = Non
     """Each spec's engine in its own `torchrun --standalone` of `world` ranks (vLLM's external
     launcher: no workers spawned; a second engine in the same ranks can hang in vLLM 0.32), or
     with no `world` in one plain process (vLLM spawns its workers)."""
-    torchrun = [str(PYTHON.parent / "torchrun"), "--standalone", "--nproc-per-node", str(world)]
-    launcher = torchrun if world else [str(PYTHON)]
     results = []
     for i, spec in enumerate(specs):
         (root / f"{name}-{i}.json").write_text(json.dumps([spec]))
         out = root / f"{name}-{i}-out.json"
-        done = subprocess.run([*launcher, str(HERE / "vllm_driver.py"), str(root / f"{name}-{i}.json"), str(out)],
-                              env=runtime_env(threads_bind), timeout=1200, capture_output=True, text=True)
+        done = launch(PYTHON, root / f"{name}-{i}.json", out, world=world, env=runtime_env(threads_bind),
+                      timeout=1200)
         if done.returncode or not out.exists():
             pytest.fail(f"the vLLM driver failed (rc {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
         results += json.loads(out.read_text())
@@ -254,9 +248,7 @@ def test_non_finite_logits_are_refused_at_the_first_forward(tmp_path):
     spec = {"model": str(student), "tp": 2, "dtype": "float32", "prompts": prompts(1), "max_tokens": 2}
     (root := tmp_path / "driver").mkdir()
     (root / "specs.json").write_text(json.dumps([spec]))
-    torchrun = [str(PYTHON.parent / "torchrun"), "--standalone", "--nproc-per-node", "2"]
-    done = subprocess.run([*torchrun, str(HERE / "vllm_driver.py"), str(root / "specs.json"), str(root / "out.json")],
-                          env=runtime_env(), timeout=1200, capture_output=True, text=True)
+    done = launch(PYTHON, root / "specs.json", root / "out.json", world=2, env=runtime_env(), timeout=1200)
     said = json.loads((root / "out.json").read_text())[0].get("error", "") if (root / "out.json").exists() else ""
     lines = [ln for ln in done.stderr.splitlines() if "logits are" in ln] + [said]
     assert any("logits are" in ln and "embedding_multiplier=1000000.0" in ln and "no tokens reported" in ln
@@ -278,94 +270,6 @@ def test_vllm_refuses_other_tp(engines):
     error = engines[REFUSED]["error"]
     line = next(s for s in error.splitlines() if "DTP student" in s)
     assert "L = 2" in line and "--tensor-parallel-size 2" in line and "(not 1)" in line
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(url: str, body: dict, timeout: float = 600) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def _segments_of(pid: int) -> set[Path]:
-    """The vLLM segments in /dev/shm that process `pid` or a descendant maps: a server's own, which
-    vLLM leaves named when the server is stopped (16 MiB a run)."""
-    pids, found = [pid], set()
-    while pids:
-        p = pids.pop()
-        try:
-            for task in Path(f"/proc/{p}/task").iterdir():
-                pids += [int(c) for c in (task / "children").read_text().split()]
-            for line in Path(f"/proc/{p}/maps").read_text().splitlines():
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].startswith("/dev/shm/") and "cpushm" in fields[5]:
-                    found.add(Path(fields[5]))
-        except OSError:  # gone meanwhile
-            continue
-    return found
-
-
-def test_vllm_server_completions(tmp_path_factory):
-    """The command `dtpshard convert` prints for vLLM's CPU build (model/student.py
-    serving_commands), run as printed, in vLLM's default mode, serves /v1/completions on 127.0.0.1
-    with DTPModel.generate's tokens for a batch of prompts."""
-    from dtpshard.model.student import serving_commands
-
-    root = tmp_path_factory.mktemp("vllm-server")
-    student = make_student(root, SERVED)
-    batch = prompts(4)
-    port = free_port()
-    command = serving_commands(student, SERVED[1], SERVED[3], python=sys.executable)["vllm_cpu"]
-    log = (root / "server.log").open("w")
-    server = subprocess.Popen(["bash", "-c", f"exec env {command} --host 127.0.0.1 --port {port} --max-model-len 256"],
-                              stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 1200
-        while True:
-            assert server.poll() is None, (root / "server.log").read_text()[-6000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "the vLLM server did not come up"
-                time.sleep(3)
-        answer = post(f"http://127.0.0.1:{port}/v1/completions",
-                      {"model": str(student), "prompt": batch, "max_tokens": NEW, "temperature": 0,
-                       "ignore_eos": True, "return_token_ids": True})
-    finally:
-        made = _segments_of(server.pid)
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
-        for segment in made:
-            segment.unlink(missing_ok=True)
-    assert made, "the server's shared-memory segments were not found (so none was removed)"
-    got = [c["token_ids"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
-    assert got == reference(student, batch)[0]
-
-
-@pytest.mark.parametrize("how", ["api_server", "vllm serve"])
-def test_server_refuses_other_tp_in_one_line(tmp_path, how):
-    """TP 1 for an L = 2 student, at the command line: exit code 2, one line saying why, no traceback
-    (vLLM wraps the refusal in pydantic's; the plugin prints just its line). `vllm serve` runs in
-    the CPU build's environment too (serve/env.py)."""
-    student = make_student(tmp_path, REFUSED[0])
-    cmd = ([str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(student)] if how == "api_server"
-           else [str(PYTHON.parent / "vllm"), "serve", str(student)])
-    done = subprocess.run([*cmd, "--tensor-parallel-size", "1", "--dtype", "float32", "--port", str(free_port())],
-                          env=runtime_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 2, done.stderr[-4000:]
-    assert "Traceback" not in done.stderr
-    (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
-    assert line == ("error: this DTP student runs on L = 2 devices: serve it with --tensor-parallel-size 2 (not 1)")
 
 
 @pytest.mark.slow

@@ -4,6 +4,8 @@ other in the same processes (vLLM is imported once), each given a batch.
     python tests/vllm_driver.py SPECS.json OUT.json                    # vLLM spawns its TP workers
     torchrun --nproc-per-node TP tests/vllm_driver.py SPECS.json OUT.json   # every process is a rank
 
+From Python, `launch` runs either and removes what the launch left in /dev/shm.
+
 Under torchrun the engines use vLLM's external launcher: each of the TP processes runs the engine
 with its own rank (no workers spawned, no queues between them), every spec's TP must be the
 world size, and rank 0 writes OUT.
@@ -28,22 +30,64 @@ from __future__ import annotations
 import gc
 import json
 import os
+import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 LAUNCHED = "WORLD_SIZE" in os.environ  # under torchrun
 SEGMENTS = Path("/dev/shm")
+TAG = "DTPSHARD_VLLM_SEGMENTS"  # the prefix a launch's ranks name their segments with (launch sets it)
+
+
+def launch(python: Path, specs: Path, out: Path, *, world: int | None = None, env: dict | None = None,
+           timeout: float | None = None) -> subprocess.CompletedProcess:
+    """This driver over SPECS into OUT, by `torchrun --standalone` of `world` ranks (vLLM's external
+    launcher), or with no `world` in one plain process (vLLM spawns its workers). The segments the
+    ranks named are removed after the launch, those of a rank killed before its own end included."""
+    tag = f"dtpshard-vllm-{uuid.uuid4().hex[:12]}"
+    launcher = [str(Path(python).parent / "torchrun"), "--standalone", "--nproc-per-node", str(world)] if world \
+        else [str(python)]
+    try:
+        return subprocess.run([*launcher, __file__, str(specs), str(out)], env={**(env or os.environ), TAG: tag},
+                              capture_output=True, text=True, timeout=timeout)
+    finally:
+        remove(SEGMENTS.glob(f"{tag}*"))
+
+
+def mapped_segments(pid: int) -> set[Path]:
+    """The vLLM communicator segments in /dev/shm that process `pid` or a descendant maps. vLLM
+    leaves them named when its engine or server stops (16 MiB a run); found this way, they are
+    known to be its own."""
+    pids, found = [pid], set()
+    while pids:
+        p = pids.pop()
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                pids += [int(c) for c in (task / "children").read_text().split()]
+            for line in Path(f"/proc/{p}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith(f"{SEGMENTS}/") and "cpushm" in fields[5]:
+                    found.add(Path(fields[5]))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def remove(segments) -> None:
+    for segment in segments:
+        segment.unlink(missing_ok=True)
 
 
 def _own_segments() -> str:
     """Under the external launcher vLLM names its CPU communicator's shared-memory segments after
     the init method, "env://" in every run: two runs at once on one host, or a killed run's
-    leftovers, collide ("create shm in SHMManager failed. errno: 17"). This launch's rendezvous id
-    (torchrun's, unique per launch) makes the names its own, so main can unlink them at its end."""
+    leftovers, collide ("create shm in SHMManager failed. errno: 17"). The launch's tag (by hand:
+    torchrun's rendezvous id, unique per launch) makes the names its own."""
     from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
 
-    tag = f"dtpshard-vllm-{os.environ['TORCHELASTIC_RUN_ID']}"
+    tag = os.environ.get(TAG) or f"dtpshard-vllm-{os.environ['TORCHELASTIC_RUN_ID']}"
     named = _CPUSHMDistributed.make_group_name
     _CPUSHMDistributed.make_group_name = staticmethod(lambda comm: tag + named(comm).lstrip("/"))
     return tag
@@ -180,21 +224,14 @@ def run(spec: dict) -> dict:
                   max_num_seqs=spec.get("max_num_seqs", 16), seed=0, **engine)
     except Exception as e:  # the refusal is what the test reads
         return {"error": f"{type(e).__name__}: {e}"}
-    # vLLM's own workers leave their communicator's segments named (16 MiB a run): unlinked after
-    idents = set() if LAUNCHED else set(llm.apply_model(_dist_ident)) - {""}
+    made = set() if LAUNCHED else mapped_segments(os.getpid())  # vLLM's own workers': removed after
     try:
         return _serve(llm, spec)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm  # under torchrun the process groups stay: the next engine (same TP) finds them made
         gc.collect()
-        for segment in (s for ident in idents for s in SEGMENTS.glob(f"{ident}-*cpushm_*")):
-            segment.unlink(missing_ok=True)
-
-
-def _dist_ident(model) -> str:
-    """In each of vLLM's workers: the name its CPU communicator's segments begin with."""
-    return os.environ.get("VLLM_DIST_IDENT", "")
+        remove(made)
 
 
 def _serve(llm, spec: dict) -> dict:
@@ -237,8 +274,7 @@ def main(specs_path: str, out_path: str) -> int:
             if os.environ.get("RANK", "0") == "0":
                 open(out_path, "w").write(json.dumps(results))  # what is done survives a later engine's crash
     finally:  # vLLM leaves them named; every rank joined long ago, so each unlinks the one it made
-        for segment in SEGMENTS.glob(f"{tag}*_{os.environ['RANK']}") if tag else ():
-            segment.unlink(missing_ok=True)
+        remove(SEGMENTS.glob(f"{tag}*_{os.environ['RANK']}") if tag else ())
     return 0
 
 
