@@ -62,7 +62,8 @@ def function(rank: int, world: int, out: Path, delay: float) -> dict:
 def _ops_per_sum(forward) -> dict[str, list[str]]:
     """What one forward's exchange ops dispatch, profiled: {op: the sorted names of the ops each of its
     calls made} for exchange_start and exchange_value, and "fallbacks": any Python kernel the
-    native ones called back (none in a steady decode-like forward)."""
+    native ones called back (none in a steady decode-like forward on a quiet machine; on a loaded
+    one, a wait that outlasts the spin). A Python kernel's own calls are not listed."""
     from torch.profiler import ProfilerActivity, profile
 
     forward()  # compiled before the profile
@@ -75,7 +76,7 @@ def _ops_per_sum(forward) -> dict[str, list[str]]:
             while todo:
                 c = todo.pop()
                 inside.append(c.name)
-                todo += c.cpu_children
+                todo += [] if c.name.endswith("_py") else c.cpu_children
             out.setdefault(e.name.split("::")[1], []).append(sorted(inside))
         elif e.name.startswith("dtpshard::") and e.name.endswith("_py"):
             out["fallbacks"].append(e.name)

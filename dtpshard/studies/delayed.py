@@ -98,40 +98,11 @@ def delayed_lines(study: Study, figures: dict[str, str]) -> list[str]:
            "to the dense model with that module alone delayed, under the optimised layout, on calibration blocks: "
            "sensitivity.json), the upper ones, or drawn at random; the layout is re-optimised over the delayed "
            "modules' edges. Zero-shot: the student before any training.", ""]
-    if calibration:
-        out += ["The partial arms' recipe, calibrated on seed 0 before the other seeds ran (KL at each "
-                "evaluation):", "",
-                "| layout | lr | CE weight | " + " | ".join(f"KL @ {s:g}" for s in evals) + " |",
-                "|---|---:|---:|" + "---:|" * len(evals)]
-        t = study.config.training if study.config else None
-        for (layout, lr, ce), runs in sorted(calibration.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0,
-                                                                                   kv[0][2] or 0)):
-            kl = mean_curve([r.kl for r in runs])
-            chosen = " (chosen)" if t is not None and (lr, ce) == (t.lr, t.ce_weight) else ""
-            out.append(f"| {layout}{chosen} | {lr:g} | {ce:g} | " + " | ".join(
-                "–" if kl.at(s) is None else f"{kl.at(s):.3f}" for s in evals) + " |"
-                if lr is not None and ce is not None else f"| {layout} | ? | ? | |")
-        if t is not None:
-            out += ["", f"The arms below train at lr {t.lr:g} with CE weight {t.ce_weight:g}.", ""]
+    out += _calibration_lines(study, calibration, evals)
     if not all_arms:
         return out
     gains = decode_gains(study)
-    batches = sorted(gains)
-    head = ["layout", "delayed (syncs removed)", "by", "seeds", "zero-shot KL", "zero-shot top-1",
-            *(f"KL @ {s:g}" for s in evals), f"top-1 @ {end:g}",
-            *(f"decode gain over TP, batch {b}, {GOAL_LATENCY:g} ms" for b in batches)]
-    out += ["| " + " | ".join(head) + " |", "|---|---:|---|---:|" + "---:|" * (len(head) - 4)]
-    for a in all_arms:
-        kl = a.kl
-        by = "–" if a.share == 1 else a.by or "listed"  # every module delayed: no rule chose them
-        cells = [a.layout, f"{a.share:.0%}", by, str(len(a.runs)),
-                 "–" if a.zero_kl is None else f"{a.zero_kl:.3f}", "–" if a.zero_top1 is None else f"{a.zero_top1:.3f}",
-                 *("–" if kl.at(s) is None else f"{kl.at(s):.3f}" for s in evals[:-1]),
-                 fmt_seeds(a.ends(end)), fmt_seeds(a.top1(end))]
-        for b in batches:
-            g = _nearest(gains[b], a.share)  # the bench's partial student of that share
-            cells.append("–" if g is None else f"{g:+.1%}")
-        out.append("| " + " | ".join(cells) + " |")
+    out += _arm_rows(all_arms, gains, evals, end)
     out += [""]
     out += goal_lines(all_arms, gains, end)
     if not gains:
@@ -144,6 +115,48 @@ def delayed_lines(study: Study, figures: dict[str, str]) -> list[str]:
                 f"Left: seed mean ± sd of KL at step {end:g} (filled) and zero-shot (open) against the share of "
                 f"modules delayed. Right: the decode gain over TP at {GOAL_LATENCY:g} ms added to every sum "
                 "(decode.json), with the line a gain proportional to the share would follow.", ""]
+    return out
+
+
+def _calibration_lines(study: Study, calibration: dict, evals: list[float]) -> list[str]:
+    """The recipe calibration's table (the pilots' KL at each evaluation), and the recipe chosen."""
+    if not calibration:
+        return []
+    out = ["The partial arms' recipe, calibrated on seed 0 before the other seeds ran (KL at each "
+           "evaluation):", "",
+           "| layout | lr | CE weight | " + " | ".join(f"KL @ {s:g}" for s in evals) + " |",
+           "|---|---:|---:|" + "---:|" * len(evals)]
+    t = study.config.training if study.config else None
+    for (layout, lr, ce), runs in sorted(calibration.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0,
+                                                                               kv[0][2] or 0)):
+        kl = mean_curve([r.kl for r in runs])
+        chosen = " (chosen)" if t is not None and (lr, ce) == (t.lr, t.ce_weight) else ""
+        out.append(f"| {layout}{chosen} | {lr:g} | {ce:g} | " + " | ".join(
+            "–" if kl.at(s) is None else f"{kl.at(s):.3f}" for s in evals) + " |"
+            if lr is not None and ce is not None else f"| {layout} | ? | ? | |")
+    if t is not None:
+        out += ["", f"The arms below train at lr {t.lr:g} with CE weight {t.ce_weight:g}.", ""]
+    return out
+
+
+def _arm_rows(all_arms: list[PartialArm], gains: dict, evals: list[float], end: float) -> list[str]:
+    """One row per partial arm: its share, rule, zero-shot and trained KL, and the bench's decode gain."""
+    batches = sorted(gains)
+    head = ["layout", "delayed (syncs removed)", "by", "seeds", "zero-shot KL", "zero-shot top-1",
+            *(f"KL @ {s:g}" for s in evals), f"top-1 @ {end:g}",
+            *(f"decode gain over TP, batch {b}, {GOAL_LATENCY:g} ms" for b in batches)]
+    out = ["| " + " | ".join(head) + " |", "|---|---:|---|---:|" + "---:|" * (len(head) - 4)]
+    for a in all_arms:
+        kl = a.kl
+        by = "–" if a.share == 1 else a.by or "listed"  # every module delayed: no rule chose them
+        cells = [a.layout, f"{a.share:.0%}", by, str(len(a.runs)),
+                 "–" if a.zero_kl is None else f"{a.zero_kl:.3f}", "–" if a.zero_top1 is None else f"{a.zero_top1:.3f}",
+                 *("–" if kl.at(s) is None else f"{kl.at(s):.3f}" for s in evals[:-1]),
+                 fmt_seeds(a.ends(end)), fmt_seeds(a.top1(end))]
+        for b in batches:
+            g = _nearest(gains[b], a.share)  # the bench's partial student of that share
+            cells.append("–" if g is None else f"{g:+.1%}")
+        out.append("| " + " | ".join(cells) + " |")
     return out
 
 
