@@ -2,6 +2,7 @@
 thread left for the interpreter's teardown), a launch exits 0 run after run (torchrun and
 --nproc), SIGTERM/SIGINT to the launcher end every rank with one line, a rank that cannot start
 ends the others at once, and --threads is bounded by the cores."""
+import atexit
 import os
 import re
 import signal
@@ -93,6 +94,7 @@ def short(tmp: Path) -> Path:
     link = Path("/tmp") / f"dtp-{hashlib.sha256(str(tmp).encode()).hexdigest()[:10]}"
     if not link.is_symlink():
         link.symlink_to(tmp)
+        atexit.register(link.unlink, missing_ok=True)  # this test process's own link, gone with it
     return link
 
 

@@ -3,18 +3,21 @@ tokens as DTPModel.generate, and a TP size other than the student's L refused at
 in one line. The server's shared-memory segments are removed after it (vLLM leaves them named)."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from dtpshard.serve.env import runtime_env
 from test_vllm import NEW, PYTHON, REFUSED, SERVED, make_student, prompts, pytestmark, reference  # noqa: F401
-from vllm_driver import mapped_segments, remove
+from vllm_driver import mapped_segments, own_sockets, remove
 
 
 def free_port() -> int:
@@ -29,6 +32,26 @@ def post(url: str, body: dict, timeout: float = 600) -> dict:
         return json.loads(resp.read())
 
 
+@contextlib.contextmanager
+def serving(line: str, log: Path):
+    """The server started by the shell `line` (its output in `log`) -> (the process, the segments it
+    mapped, filled at the end). Stopped at the end, and what vLLM leaves named removed: its
+    shared-memory segments and its sockets."""
+    made: set[Path] = set()
+    with own_sockets(os.environ) as env, log.open("w") as out:
+        server = subprocess.Popen(["bash", "-c", line], stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            yield server, made
+        finally:
+            made |= mapped_segments(server.pid)
+            server.terminate()
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+            remove(made)
+
+
 def test_vllm_server_completions(tmp_path_factory):
     """The command `dtpshard convert` prints for vLLM's CPU build (model/student.py
     serving_commands), run as printed, in vLLM's default mode, serves /v1/completions on 127.0.0.1
@@ -40,10 +63,8 @@ def test_vllm_server_completions(tmp_path_factory):
     batch = prompts(4)
     port = free_port()
     command = serving_commands(student, SERVED[1], SERVED[3], python=sys.executable)["vllm_cpu"]
-    log = (root / "server.log").open("w")
-    server = subprocess.Popen(["bash", "-c", f"exec env {command} --host 127.0.0.1 --port {port} --max-model-len 256"],
-                              stdout=log, stderr=subprocess.STDOUT)
-    try:
+    line = f"exec env {command} --host 127.0.0.1 --port {port} --max-model-len 256"
+    with serving(line, root / "server.log") as (server, made):
         deadline = time.monotonic() + 1200
         while True:
             assert server.poll() is None, (root / "server.log").read_text()[-6000:]
@@ -56,15 +77,6 @@ def test_vllm_server_completions(tmp_path_factory):
         answer = post(f"http://127.0.0.1:{port}/v1/completions",
                       {"model": str(student), "prompt": batch, "max_tokens": NEW, "temperature": 0,
                        "ignore_eos": True, "return_token_ids": True})
-    finally:
-        made = mapped_segments(server.pid)
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
-        remove(made)
     assert made, "the server's shared-memory segments were not found (so none was removed)"
     got = [c["token_ids"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
     assert got == reference(student, batch)[0]
@@ -78,8 +90,9 @@ def test_server_refuses_other_tp_in_one_line(tmp_path, how):
     student = make_student(tmp_path, REFUSED[0])
     cmd = ([str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(student)] if how == "api_server"
            else [str(PYTHON.parent / "vllm"), "serve", str(student)])
-    done = subprocess.run([*cmd, "--tensor-parallel-size", "1", "--dtype", "float32", "--port", str(free_port())],
-                          env=runtime_env(), capture_output=True, text=True, timeout=600)
+    with own_sockets(runtime_env()) as env:
+        done = subprocess.run([*cmd, "--tensor-parallel-size", "1", "--dtype", "float32", "--port", str(free_port())],
+                              env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2, done.stderr[-4000:]
     assert "Traceback" not in done.stderr
     (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]

@@ -27,11 +27,13 @@ self µs, total µs]}}} for N in 1 and max_tokens]} or {"error": message} when t
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -45,15 +47,25 @@ def launch(python: Path, specs: Path, out: Path, *, world: int | None = None, en
            timeout: float | None = None) -> subprocess.CompletedProcess:
     """This driver over SPECS into OUT, by `torchrun --standalone` of `world` ranks (vLLM's external
     launcher), or with no `world` in one plain process (vLLM spawns its workers). The segments the
-    ranks named are removed after the launch, those of a rank killed before its own end included."""
+    ranks named are removed after the launch, those of a rank killed before its own end included,
+    and so are vLLM's sockets (own_sockets)."""
     tag = f"dtpshard-vllm-{uuid.uuid4().hex[:12]}"
     launcher = [str(Path(python).parent / "torchrun"), "--standalone", "--nproc-per-node", str(world)] if world \
         else [str(python)]
     try:
-        return subprocess.run([*launcher, __file__, str(specs), str(out)], env={**(env or os.environ), TAG: tag},
-                              capture_output=True, text=True, timeout=timeout)
+        with own_sockets(env or os.environ) as env:
+            return subprocess.run([*launcher, __file__, str(specs), str(out)], env={**env, TAG: tag},
+                                  capture_output=True, text=True, timeout=timeout)
     finally:
         remove(SEGMENTS.glob(f"{tag}*"))
+
+
+@contextlib.contextmanager
+def own_sockets(env: dict):
+    """`env` with vLLM's engine sockets (ZeroMQ's ipc://, one name a socket, left in the temporary
+    directory when the engine stops) in a directory of their own, removed at the end."""
+    with tempfile.TemporaryDirectory(prefix="dtpshard-vllm-rpc-") as rpc:
+        yield {**env, "VLLM_RPC_BASE_PATH": rpc}
 
 
 def mapped_segments(pid: int) -> set[Path]:
