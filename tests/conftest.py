@@ -17,12 +17,17 @@ torch.set_num_threads(1)  # tiny models: more threads only add contention
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# transformers copies a student's remote code (configuration_dtp.py, modeling_dtp.py) into its
-# modules cache, read from the environment when transformers is imported: a temporary directory
-# for this session and every process it starts, never ~/.cache/huggingface/modules
-_MODULES = tempfile.mkdtemp(prefix="dtpshard-hf-modules-")
-atexit.register(shutil.rmtree, _MODULES, ignore_errors=True)
-os.environ["HF_MODULES_CACHE"] = _MODULES
+# Every process the tests start keeps its temporaries in this session's directory, removed when the
+# session ends: torchrun's torchelastic_* logs, vLLM's init files, what a launcher killed outright
+# leaves, and transformers' modules cache (a student's remote code, copied when transformers is
+# imported; never ~/.cache/huggingface/modules). This process keeps the system's (tempfile's choice,
+# made first), where pytest's tmp_path lives and stays for a failure's debugging.
+tempfile.gettempdir()
+_SESSION = tempfile.mkdtemp(prefix="dtpshard-tests-")
+atexit.register(shutil.rmtree, _SESSION, ignore_errors=True)
+os.environ["TMPDIR"] = _SESSION
+os.environ["HF_MODULES_CACHE"] = os.path.join(_SESSION, "hf-modules")
+os.mkdir(os.environ["HF_MODULES_CACHE"])
 import transformers  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 
 from dtpshard.core.launch import launch_local, root_cause
-from test_launch import cmdline, ended, family
+from test_launch import _env, cmdline, ended, family
 
 
 class _Teardown:
@@ -67,8 +67,9 @@ if __name__ == "__main__":
 def test_no_rank_outlives_a_launcher_killed_outright(tmp_path):
     script = tmp_path / "launch.py"
     script.write_text(LAUNCHER)
+    # the launch's temporary directory, which a launcher killed outright cannot remove: under tmp_path
     p = subprocess.Popen([sys.executable, str(script), str(tmp_path)], start_new_session=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env=_env(tmp_path / "tmp"))
     started = []
     try:
         end = time.monotonic() + 180
