@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
 # every process the tests start imports this checkout and the test-only fault hooks (hooks/sitecustomize.py)
@@ -21,8 +22,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # session ends: torchrun's torchelastic_* logs, vLLM's init files, what a launcher killed outright
 # leaves, and transformers' modules cache (a student's remote code, copied when transformers is
 # imported; never ~/.cache/huggingface/modules). This process keeps the system's (tempfile's choice,
-# made first), where pytest's tmp_path lives and stays for a failure's debugging.
+# made first), where pytest's tmp_path lives and stays for a failure's debugging. Inductor's compile
+# cache stays where torch keeps it: shared by every process and run, as it is outside the tests.
 tempfile.gettempdir()
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir())
 _SESSION = tempfile.mkdtemp(prefix="dtpshard-tests-")
 atexit.register(shutil.rmtree, _SESSION, ignore_errors=True)
 os.environ["TMPDIR"] = _SESSION

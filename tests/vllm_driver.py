@@ -4,7 +4,7 @@ other in the same processes (vLLM is imported once), each given a batch.
     python tests/vllm_driver.py SPECS.json OUT.json                    # vLLM spawns its TP workers
     torchrun --nproc-per-node TP tests/vllm_driver.py SPECS.json OUT.json   # every process is a rank
 
-From Python, `launch` runs either and removes what the launch left in /dev/shm.
+From Python, `launch` runs either and removes what vLLM leaves behind (segments, sockets, compile cache).
 
 Under torchrun the engines use vLLM's external launcher: each of the TP processes runs the engine
 with its own rank (no workers spawned, no queues between them), every spec's TP must be the
