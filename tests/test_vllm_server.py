@@ -36,7 +36,7 @@ def post(url: str, body: dict, timeout: float = 600) -> dict:
 def serving(line: str, log: Path):
     """The server started by the shell `line` (its output in `log`) -> (the process, the segments it
     mapped, filled at the end). Stopped at the end, and what vLLM leaves named removed: its
-    shared-memory segments, its sockets and compile cache (own_files)."""
+    shared-memory segments and its sockets (own_files)."""
     made: set[Path] = set()
     with own_files(os.environ) as env, log.open("w") as out:
         server = subprocess.Popen(["bash", "-c", line], stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -4,7 +4,7 @@ other in the same processes (vLLM is imported once), each given a batch.
     python tests/vllm_driver.py SPECS.json OUT.json                    # vLLM spawns its TP workers
     torchrun --nproc-per-node TP tests/vllm_driver.py SPECS.json OUT.json   # every process is a rank
 
-From Python, `launch` runs either and removes what vLLM leaves behind (segments, sockets, compile cache).
+From Python, `launch` runs either and removes what vLLM leaves behind (segments, sockets).
 
 Under torchrun the engines use vLLM's external launcher: each of the TP processes runs the engine
 with its own rank (no workers spawned, no queues between them), every spec's TP must be the
@@ -48,7 +48,7 @@ def launch(python: Path, specs: Path, out: Path, *, world: int | None = None, en
     """This driver over SPECS into OUT, by `torchrun --standalone` of `world` ranks (vLLM's external
     launcher), or with no `world` in one plain process (vLLM spawns its workers). The segments the
     ranks named are removed after the launch, those of a rank killed before its own end included,
-    and so are vLLM's sockets and compile cache (own_files)."""
+    and so are vLLM's sockets (own_files)."""
     tag = f"dtpshard-vllm-{uuid.uuid4().hex[:12]}"
     launcher = [str(Path(python).parent / "torchrun"), "--standalone", "--nproc-per-node", str(world)] if world \
         else [str(python)]
@@ -62,12 +62,11 @@ def launch(python: Path, specs: Path, out: Path, *, world: int | None = None, en
 
 @contextlib.contextmanager
 def own_files(env: dict):
-    """`env` with what vLLM leaves behind in a directory of its own, removed at the end: its engine
-    sockets (ZeroMQ's ipc://, one name a socket, left in the temporary directory when the engine
-    stops) and its compile cache (about 9 MB an engine in ~/.cache/vllm, keyed by the model's path,
-    so a test's random student never reuses it)."""
+    """`env` with vLLM's engine sockets (ZeroMQ's ipc://, one name a socket, left in the temporary
+    directory when the engine stops) in a directory of their own, removed at the end. Its cache root
+    stays ~/.cache/vllm: an empty one costs every rank about 10 s inspecting the model classes."""
     with tempfile.TemporaryDirectory(prefix="dtpshard-vllm-") as own:
-        yield {**env, "VLLM_RPC_BASE_PATH": own, "VLLM_CACHE_ROOT": str(Path(own, "cache"))}
+        yield {**env, "VLLM_RPC_BASE_PATH": own}
 
 
 def mapped_segments(pid: int) -> set[Path]:
