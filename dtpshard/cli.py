@@ -22,8 +22,9 @@ from cyclopts.help import DefaultFormatter
 
 from dtpshard.commands.text import HINTS, columns, flag, not_utf8, one_line, positional, words_of
 from dtpshard.core.errors import UserError, explain, quote
-from dtpshard.core.io import exit_on_sigterm, read_options
+from dtpshard.core.io import read_options
 from dtpshard.core.launch_checks import check_launch
+from dtpshard.core.signals import exit_on_sigterm, signals_deferred
 from dtpshard.core.typed import Invalid, check, choices, is_bool, is_list, optional_of
 
 # name -> (module:function, its summary in the root --help, which imports no command)
@@ -153,7 +154,8 @@ def options(fn: Any) -> list[Option]:
 def _parse(argv: list[str]) -> Any:
     """(command, bound arguments, _) for a command line, or None for --help and --version."""
     if argv and argv[0] in COMMANDS:
-        load_command(argv[0])
+        with signals_deferred():  # a command's module may import torch (core/signals.py)
+            load_command(argv[0])
     try:
         parsed = APP.meta(argv, exit_on_error=False, print_error=False, result_action="return_value")
     except CycloptsError as e:
@@ -214,6 +216,8 @@ def _run(argv: list[str], name: str) -> int:
         return 2
     if parsed is None:  # --help, --version
         return 0
+    with signals_deferred():  # every command uses torch: imported where a signal waits (core/signals.py)
+        import torch  # noqa: F401
     try:
         command, bound, _ = parsed
         check_launch(bound.arguments, spawns=name in SPAWNS)  # the environment, --timeout, --nproc: before any work

@@ -221,6 +221,32 @@ def test_sigint_while_the_ranks_start_ends_a_launch_in_one_line(model, tmp_path,
     assert stopped(model, tmp_path / "tmp", signal.SIGINT, group, "forkserver") == (130, "dtpshard run: interrupted")
 
 
+SIGNAL_IN_TORCHS_IMPORT = """
+import importlib.abc, os, signal, sys
+from dtpshard.cli import main
+
+class SignalInAutograd(importlib.abc.MetaPathFinder):  # the moment one launch aborted at (std::terminate)
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch.autograd":
+            os.kill(os.getpid(), int(sys.argv[1]))
+            print("pending" if int(sys.argv[1]) in signal.sigpending() else "delivered", flush=True)
+
+sys.meta_path.insert(0, SignalInAutograd())
+sys.exit(main(["score", "no-such-model", "no-such-layout"]))
+"""
+
+
+@pytest.mark.parametrize(("sig", "said"), [(signal.SIGTERM, (143, "terminated")),
+                                           (signal.SIGINT, (130, "interrupted"))])
+def test_a_signal_while_torch_is_imported_waits_for_the_import(sig, said):
+    """A signal inside torch's import would be raised inside C++ (autograd's init imports Python
+    modules) and abort the process: it waits, pending, until the import is over, and is one line."""
+    p = subprocess.run([sys.executable, "-c", SIGNAL_IN_TORCHS_IMPORT, str(int(sig))], capture_output=True,
+                       text=True, timeout=120, env=_env())
+    assert p.stdout.split() == ["pending"], p.stdout + p.stderr[-2000:]
+    assert (p.returncode, p.stderr.strip()) == (said[0], f"dtpshard score: {said[1]}")
+
+
 # -- the end of a torchrun rank ------------------------------------------------------------------------
 def test_a_torchrun_rank_ends_past_the_interpreters_teardown(model, tmp_path):
     """Each rank prints (rank 0), ends its group, and leaves by os._exit after flushing: its

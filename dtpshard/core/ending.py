@@ -54,7 +54,7 @@ def die_with_parent(launcher: int) -> None:
 def rank_failed(e: BaseException, report: Path) -> int:
     """The exit code of a rank that raised `e`, its report (`report`.user: the one line of a
     user's error; .error: a traceback) written for its launcher."""
-    if isinstance(e, SystemExit):  # SIGTERM in io.exit_on_sigterm, after its cleanup: quiet, as SIGTERM is
+    if isinstance(e, SystemExit):  # SIGTERM in signals.exit_on_sigterm, after its cleanup: quiet, as SIGTERM is
         return exit_code(e)
     line = explain(e) if isinstance(e, Exception) else None  # a full disk is a user's error too
     if line is not None:

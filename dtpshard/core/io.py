@@ -4,7 +4,7 @@ rename). Reads name the file in their one-line error.
 A temporary is named `.NAME.tmp-PID-CHECK...` next to NAME (core/temporary.py). A run killed
 outright (SIGKILL, power loss) cannot remove its own, so the next write of NAME removes those whose
 process is gone (only names whose check holds: a user's look-alike is left alone); SIGTERM during a
-write removes its own before the process exits (`exit_on_sigterm`). Every output gets
+write removes its own before the process exits (core/signals.py). Every output gets
 the mode a plain create gives (0666 minus the umask), whichever library wrote it.
 """
 from __future__ import annotations
@@ -16,10 +16,8 @@ import json
 import math
 import os
 import shutil
-import signal
 import stat
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,6 +43,7 @@ from dtpshard.core.reading import (  # noqa: F401 (reading lives there; callers 
     read_text,
 )
 from dtpshard.core.rename import publish_new, publish_over
+from dtpshard.core.signals import exit_on_sigterm
 from dtpshard.core.temporary import temporary_name, temporary_of
 
 _FULL_BYTES = 1 << 20  # a failed write with less than this free on its file system ran out of space
@@ -146,25 +145,6 @@ def remove_stale_temporaries(path: Path) -> None:
         else:
             with contextlib.suppress(OSError):
                 p.unlink()
-
-
-@contextlib.contextmanager
-def exit_on_sigterm() -> Iterator[None]:
-    """Inside this block SIGTERM raises SystemExit(143), so `finally` clauses (removing a
-    temporary) run; Python's default for SIGTERM is to die on the spot."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:  # only the main thread may set handlers
-        yield
-        return
-
-    def _exit(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, _exit)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def share(path: Path, mode: int) -> None:

@@ -176,7 +176,7 @@ def process_group(timeout: float, backend: str = "gloo", who: str = "dtpshard ru
 
 def _said(e: BaseException, who: str) -> tuple[str | None, int]:
     """(the line, the exit code) the CLI would give for `e` (which cannot reach it now)."""
-    if isinstance(e, SystemExit):  # SIGTERM in io.exit_on_sigterm: quiet, as SIGTERM is
+    if isinstance(e, SystemExit):  # SIGTERM in signals.exit_on_sigterm: quiet, as SIGTERM is
         return None, exit_code(e)
     if isinstance(e, KeyboardInterrupt):
         return f"{who}: interrupted", 130

@@ -22,7 +22,6 @@ from dtpshard.core.io import (
     atomic_dir,
     check_writable_dir,
     dumps,
-    exit_on_sigterm,
     open_regular,
     open_safetensors,
 )
@@ -31,6 +30,7 @@ from dtpshard.core.lock import one_writer
 from dtpshard.core.memory import size_text
 from dtpshard.core.owned import MARK, read_mark, refuse, refuse_link, seal, sealed
 from dtpshard.core.permutation import stored_indices
+from dtpshard.core.signals import exit_on_sigterm
 from dtpshard.model.checkpoint import canonical, is_student, open_checkpoint, tensor_names
 
 COMMAND = PERMUTE_COMMAND  # its output directory's mark (core/owned.py)

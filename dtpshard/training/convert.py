@@ -207,7 +207,7 @@ def _signals_end_in_one_line() -> Iterator[None]:
     previous = signal.signal(signal.SIGTERM, stop) if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN else None
     try:
         yield
-    except SystemExit as e:  # SIGTERM inside an atomic write (core.io.exit_on_sigterm), its temporary removed
+    except SystemExit as e:  # SIGTERM inside an atomic write (core.signals.exit_on_sigterm), its temporary removed
         if e.code != 128 + signal.SIGTERM:
             raise
         raise KeyboardInterrupt from None

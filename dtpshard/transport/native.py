@@ -39,13 +39,13 @@ from dtpshard.core.errors import UserError
 from dtpshard.core.io import (
     atomic_write_text,
     cache_dir,
-    exit_on_sigterm,
     file_sha256,
     private_dir,
     remove_stale_temporaries,
 )
 from dtpshard.core.lock import LOCK, acquire, release
 from dtpshard.core.reading import read_bytes
+from dtpshard.core.signals import exit_on_sigterm
 from dtpshard.core.temporary import temporary_name
 
 SOURCE = Path(__file__).with_name("ring.cpp")
