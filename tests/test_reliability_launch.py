@@ -231,6 +231,7 @@ class SignalInAutograd(importlib.abc.MetaPathFinder):  # the moment one launch a
             os.kill(os.getpid(), int(sys.argv[1]))
             print("pending" if int(sys.argv[1]) in signal.sigpending() else "delivered", flush=True)
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a shell's command has it (a test worker ignores it)
 sys.meta_path.insert(0, SignalInAutograd())
 sys.exit(main(["score", "no-such-model", "no-such-layout"]))
 """
