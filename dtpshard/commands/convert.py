@@ -53,6 +53,7 @@ def convert_cmd(flags: Annotated[ConvertFlags, Parameter(name="*")],  # type: ig
         check_sharing,
         convert,
         resolved,
+        resolved_delaying,
         summary,
     )
 
@@ -61,9 +62,10 @@ def convert_cmd(flags: Annotated[ConvertFlags, Parameter(name="*")],  # type: ig
         teacher = cfg.teacher
         data, run = calibration_settings(cfg, values(calibration))
         if cfg.plan:
-            check_sharing(resolved(teacher, cfg), sharing)
-            removed = check_delaying(resolved(teacher, cfg), delaying)
-            plans = convert_plan.plan_convert(resolved(teacher, cfg), data, run, timed=True)
+            planned = resolved(teacher, cfg)
+            check_sharing(planned, sharing)
+            removed = check_delaying(planned, resolved_delaying(delaying))
+            plans = convert_plan.plan_convert(planned, data, run, timed=True)
             rows = [s.to_json() for s in plans]
             for row in rows:  # the share of syncs removed is the layout's: said with its stage
                 if row.get("stage") == "layout":

@@ -229,13 +229,19 @@ def resolved(teacher: Path, cfg: DistillConfig) -> DistillConfig:
     return dataclasses.replace(cfg, devices=dtp.devices, delay=dtp.delay, stage3=dtp.stage3)
 
 
+def resolved_delaying(delaying: Delaying) -> Delaying:
+    """--delayed-by as it applies: a share's rule (by sensitivity when not given), None where nothing
+    is chosen; a rule given where it would change nothing is refused (core/delayed.py)."""
+    return dataclasses.replace(delaying, delayed_by=resolve_delayed_by(delaying.delayed, delaying.delayed_by))
+
+
 def check_delaying(cfg: DistillConfig, delaying: Delaying) -> dict[str, Any]:
-    """--delayed and --delayed-by refused before stage 1 (cfg resolved): a share outside (0, 1],
+    """--delayed refused before stage 1 (cfg and `delaying` resolved): a share outside (0, 1],
     indices the teacher has not; returns the share of syncs the student removes (what --plan shows)."""
     from dtpshard.core.delayed import share_count
     from dtpshard.model.checkpoint import read_shape
 
-    by = resolve_delayed_by(delaying.delayed, delaying.delayed_by)
+    by = delaying.delayed_by
     M = read_shape(cfg.teacher).modules
     if delaying.delayed is None:
         count = M
@@ -295,8 +301,8 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
     data, run = data or default_data, run or default_run
     cfg = resolved(teacher, cfg)
     check_sharing(cfg, sharing)
+    delaying = resolved_delaying(delaying)
     check_delaying(cfg, delaying)
-    delaying = dataclasses.replace(delaying, delayed_by=resolve_delayed_by(delaying.delayed, delaying.delayed_by))
     p = Paths(cfg.out)
     check_outputs({"--out": p.out, "--tensorboard": cfg.tensorboard, "--spill-dir": run.spill_dir},
                   {"the teacher directory": cfg.teacher, "the tokenizer directory": cfg.tokenizer,
