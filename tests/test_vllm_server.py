@@ -17,7 +17,7 @@ import pytest
 
 from dtpshard.serve.env import runtime_env
 from test_vllm import NEW, PYTHON, REFUSED, SERVED, make_student, prompts, pytestmark, reference  # noqa: F401
-from vllm_driver import mapped_segments, own_files, remove
+from vllm_driver import mapped_segments, own_sockets, remove
 
 
 def free_port() -> int:
@@ -36,9 +36,9 @@ def post(url: str, body: dict, timeout: float = 600) -> dict:
 def serving(line: str, log: Path):
     """The server started by the shell `line` (its output in `log`) -> (the process, the segments it
     mapped, filled at the end). Stopped at the end, and what vLLM leaves named removed: its
-    shared-memory segments and its sockets (own_files)."""
+    shared-memory segments and its sockets (own_sockets)."""
     made: set[Path] = set()
-    with own_files(os.environ) as env, log.open("w") as out:
+    with own_sockets(os.environ) as env, log.open("w") as out:
         server = subprocess.Popen(["bash", "-c", line], stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             yield server, made
@@ -90,7 +90,7 @@ def test_server_refuses_other_tp_in_one_line(tmp_path, how):
     student = make_student(tmp_path, REFUSED[0])
     cmd = ([str(PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(student)] if how == "api_server"
            else [str(PYTHON.parent / "vllm"), "serve", str(student)])
-    with own_files(runtime_env()) as env:
+    with own_sockets(runtime_env()) as env:
         done = subprocess.run([*cmd, "--tensor-parallel-size", "1", "--dtype", "float32", "--port", str(free_port())],
                               env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2, done.stderr[-4000:]

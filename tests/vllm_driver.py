@@ -48,12 +48,12 @@ def launch(python: Path, specs: Path, out: Path, *, world: int | None = None, en
     """This driver over SPECS into OUT, by `torchrun --standalone` of `world` ranks (vLLM's external
     launcher), or with no `world` in one plain process (vLLM spawns its workers). The segments the
     ranks named are removed after the launch, those of a rank killed before its own end included,
-    and so are vLLM's sockets (own_files)."""
+    and so are vLLM's sockets (own_sockets)."""
     tag = f"dtpshard-vllm-{uuid.uuid4().hex[:12]}"
     launcher = [str(Path(python).parent / "torchrun"), "--standalone", "--nproc-per-node", str(world)] if world \
         else [str(python)]
     try:
-        with own_files(env or os.environ) as env:
+        with own_sockets(env or os.environ) as env:
             return subprocess.run([*launcher, __file__, str(specs), str(out)], env={**env, TAG: tag},
                                   capture_output=True, text=True, timeout=timeout)
     finally:
@@ -61,7 +61,7 @@ def launch(python: Path, specs: Path, out: Path, *, world: int | None = None, en
 
 
 @contextlib.contextmanager
-def own_files(env: dict):
+def own_sockets(env: dict):
     """`env` with vLLM's engine sockets (ZeroMQ's ipc://, one name a socket, left in the temporary
     directory when the engine stops) in a directory of their own, removed at the end. Its cache root
     stays ~/.cache/vllm: an empty one costs every rank about 10 s inspecting the model classes."""
