@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 
 def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()  # only its handlers run Python
+    return threading.current_thread() is threading.main_thread()  # where Python runs every handler
 
 
 @contextlib.contextmanager
