@@ -116,20 +116,19 @@ def with_nan(affinity_file: Path, out: Path, edge: tuple[int, int], index: tuple
 
 def copy_owned(src, dst):
     """A copy of a directory dtpshard wrote, owned where it lies, as if dtpshard had written it
-    there: each mark rebound to its directory's and its own inode and birth time (core/owned.py
-    binds a mark to both, so a plain copy is nobody's). Tests use it to give each case its own finished run."""
+    there: each mark rebound to its directory's and its own identity (core/owned.py binds a mark
+    to both, so a plain copy is nobody's). Tests use it to give each case its own finished run."""
     import json
-    import os
     import shutil
     from pathlib import Path
 
-    from dtpshard.core.owned import MARK, birth_ns
+    from dtpshard.core.identity import identity
+    from dtpshard.core.owned import MARK
 
     dst = Path(shutil.copytree(src, dst, symlinks=True))
     for mark in dst.rglob(MARK):
         data = json.loads(mark.read_text())
-        data["dir"], data["ino"] = os.lstat(mark.parent).st_ino, os.lstat(mark).st_ino
-        data["born"] = [birth_ns(mark.parent), birth_ns(mark)]
+        data["dir"], data["self"] = identity(mark.parent), identity(mark)
         with open(mark, "r+") as f:  # in place: the file keeps its inode
             f.write(json.dumps(data))
             f.truncate()

@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.io import cache_dir
 from dtpshard.core.memory import available_bytes as available_memory
 from dtpshard.core.memory import size_text
 
@@ -145,8 +146,9 @@ def _given(arguments: dict[str, Any], name: str) -> Any:
 def check_launch(arguments: dict[str, Any], spawns: bool) -> None:
     """Everything about a launch a command line can get wrong, before the command does any work:
     torchrun's environment (for every command: any of them may run as a rank), its --timeout,
-    and, where --nproc starts processes (`spawns`), the process count."""
+    dtpshard's cache setting, and, where --nproc starts processes (`spawns`), the process count."""
     torchrun_env()
+    cache_dir()  # DTPSHARD_CACHE, read deep in a rank (the native kernels, the corpus): refused here, once
     timeout = _given(arguments, "timeout")
     if isinstance(timeout, int | float):
         check_timeout(timeout)

@@ -4,15 +4,18 @@ The OS releases the lock when the process dies, however it dies; a second proces
 in one line naming the holder, never left to write beside it (a run, a convert or experiment
 directory, a teacher cache, the vLLM environment, the native kernels' cache).
 
-A lock is a file the command made: created with O_CREAT | O_EXCL | O_NOFOLLOW, holding SIGNATURE
-and the holder's pid. A lock left by a process that died (SIGKILL: no `finally` ran) is taken over
-only when it is recognisably one: a regular file of this user with one link, holding exactly that
-signature, that nobody holds. Anything else at the name (a user's file, a hard link to one, a FIFO,
+A lock is a file the command made, holding SIGNATURE and the holder's pid: written and flock'ed
+before it gets its name (linked there from a nameless file, or renamed there without replacing),
+so no process ever finds it empty or free between its birth and its holder's lock. A lock left by
+a process that died (SIGKILL: no `finally` ran) is removed and made anew only when it is
+recognisably one: a regular file of this user with one link, holding exactly that signature, that
+nobody holds. Anything else at the name (a user's file, a hard link to one, a FIFO,
 a link) is refused in one line naming it, untouched: it is never truncated, written or removed.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import functools
@@ -27,6 +30,7 @@ from typing import Any, TypeVar
 
 from dtpshard.core.errors import UserError, naming
 from dtpshard.core.io import check_writable_dir, output_root, writing
+from dtpshard.core.temporary import temporary_name
 
 LOCK = ".lock"
 SIGNATURE = "dtpshard-lock"  # a lock's whole content: "dtpshard-lock PID\n"
@@ -80,12 +84,17 @@ def _holder(fd: int) -> str:
 
 
 def acquire(path: Path, shown: Path, wait: float = 0.0, named: Path | None = None) -> int:
-    """The open, flock'ed descriptor of lock `path` (for `shown`), made by this call or taken over
-    from a dead holder (see the module's docstring); else one line. A held lock is waited for up to
-    `wait` seconds, then refused naming its holder. An OS error names `named` (default the lock)."""
+    """The open, flock'ed descriptor of lock `path` (for `shown`), made by this call, or made anew
+    after a dead holder's (see the module's docstring); else one line. A held lock is waited for up
+    to `wait` seconds, then refused naming its holder. An OS error names `named` (default the lock)."""
     deadline = time.monotonic() + wait
     while True:
-        fd, made = _open(path, shown, named or path)
+        fd = _create(path, named or path)
+        if fd is not None:  # born signed and held: nobody ever sees it otherwise
+            return fd
+        fd = _open(path, shown, named or path)
+        if fd is None:  # gone meanwhile: make it
+            continue
         try:
             while True:
                 try:
@@ -98,46 +107,90 @@ def acquire(path: Path, shown: Path, wait: float = 0.0, named: Path | None = Non
                         raise UserError(f"{shown} is in use by process {_holder(fd)} (wait for it to finish, or "
                                         "stop it)") from None
                     time.sleep(0.05)
-            try:
-                same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
-            except FileNotFoundError:
-                same = False
-            if not same:  # its holder removed it between our open and our lock: take the new one
-                os.close(fd)
-                continue
-            if not made and not _recognised(fd):  # changed under us while we waited: someone else's now
-                raise not_a_lock(path, shown)
-            with writing(named or path):
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, _content(), 0)
-            return fd
-        except BaseException:
-            if made:  # the lock this call made is not left behind (a full disk, a refusal)
+            # a dead holder's (or one released as we waited): removed while held, then made anew
+            # signed, so a waiting opener re-checks the inode and a reader never finds it unsigned
+            if _recognised(fd):
                 _remove(path, fd)
+            elif _same(path, fd):  # changed under us while we waited: someone else's now
+                raise not_a_lock(path, shown)
+        finally:
             os.close(fd)
-            raise
 
 
-def _open(path: Path, shown: Path, named: Path) -> tuple[int, bool]:
-    """(descriptor, whether this call created the file)."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+def _same(path: Path, fd: int) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
+    except FileNotFoundError:
+        return False
+
+
+_RENAME_NOREPLACE, _AT_SYMLINK_FOLLOW = 1, 0x400
+
+
+def _create(path: Path, named: Path) -> int | None:
+    """A new lock at `path`, written and flock'ed before it gets its name -> its descriptor, or None
+    if the name exists. The file is made nameless (O_TMPFILE) and linked to the name, or, where the
+    file system cannot, made as a temporary and renamed to the name without replacing (renameat2):
+    either way the name appears only on a signed, held lock."""
+    flags = os.O_RDWR | os.O_CLOEXEC
+    parent = Path(path).parent
     with naming(named), writing(named):
         try:
-            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
-        except FileExistsError:
-            pass
-        try:
-            fd = os.open(path, flags | os.O_NONBLOCK)  # a FIFO is not waited on
+            fd, tmp = os.open(parent, flags | os.O_TMPFILE, 0o644), None
         except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+            tmp = parent / temporary_name(path.name)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)  # this process's own (its name's check holds for this pid)
+            fd = os.open(tmp, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            os.write(fd, _content())
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody else has it yet: never blocks
+            if tmp is None:
+                _call("linkat", -100, f"/proc/self/fd/{fd}", -100, path, _AT_SYMLINK_FOLLOW)
+            else:
+                _call("renameat2", -100, tmp, -100, path, _RENAME_NOREPLACE)
+            return fd
+        except FileExistsError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+
+
+def _call(name: str, at: int, src: str | Path, at2: int, dst: Path, flags: int) -> None:
+    """linkat or renameat2 from the C library (os.link cannot follow /proc's link; os has no renameat2)."""
+    if getattr(ctypes.CDLL(None, use_errno=True), name)(at, os.fsencode(src), at2, os.fsencode(dst), flags) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), str(dst))
+
+
+def _open(path: Path, shown: Path, named: Path) -> int | None:
+    """The descriptor of the existing lock at `path`, or None if it is gone; else one line. What
+    is at the name is always a signed lock or someone else's file: nothing is waited for to sign."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO is not waited on
+    with naming(named), writing(named):
+        try:
+            fd = os.open(path, flags)
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return None
             if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EACCES, errno.EPERM):
                 raise not_a_lock(path, shown) from None
-            if e.errno == errno.ENOENT:  # removed meanwhile: create it
-                return _open(path, shown, named)
             raise
     if not _recognised(fd):
+        gone = not _same(path, fd)  # released (unlinked) between our open and our look: not a stranger
         os.close(fd)
+        if gone:
+            return None
         raise not_a_lock(path, shown)
-    return fd, False
+    return fd
 
 
 def _remove(path: Path, fd: int) -> None:

@@ -3,11 +3,11 @@
 A directory is dtpshard's only if dtpshard marked it when it made it: MARK names the command and
 a random id, and the command's own record in the directory (a run's config.json, convert.json,
 an experiment's config.json, a teacher cache's plan.json) holds the same id under ID. The mark is
-bound to the directory it marks and to itself: it holds the inode numbers and birth times of both,
-so a mark copied (with its record) into another folder proves nothing there, even into a folder
-made anew with a deleted one's inode numbers; a directory moved within its file system keeps all
-four. Either file alone proves nothing either: a copied-in config.json has no
-mark, and a forged mark no record that agrees with it.
+bound to the directory it marks and to itself: it holds the identity of both (core/identity.py:
+inode number, birth time, generation number), so a mark copied (with its record) into another
+folder proves nothing there, even into a folder made anew with a deleted one's inode number; a
+directory moved within its file system keeps both. Either file alone proves nothing either: a
+copied-in config.json has no mark, and a forged mark no record that agrees with it.
 
 A directory written whole and then published (a student, a run's adapters, a permuted
 checkpoint) is *sealed* instead: its mark lists every file written into it, by relative path.
@@ -21,11 +21,9 @@ is refused in one line naming the first such file, before anything is removed.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import stat
-import struct
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -33,13 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.identity import binds, identity, same
 from dtpshard.core.io import atomic_dir, dumps, read_json_object, writing
 from dtpshard.core.lock import is_lock
 from dtpshard.core.temporary import temporary_name, temporary_of
 
-MARK = "dtpshard-dir.json"  # {"made_by": "dtpshard", "command", "id", "dir", "ino", "born"[, "names"]}
+MARK = "dtpshard-dir.json"  # {"made_by": "dtpshard", "command", "id", "dir", "self"[, "names"]}
 ID = "dir_id"  # the key under which a command's record holds its directory's id
-_KEYS = {"made_by", "command", "id", "dir", "ino", "born", "names"}
+_KEYS = {"made_by", "command", "id", "dir", "self", "names", "ino", "born"}  # ino, born: older marks
 MAX_NAMES = 1 << 16  # files a sealed directory lists (a student has tens)
 
 # The first entry under a directory that the command did not write there (None: all of it is its
@@ -59,39 +58,12 @@ def raw_mark(d: Path) -> dict[str, Any] | None:
     return mark if mark.get("made_by") == "dtpshard" else None
 
 
-_STATX_BTIME, _AT_SYMLINK_NOFOLLOW, _AT_EMPTY_PATH = 0x800, 0x100, 0x1000
-
-
-def birth_ns(path: Path | int) -> int | None:
-    """When the inode at `path` (or open descriptor) was made, in ns (statx's btime; Python's stat
-    has none on Linux), or None where the file system or the C library does not say. Unlike an inode
-    number, which ext4 gives to the next file made at once, no later file is born at the same ns."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        statx = libc.statx
-    except (OSError, AttributeError):
-        return None
-    buf = ctypes.create_string_buffer(256)
-    if isinstance(path, int):
-        done = statx(path, b"", _AT_EMPTY_PATH, _STATX_BTIME, buf)
-    else:
-        done = statx(-100, os.fsencode(os.path.abspath(path)), _AT_SYMLINK_NOFOLLOW, _STATX_BTIME, buf)
-    mask, = struct.unpack_from("I", buf, 0)
-    if done != 0 or not mask & _STATX_BTIME:
-        return None
-    sec, nsec = struct.unpack_from("qI", buf, 80)  # stx_btime: after mask .. attributes_mask, atime
-    return sec * 1_000_000_000 + nsec
-
-
 def _bound(mark: dict[str, Any], d: Path) -> bool:
-    """Whether `mark` was written into d itself (not copied there from another directory): the
-    inode numbers and birth times of d and of the mark file are the ones it holds. A folder made
-    anew after d was deleted may get d's numbers at once (ext4), never its birth time."""
-    try:
-        return (mark.get("dir") == os.lstat(d).st_ino and mark.get("ino") == os.lstat(Path(d) / MARK).st_ino
-                and "born" in mark and mark.get("born") == [birth_ns(Path(d)), birth_ns(Path(d) / MARK)])
-    except OSError:
-        return False
+    """Whether `mark` was written into d itself (not copied there from another directory): d and
+    the mark file are the very inodes it names (core/identity.py: a folder made anew after d was
+    deleted may get d's inode numbers at once, never its birth time or generation number). A mark
+    on a file system that keeps neither binds nothing: its directory is not taken as dtpshard's."""
+    return same(mark.get("dir"), Path(d)) and same(mark.get("self"), Path(d) / MARK)
 
 
 def read_mark(d: Path, command: str) -> dict[str, Any] | None:
@@ -136,8 +108,8 @@ def mark(d: Path, command: str, names: Iterable[str] | None = None) -> str:
             os.unlink(tmp)  # this process's own temporary (its name's check holds for this pid)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:  # the file's own inode goes inside it: a rename keeps it, a copy does not
-            data = {"made_by": "dtpshard", "command": command, "id": new, "dir": os.lstat(d).st_ino,
-                    "ino": os.fstat(fd).st_ino, "born": [birth_ns(d), birth_ns(fd)]}
+            data = {"made_by": "dtpshard", "command": command, "id": new, "dir": identity(d),
+                    "self": identity(fd)}
             if names is not None:
                 data["names"] = sorted(names)
             os.write(fd, (dumps(data) + "\n").encode())
@@ -324,7 +296,10 @@ def claim(d: Path, command: str, names: tuple[str, ...], record: str, force: boo
         refuse_other(d, command, flag)
     ours = d.is_dir() and is_ours(d, command, record)
     if d.is_dir() and not ours and os.path.lexists(d / MARK):
-        raise refuse(d / MARK, f"it is not the mark dtpshard {command} wrote in {d} (copied from elsewhere?)", flag)
+        held = raw_mark(d)
+        why = ("its file system keeps neither birth times nor generation numbers, so nothing shows the folder is "
+               "the one dtpshard made" if held is not None and not binds(held.get("dir")) else "copied from elsewhere?")
+        raise refuse(d / MARK, f"it is not the mark dtpshard {command} wrote in {d} ({why})", flag)
     found = present(d, names) if d.is_dir() else []
     refuse_linked(d, found, flag)
     if found and not force:

@@ -10,8 +10,9 @@ It is compiled against the running torch by the system's C++ compiler into dtpsh
 once per torch version and source, under the cache's lock (core/lock.py: ranks starting together
 build it once). The cache is data, checked before it is trusted as a checkpoint is: its folder
 must be this user's, absolute and written by no one else (core/io.py `private_dir`), and a library
-is loaded only when its SHA-256 is the one recorded beside it (`ring-KEY.so.sha256`) when this code
-built it; anything else is built again. A build is bounded in time (a third of the run's
+is loaded only when its SHA-256 and its inode's identity are the ones recorded beside it
+(`ring-KEY.so.sha256`) when this code built it: a folder copied in, record and all, brings other
+inodes (core/identity.py). Anything else is built again. A build is bounded in time (a third of the run's
 `--timeout`, at most BUILD_SECONDS) and its compiler runs in its own process group, killed with it
 on a timeout, an interrupt or the parent's death; its temporary folder is named and removed as
 every other temporary (core/temporary.py). Where the kernels cannot be built or loaded (no
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.identity import identity, same
 from dtpshard.core.io import (
     atomic_write_text,
     cache_dir,
@@ -111,17 +114,22 @@ def _digest(lib: Path) -> str:
     return file_sha256(lib)
 
 
+def _record(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
 def _verified(lib: Path) -> bool:
     """Whether `lib` is what this code built: a regular file of this user with one link, whose
-    SHA-256 is the one recorded beside it after the build."""
-    record = lib.with_name(lib.name + ".sha256")
+    SHA-256 and identity (inode, birth time, generation: core/identity.py) are the ones recorded
+    beside it after the build. The identity is what a copied folder cannot bring: a library shipped
+    with a record of its own bytes is another inode than the one the record names."""
     try:
         st = os.lstat(lib)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():
             return False
-        want = read_bytes(record, 128, "the native library's hash").decode().strip()
-        return want == _digest(lib)
-    except (OSError, UserError, UnicodeDecodeError):
+        want = json.loads(read_bytes(_record(lib), 1024, "the native library's record"))
+        return isinstance(want, dict) and same(want.get("lib"), lib) and want.get("sha256") == _digest(lib)
+    except (OSError, UserError, ValueError):
         return False
 
 
@@ -161,7 +169,10 @@ def _load(seconds: float) -> str:
         return f"built for Linux only, this is {sys.platform}"
     cxx = _compiler()
     source = read_bytes(SOURCE, 1 << 20, "the native ring's source")
-    where = cache_dir() / "native"
+    try:
+        where = cache_dir() / "native"
+    except UserError as e:  # the CLI refuses it before any work; an engine's rank (vLLM) says it here
+        return str(e)
     lib = where / f"ring-{_key(source)}.so"
     unsafe = private_dir(where)
     if unsafe:
@@ -187,8 +198,8 @@ def _load(seconds: float) -> str:
                     why = _build(cxx, tmp / "ring.so", seconds)
                     if why:
                         return why
-                    atomic_write_text(lib.with_name(lib.name + ".sha256"), _digest(tmp / "ring.so") + "\n")
-                    os.replace(tmp / "ring.so", lib)
+                    os.replace(tmp / "ring.so", lib)  # a rename keeps the inode the record names
+                    atomic_write_text(_record(lib), json.dumps({"sha256": _digest(lib), "lib": identity(lib)}) + "\n")
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
             if not _verified(lib):

@@ -1,0 +1,215 @@
+"""Issue 66, the sixth hostile sweep, each class by the rule that covers it:
+1. nothing runs from a folder the user did not choose as the cache: a relative DTPSHARD_CACHE is
+   refused, a native library is trusted only as the very inode dtpshard built (core/identity.py),
+   and the cache's ancestors are checked as the cache is;
+2. a lock never exists unsigned (core/lock.py), so a contended lock is waited for, never refused;
+3. a mark binds only where its file system can tell a reused inode from the one it was written on
+   (birth time or generation number); where it can tell neither, nothing is resumed or cleared.
+Each refusal is one line, exit 2, with nothing touched."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dtpshard.core import identity as ident
+from dtpshard.core.errors import UserError
+
+
+def _dtpshard(args, cwd, **env):
+    run_env = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-m", "dtpshard", *args], capture_output=True, text=True, cwd=cwd,
+                          env=run_env, timeout=120)
+
+
+# -- 1. the cache is a folder the user chose, and a library is the inode dtpshard built -----------
+@pytest.mark.parametrize("setting, said", [(".cache", "is a relative path"), ("cache/x", "is a relative path"),
+                                           ("~nouser-dtpshard/c", "names a user that does not exist")])
+def test_a_relative_or_unknown_users_cache_is_refused_in_one_line(tmp_path, setting, said):
+    out = _dtpshard(["generate", str(tmp_path / "model"), "--prompt", "hi"], tmp_path, DTPSHARD_CACHE=setting)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "DTPSHARD_CACHE" in out.stderr and said in out.stderr, out.stderr
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_the_engine_path_says_why_instead_of_reading_a_relative_cache(tmp_path, monkeypatch):
+    from dtpshard.transport import native
+
+    monkeypatch.setenv("DTPSHARD_CACHE", ".cache")
+    monkeypatch.chdir(tmp_path)
+    assert "relative path" in native._load(5.0)
+    assert not (tmp_path / ".cache").exists()
+
+
+def _built(where: Path) -> Path:
+    """A library as transport/native.py records one it built (any bytes: it is never loaded here)."""
+    from dtpshard.transport import native
+
+    where.mkdir(parents=True, mode=0o700)
+    lib = where / "ring-0123456789abcdef.so"
+    lib.write_bytes(b"\x7fELF not really")
+    native._record(lib).write_text(json.dumps({"sha256": native._digest(lib), "lib": ident.identity(lib)}))
+    return lib
+
+
+def test_a_library_shipped_with_its_record_is_not_dtpshards(tmp_path):
+    from dtpshard.transport import native
+
+    lib = _built(tmp_path / "mine" / "native")
+    assert native._verified(lib)  # the one dtpshard built, where it built it
+    copy = Path(shutil.copytree(tmp_path / "mine", tmp_path / "shipped" / ".cache")) / "native" / lib.name
+    assert copy.read_bytes() == lib.read_bytes()
+    assert native._record(copy).read_bytes() == native._record(lib).read_bytes()
+    assert not native._verified(copy)  # bytes and record whole, but another inode than the record names
+    old = tmp_path / "old" / "native"  # a record of the bytes alone (dtpshard before this rule) proves nothing
+    old.mkdir(parents=True)
+    (old / lib.name).write_bytes(lib.read_bytes())
+    native._record(old / lib.name).write_text(native._digest(lib) + "\n")
+    assert not native._verified(old / lib.name)
+
+
+def test_a_reused_inode_is_not_the_library_the_record_names(tmp_path):
+    from dtpshard.transport import native
+
+    lib = _built(tmp_path / "native")
+    record = json.loads(native._record(lib).read_text())
+    lib.unlink()
+    lib.write_bytes(b"\x7fELF not really")  # the same bytes at a new inode (ext4 may even give the same number)
+    record["lib"]["ino"] = os.lstat(lib).st_ino
+    native._record(lib).write_text(json.dumps(record))
+    assert not native._verified(lib)
+
+
+def test_a_cache_under_a_folder_others_may_write_is_not_run_from(tmp_path):
+    from dtpshard.core.io import private_dir
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone could swap `cache` for a folder of theirs
+    assert "a folder on the way" in private_dir(shared / "cache" / "native")
+    shared.chmod(0o1777)  # sticky, as /tmp: nobody else may rename what is ours
+    assert private_dir(shared / "cache" / "native") == ""
+
+
+# -- 2. a lock never exists unsigned ---------------------------------------------------------------
+RACE = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from dtpshard.core.errors import UserError
+    from dtpshard.core.lock import acquire, release
+    d = Path(sys.argv[1])
+    refused = 0
+    for _ in range(int(sys.argv[2])):
+        try:
+            fd = acquire(d / ".lock", d, wait=30)
+        except UserError as e:
+            refused += 1
+            print(e, file=sys.stderr)
+            continue
+        release(d / ".lock", fd)
+    print(refused)
+""")
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_fresh_lock_contended_by_two_processes_is_waited_for(tmp_path, fallback):
+    script = tmp_path / "race.py"
+    script.write_text(RACE if not fallback else
+                      "import os\nos.O_TMPFILE = os.O_DIRECTORY | 0o40000000  # O_DIRECTORY alone: EISDIR\n" + RACE)
+    d = tmp_path / "d"
+    d.mkdir()
+    procs = [subprocess.Popen([sys.executable, str(script), str(d), "200"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [int(o.strip()) for o, _ in outs] == [0, 0], outs  # 12 of 200 were refused as "not a lock" before
+    assert os.listdir(d) == []
+
+
+def test_a_lock_is_never_seen_unsigned(tmp_path, monkeypatch):
+    """The name appears only on a written, held file: seen from the moment it has a name."""
+    import fcntl
+
+    from dtpshard.core import lock
+
+    seen = []
+    real = lock._call
+
+    def watch(name, *args):
+        real(name, *args)
+        path = args[3]
+        with open(path, "rb") as f:
+            held = False
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                held = True
+            seen.append((f.read(), held, os.stat(path).st_nlink))
+
+    monkeypatch.setattr(lock, "_call", watch)
+    fd = lock.acquire(tmp_path / ".lock", tmp_path)
+    lock.release(tmp_path / ".lock", fd)
+    assert seen == [(f"dtpshard-lock {os.getpid()}\n".encode(), True, 1)]
+
+
+def test_a_dead_holders_lock_is_made_anew_and_never_seen_empty(tmp_path):
+    from dtpshard.core.lock import acquire, release
+
+    (tmp_path / ".lock").write_text("dtpshard-lock 4000000\n")  # its holder died: nobody holds it
+    stale = os.lstat(tmp_path / ".lock").st_ino
+    fd = acquire(tmp_path / ".lock", tmp_path)
+    assert (tmp_path / ".lock").read_text() == f"dtpshard-lock {os.getpid()}\n"
+    assert os.fstat(fd).st_ino != stale or os.lstat(tmp_path / ".lock").st_ino == os.fstat(fd).st_ino
+    release(tmp_path / ".lock", fd)
+    assert os.listdir(tmp_path) == []
+
+
+# -- 3. marks bind only where a reused inode can be told apart ---------------------------------------
+def _run(tmp_path: Path) -> tuple[Path, str]:
+    from dtpshard.core.owned import mark
+
+    run = tmp_path / "run"
+    run.mkdir()
+    record = json.dumps({"dir_id": mark(run, "distill")})
+    (run / "config.json").write_text(record)
+    return run, record
+
+
+def test_without_birth_times_the_generation_number_binds_a_mark(tmp_path, monkeypatch):
+    from dtpshard.core.owned import MARK, is_ours
+
+    monkeypatch.setattr(ident, "birth_ns", lambda path: None)  # ext4 made with 128-byte inodes
+    run, record = _run(tmp_path)
+    if ident.generation(run) is None:
+        pytest.skip("this file system keeps no generation numbers")
+    assert is_ours(run, "distill", "config.json")
+    saved = json.loads((run / MARK).read_text())
+    shutil.rmtree(run)
+    run.mkdir()  # the user's folder, given the deleted run's inode numbers (as ext4 does at once)
+    (run / "metrics.jsonl").write_text("the user's\n")
+    (run / "config.json").write_text(record)
+    (run / MARK).write_text("")
+    saved["dir"]["ino"], saved["self"]["ino"] = os.lstat(run).st_ino, os.lstat(run / MARK).st_ino
+    (run / MARK).write_text(json.dumps(saved))
+    assert not is_ours(run, "distill", "config.json")
+
+
+def test_a_file_system_that_tells_no_inode_apart_binds_nothing(tmp_path, monkeypatch):
+    from dtpshard.core.owned import claim, is_ours
+
+    monkeypatch.setattr(ident, "birth_ns", lambda path: None)
+    monkeypatch.setattr(ident, "generation", lambda path: None)
+    run, _ = _run(tmp_path)
+    (run / "metrics.jsonl").write_text("the user's\n")
+    assert not is_ours(run, "distill", "config.json")
+    for force in (False, True):
+        with pytest.raises(UserError, match="neither birth times nor generation numbers") as e:
+            claim(run, "distill", ("config.json", "metrics.jsonl"), "config.json", force=force)
+        assert "\n" not in str(e.value)
+    assert (run / "metrics.jsonl").read_text() == "the user's\n"
