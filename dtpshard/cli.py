@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "permute": ("dtpshard.commands.layouts:permute_cmd", "write a permuted Hugging Face checkpoint"),
     "score": ("dtpshard.commands.layouts:score_cmd", "co-located score J of a layout"),
     "affinity": ("dtpshard.commands.affinity:affinity_cmd", "one calibration pass: unit-to-unit affinity scores"),
-    "eval": ("dtpshard.commands.training:eval_cmd", "perplexity and KL to a teacher on held-out blocks"),
+    "eval": ("dtpshard.commands.training:eval_cmd", "perplexity and KL to a teacher, or benchmark accuracy (--tasks)"),
     "distill": ("dtpshard.commands.training:distill_cmd", "distil the DTP student from the dense teacher (resumable)"),
     "convert": ("dtpshard.commands.convert:convert_cmd", "a dense checkpoint to a served DTP student (resumable)"),
     "teacher-cache": ("dtpshard.commands.training:teacher_cache_cmd", "the teacher's top-k, for distill"),

