@@ -95,8 +95,10 @@ def test_the_teacher_is_scored_on_the_same_items_and_the_difference_is_paired(st
 
 
 def test_a_paired_interval_is_the_normal_one_over_the_items():
-    rows = lambda accs: [{"doc_id": i, "acc": a, "acc_norm": None, "choice": int(a), "choice_norm": None}
-                         for i, a in enumerate(accs)]
+    def rows(accs):
+        return [{"doc_id": i, "acc": a, "acc_norm": None, "choice": int(a), "choice_norm": None}
+                for i, a in enumerate(accs)]
+
     student, teacher = rows([1, 1, 0, 0, 1, 0]), rows([1, 0, 0, 1, 1, 1])
     got = ev.compare({"copa": student}, {"copa": teacher})
     d = [0, 1, 0, -1, 0, -1]
