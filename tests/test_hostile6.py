@@ -213,3 +213,73 @@ def test_a_file_system_that_tells_no_inode_apart_binds_nothing(tmp_path, monkeyp
             claim(run, "distill", ("config.json", "metrics.jsonl"), "config.json", force=force)
         assert "\n" not in str(e.value)
     assert (run / "metrics.jsonl").read_text() == "the user's\n"
+
+
+# -- 4. a permuted checkpoint is read by one reader: its shared count and delayed set alike ---------
+@pytest.fixture(scope="module")
+def partial(tiny_dirs, tmp_path_factory):
+    """A partial layout (half the modules delayed) and the checkpoint `permute` made with it."""
+    from dtpshard.core.layout import Layout
+    from dtpshard.model.checkpoint import open_checkpoint
+
+    root = tmp_path_factory.mktemp("partial-permute")
+    model = tiny_dirs["llama"]
+    shape = open_checkpoint(model).shape
+    lay = Layout.random(shape, devices=2, delay=1, seed=4)
+    lay.delayed = tuple(range(0, shape.modules, 2))
+    lay.save(root / "half.json")
+    assert _main(["permute", str(model), str(root / "half.json"), "--out", str(root / "p")]) == 0
+    return {"model": model, "layout": root / "half.json", "permuted": root / "p", "root": root, "lay": lay}
+
+
+def _main(args):
+    from dtpshard.cli import main
+
+    return main(args)
+
+
+def test_a_permuted_partial_checkpoint_runs_its_layouts_delayed_set(partial):
+    import torch
+
+    from dtpshard.model.dtp import DTPModel
+
+    ids = torch.randint(0, 384, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = DTPModel.from_pretrained(partial["model"], layout=partial["layout"])
+        got = DTPModel.from_pretrained(partial["permuted"])
+        assert got.settings == want.settings and got.settings.delayed == partial["lay"].delayed
+        assert (got(ids).logits - want(ids).logits).abs().max() <= 1e-4
+        again = DTPModel.from_pretrained(partial["permuted"], layout=partial["layout"])  # never applied twice
+        assert (again(ids).logits - want(ids).logits).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ["permuted", "student"])
+def test_permute_refuses_what_is_not_a_dense_model(partial, tmp_path, capsys, kind):
+    model = partial["permuted"]
+    if kind == "student":
+        from dtpshard.model.dtp import DTPModel
+
+        model = tmp_path / "student"
+        DTPModel.from_pretrained(partial["model"], layout=partial["layout"]).save_pretrained(model,
+                                                                                             source=partial["model"])
+    assert _main(["permute", str(model), str(partial["layout"]), "--out", str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err
+    assert ("DTP student" if kind == "student" else "dtpshard permute wrote") in err and err.count("\n") == 1, err
+    assert not (tmp_path / "again").exists()
+
+
+def test_sensitivity_is_never_measured_on_a_permuted_checkpoint(partial, tmp_path, capsys):
+    from test_distill import random_docs
+
+    text = tmp_path / "t.txt"
+    text.write_text("\n\n".join(random_docs(20, 1)))
+    affinity = partial["root"] / "a.safetensors"
+    if not affinity.exists():
+        assert _main(["affinity", str(partial["model"]), "--out", str(affinity), "--text", str(text), "--blocks", "2",
+                      "--seq-len", "16"]) == 0
+    capsys.readouterr()
+    assert _main(["layout", str(affinity), "--devices", "2", "--out", str(tmp_path / "l.json"), "--delayed", "0.5",
+                  "--model", str(partial["permuted"]), "--text", str(text), "--blocks", "2", "--seq-len", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "dtpshard permute wrote" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "l.json").exists()

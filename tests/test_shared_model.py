@@ -89,9 +89,14 @@ def test_permuted_checkpoint_is_dense_with_shared_last_and_loads_shared(tmp_path
     # a permuted shared checkpoint is not permuted again, nor given a layout
     assert main(["permute", str(out), str(tmp_path / "l.json"), "--out", str(tmp_path / "q")]) == 2
     err = capsys.readouterr().err.strip()
-    assert "already holds 6 shared neurons" in err and len(err.splitlines()) == 1 and not (tmp_path / "q").exists()
-    with pytest.raises(UserError, match="already holds 6 shared neurons"):
-        DTPModel.from_pretrained(out, devices=4, delay=1, layout=tmp_path / "l.json")
+    assert "is a checkpoint dtpshard permute wrote" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "q").exists()
+    with torch.no_grad():  # its own layout again is the one in its weights: never applied twice
+        again = DTPModel.from_pretrained(out, devices=4, delay=1, layout=tmp_path / "l.json")(ids).logits
+    assert rel(again, want) <= TOL
+    shared_layout(shape, 4, 6, seed=5).save(tmp_path / "other.json")
+    with pytest.raises(UserError, match="in another layout.s order already"):
+        DTPModel.from_pretrained(out, devices=4, delay=1, layout=tmp_path / "other.json")
 
 
 def test_student_records_its_count_and_round_trips(tmp_path):

@@ -331,12 +331,13 @@ def _check_perm(values: Any, size: int, where: str) -> np.ndarray:
     return arr
 
 
-def permuted_shared(path: Path) -> int:
-    """The shared neurons a permuted checkpoint holds last (its layout.json's count; docs/design.md
-    §6): 0 for any directory without permute's mark. The mark is read as data here, bound or not: a
-    permuted checkpoint copied elsewhere still holds its shared neurons last (ownership, which a
+def permuted_layout(path: Path) -> Layout | None:
+    """The layout a permuted checkpoint was made with (its layout.json), None for any directory
+    without permute's mark: the one reader of it, for its shared neurons (held last, docs/design.md
+    §6) and its delayed modules alike. The mark is read as data here, bound or not: a permuted
+    checkpoint copied elsewhere still holds its weights in the layout's order (ownership, which a
     copy loses, decides only what --force may remove)."""
     mark = raw_mark(Path(path))
     if mark is None or mark.get("command") != PERMUTE_COMMAND or not (Path(path) / PERMUTED_JSON).is_file():
-        return 0
-    return Layout.load(Path(path) / PERMUTED_JSON).shared
+        return None
+    return Layout.load(Path(path) / PERMUTED_JSON)

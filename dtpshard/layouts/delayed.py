@@ -103,7 +103,7 @@ def prepare(delayed: str | None, delayed_by: str, *, source: Path, model: Path |
     sensitivity is measured on, default a model directory `source`; its token blocks), both None
     where the set is listed or drawn, or every module is delayed (`delayed` None)."""
     from dtpshard.core.shape import UNIT_FIELDS
-    from dtpshard.model.checkpoint import read_shape
+    from dtpshard.model.checkpoint import dense_only, open_checkpoint
 
     spec = None if delayed is None else parse_spec(delayed)
     if isinstance(spec, tuple):
@@ -116,7 +116,7 @@ def prepare(delayed: str | None, delayed_by: str, *, source: Path, model: Path |
     if model is None:
         raise UserError("--delayed-by sensitivity measures each module's delay on the model: give --model DIR "
                         "(the dense checkpoint the affinity was computed from), or --delayed-by upper|random")
-    other = read_shape(model)
+    other = dense_only(open_checkpoint(model), "--model").shape  # sensitivity is the dense model's
     if any(getattr(other, k) != getattr(shape, k) for k in UNIT_FIELDS):
         raise UserError(f"--model {model}: not the model {source} was made from (its shape differs)")
     return model, sensitivity_ids(model, text, blocks=blocks, seq_len=seq_len, seed=seed)

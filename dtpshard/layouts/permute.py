@@ -31,7 +31,7 @@ from dtpshard.core.memory import size_text
 from dtpshard.core.owned import MARK, read_mark, refuse, refuse_link, seal, sealed
 from dtpshard.core.permutation import stored_indices
 from dtpshard.core.signals import exit_on_sigterm
-from dtpshard.model.checkpoint import canonical, is_student, open_checkpoint, tensor_names
+from dtpshard.model.checkpoint import canonical, dense_only, is_student, open_checkpoint, tensor_names
 
 COMMAND = PERMUTE_COMMAND  # its output directory's mark (core/owned.py)
 LAYOUT_JSON = PERMUTED_JSON  # the applied layout, saved next to the permuted weights
@@ -75,7 +75,7 @@ def permute(model: Path, layout: Path, out: Path, force: bool = False, check: st
     if force:
         _refuse_foreign_files(out)
     check_replaceable(out, is_permuted_checkpoint, f"a permuted checkpoint (with a {LAYOUT_JSON})", force=force)
-    ckpt = open_checkpoint(model)
+    ckpt = dense_only(open_checkpoint(model), "the model")
     lay = Layout.load(layout_path, ckpt.shape)
     lay.check_model(ckpt.shape, where=f"layout {layout_path} (model {model})")
     if ckpt.shape.shared:  # its shared neurons are last already: another permutation would move them

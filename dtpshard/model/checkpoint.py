@@ -18,10 +18,11 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
+from dtpshard.core.delayed import DELAYED_KEY
 from dtpshard.core.errors import UserError, config_errors, first_line, naming, quote, typed_config
 from dtpshard.core.family import FAMILY, stored_shapes
 from dtpshard.core.io import SMALL_JSON, copy_regular, dumps, file_hashes, open_safetensors, read_json, read_json_object
-from dtpshard.core.layout import permuted_shared
+from dtpshard.core.layout import Layout, permuted_layout
 from dtpshard.core.memory import check_fits
 from dtpshard.core.settings import read_record
 from dtpshard.core.shape import (
@@ -282,6 +283,7 @@ class Checkpoint:
     hf_config: Any
     shape: ModelShape
     files: TensorFiles
+    applied: Layout | None = None  # a permuted checkpoint's layout (core/layout.py permuted_layout)
 
     @property
     def family(self) -> str:
@@ -293,6 +295,17 @@ class Checkpoint:
         """What a distilled student recorded about itself (model/hf.py's student_record), None for a
         dense model."""
         return student_record(self.path, self.hf_config)
+
+    @property
+    def defaults(self) -> dict[str, Any] | None:
+        """The settings this checkpoint runs with unless told otherwise, and the layout its weights
+        hold already: a student's record, else a permuted checkpoint's layout (its L, δ and delayed
+        modules: the function that layout applied at load gives), else None (a dense model)."""
+        if self.record is not None or self.applied is None:
+            return self.record
+        lay = self.applied
+        return {"devices": lay.devices, "delay": lay.delay, DELAYED_KEY: None if lay.delayed is None else
+                list(lay.delayed), "layout_sha256": lay.content_sha256()}
 
     @property
     def weight_files(self) -> list[Path]:
@@ -335,14 +348,28 @@ def open_checkpoint(path: str | Path, hf_config: Any = None) -> Checkpoint:
     path = Path(path)
     cfg = load_hf_config(path) if hf_config is None else hf_config
     shape = shape_from_hf_config(cfg)  # a student's shared neurons from its config, a permuted checkpoint's here:
-    if not shape.shared:
-        shape = replace(shape, shared=permuted_shared(path))
+    applied = None if is_student(cfg) else permuted_layout(path)
+    if not shape.shared and applied is not None:
+        shape = replace(shape, shared=applied.shared)
     files = TensorFiles(path)
     fused = not is_student(cfg)  # a student keeps the canonical names (its DTPForCausalLM's); a dense model its own
     check_keys(files, shape, fused, path)
     if fused:
         files.unfuse(shape)
-    return Checkpoint(path, cfg, shape, files)
+    return Checkpoint(path, cfg, shape, files, applied)
+
+
+def dense_only(ckpt: Checkpoint, role: str) -> Checkpoint:
+    """`ckpt` where the dense model is meant (`role`: what it is given as), else one line: a
+    student's or a permuted checkpoint's weights are in a layout's order already, and whatever is
+    measured on them, or applied over them, is about another model."""
+    if is_student(ckpt.hf_config):
+        raise UserError(f"{role} {ckpt.path}: is a DTP student (model_type dtp), not a dense model; give the dense "
+                        "checkpoint it was distilled from")
+    if ckpt.applied is not None:
+        raise UserError(f"{role} {ckpt.path}: is a checkpoint dtpshard permute wrote (its {ckpt.applied.kind} layout "
+                        "is in its weights already), not the dense model; give the checkpoint it was permuted from")
+    return ckpt
 
 
 def load_tokenizer(path: str | Path | Checkpoint) -> Any:

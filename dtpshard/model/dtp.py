@@ -118,13 +118,12 @@ class DTPModel(PretrainedMixin, Decoder):
         shape = shape_from_hf_config(hf_config)
         where = f"layout {layout}" if isinstance(layout, (str, Path)) else "layout"  # name the file when there is one
         layout = as_layout(layout)
-        if layout is not None and record is not None:  # a student holds its layout in its weights already
+        if layout is not None and record is not None:  # a student (or permuted checkpoint) holds its layout already
             if layout.content_sha256() != record.get("layout_sha256"):
-                raise UserError(f"{where}: the student was distilled under another layout (sha256 "
+                raise UserError(f"{where}: the weights are in another layout's order already (sha256 "
                                 f"{record.get('layout_sha256') or 'none: contiguous'}, this one's "
-                                f"{layout.content_sha256()}); its weights are in its own layout's order already: "
-                                "leave --layout out")
-            layout = None  # the same layout: applied when the student was made, never twice
+                                f"{layout.content_sha256()}): leave --layout out, or give the dense model")
+            layout = None  # the same layout: applied when the weights were made, never twice
         shared = shape.shared if shared is None else shared
         if layout is not None:
             layout.check_model(shape, where=where)

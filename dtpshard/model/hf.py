@@ -102,10 +102,9 @@ class PretrainedMixin:
                         device: str | torch.device = "cpu", delayed: Any = None) -> Self:
         """from_pretrained of a checkpoint a command has open already (config.json not read again)."""
         ckpt.check_fits(dtype)
-        record = ckpt.record
-        model = cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), devices, delay, stage3, layout, dtype, record,
-                                    shared=ckpt.shape.shared, delayed=delayed)
-        warn_if_other_settings(ckpt.path, record, model.settings)
+        model = cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), devices, delay, stage3, layout, dtype,
+                                    ckpt.defaults, shared=ckpt.shape.shared, delayed=delayed)
+        warn_if_other_settings(ckpt.path, ckpt.record, model.settings)
         model.source_path = Path(ckpt.path)
         model.checkpoint = ckpt  # opened once: its tokenizer, files and record without reading config.json again
         return model.to(device)

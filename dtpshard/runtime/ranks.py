@@ -48,6 +48,12 @@ def check_world(model: Path | Checkpoint, world: int,
     layout's count goes into the returned checkpoint's shape (docs/design.md §6)."""
     ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(model)
     lay = as_layout(layout)
+    if lay is not None and ckpt.defaults is not None:  # a student's or permuted checkpoint's weights hold theirs
+        held = ckpt.defaults.get("layout_sha256")
+        if lay.content_sha256() != held:
+            raise UserError(f"layout {layout}: the weights of {ckpt.path} are in another layout's order already "
+                            f"(sha256 {held or 'none: contiguous'}): leave --layout out, or give the dense model")
+        lay = None  # the same layout: never applied twice
     if lay is not None:
         lay.check_model(ckpt.shape, where=f"layout {layout}")
         if lay.devices != world:

@@ -72,11 +72,10 @@ def plan_run(model: Path, prompt: str, world: int, *, delay: float | None, stage
     ckpt, lay = check_world(model, world, layout)
     if world > 1 and "RANK" not in os.environ:  # --nproc: the ranks this machine runs, each with its shard
         check_nproc(world, RANK_BYTES + ckpt.shape.shard(world).params() * DTYPES[dtype].itemsize)
-    record = ckpt.record
-    settings = resolve_dtp(ckpt.shape, devices=world, delay=delay, stage3=stage3, record=record, layout=lay,
+    settings = resolve_dtp(ckpt.shape, devices=world, delay=delay, stage3=stage3, record=ckpt.defaults, layout=lay,
                            where=f"layout {layout}")
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank plans: one says it
-        warn_if_other_settings(model, record, settings)
+        warn_if_other_settings(model, ckpt.record, settings)
     prompt_ids(ckpt, prompt, tokenizer, max_new_tokens)
     return RunJob(Path(model), prompt, settings, layout, max_new_tokens, timeout, latency_ms / 1000, dtype, device,
                   threads, tokenizer, json, cuda_graphs)

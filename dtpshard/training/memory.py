@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dtpshard.core.adapters import DEFAULT_TARGETS, AdapterSettings, trainable_count
 from dtpshard.core.errors import UserError
-from dtpshard.core.layout import Layout, permuted_shared
+from dtpshard.core.layout import Layout, permuted_layout
 from dtpshard.core.memory import size_text
 from dtpshard.core.reading import read_text
 from dtpshard.core.settings import DTPSettings
@@ -314,8 +314,9 @@ def plan_for(cfg: DistillConfig, world: int, device: str, local: int | None = No
     precision = resolve_precision(cfg.precision, device)
     shape = shape_from_hf_config(hf_config)
     # the student's shared neurons (docs/design.md §6): its layout's, else a permuted teacher's or a student's
+    applied = permuted_layout(Path(cfg.teacher))
     shared = Layout.load(cfg.layout, shape).shared if cfg.layout is not None else \
-        shape.shared or permuted_shared(Path(cfg.teacher))
+        shape.shared or (0 if applied is None else applied.shared)
     shape = dataclasses.replace(shape, shared=shared)
     lowrank = cfg.adapter_settings
     setup = Setup(world, cfg.fsdp and world > 1, precision, cfg.grad_checkpointing, cfg.micro_batch, cfg.seq_len,

@@ -1,0 +1,140 @@
+"""What a study's students lose on benchmarks: every model scored on the same items, kept per
+item, and the rows of `downstream.json`.
+
+A model is scored once and kept in `downstream/NAME.json` (its per-item rows, downstream/evaluate.py)
+in the study's folder, so an interrupted study resumes at the next model. `downstream.json` is a
+list of rows {arm, seed, step, task, n, acc, acc_norm}: the teacher as arm "teacher" (step null),
+an untrained arm at step 0; every other row also says, against the teacher on the same items,
+`diff` (points, by the task's primary metric), `diff_ci` (its 95% interval) and `disagree`.
+`read_downstream` checks each row as what it measures before a report draws it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dtpshard.core.errors import UserError
+from dtpshard.core.io import atomic_write_text, dumps, read_json_object
+from dtpshard.core.settings import DTPFlags
+from dtpshard.downstream.evaluate import accuracy, compare
+from dtpshard.downstream.tasks import TASKS
+from dtpshard.studies.stats import is_fraction, is_number
+
+TEACHER = "teacher"
+ROWS = "downstream.json"
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One model of a study: its arm, seed and step (None: the teacher; 0: untrained), and how to load it."""
+
+    arm: str
+    seed: int | None
+    step: int | None
+    model: Path
+    devices: int | None = None
+    delay: float | None = None
+    layout: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return self.arm if self.step is None else f"{self.arm}-s{self.seed}-step{self.step}"
+
+
+def score(study: Path, scored: Scored, tasks: list[str], limit: int | None, device: str = "cpu") -> dict:
+    """The model's per-item rows {task: [...]}, scored once (kept in study/downstream/NAME.json)."""
+    from dtpshard.downstream.evaluate import load_for_tasks, score_items
+    from dtpshard.downstream.lm import language_model
+
+    kept = Path(study) / "downstream" / f"{scored.name}.json"
+    if kept.is_file():
+        data = read_json_object(kept, "a model's benchmark items", max_bytes=1 << 28)
+        if data.get("tasks") == tasks and data.get("limit") == limit:
+            return data["items"]
+    flags = DTPFlags(devices=scored.devices, delay=scored.delay)
+    net, tok, length = load_for_tasks(scored.model, flags, scored.layout, device, None)
+    items = score_items(language_model(net, tok, length), tasks, limit)
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(kept, dumps({"tasks": tasks, "limit": limit, "model": str(scored.model),
+                                   **net.dtp_settings(), "items": items}) + "\n")
+    return items
+
+
+def rows(scored: list[Scored], items: dict[str, dict], teacher: str = TEACHER) -> list[dict[str, Any]]:
+    """downstream.json's rows of every scored model (`items` by Scored.name), the teacher's first."""
+    out = []
+    base = items[teacher]
+    for s in scored:
+        diffs = None if s.arm == teacher else compare(items[s.name], base)["tasks"]
+        for task, its in items[s.name].items():
+            row = {"arm": s.arm, "seed": s.seed, "step": s.step, "task": task, **accuracy(its)}
+            if diffs is not None:
+                row.update({k: diffs[task][k] for k in ("diff", "diff_ci", "disagree")})
+            out.append(row)
+    return out
+
+
+def write_rows(study: Path, table: list[dict[str, Any]]) -> Path:
+    path = Path(study) / ROWS
+    atomic_write_text(path, dumps(table, indent=1) + "\n")
+    return path
+
+
+def read_downstream(path: Path) -> list[dict[str, Any]]:
+    """downstream.json's rows, each checked as what it measures, or one line naming the file."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: not readable as JSON ({e})") from None
+    if not isinstance(raw, list):
+        raise UserError(f"{path}: must be a list of rows")
+    for i, row in enumerate(raw):
+        why = _bad(row)
+        if why:
+            raise UserError(f"{path}: row {i}: {why}")
+    return raw
+
+
+def _bad(row: Any) -> str:
+    if not isinstance(row, dict):
+        return "not an object"
+    if not isinstance(row.get("arm"), str) or not row["arm"]:
+        return "arm must be a name"
+    if row.get("task") not in TASKS:
+        return f"task {row.get('task')!r} is not one dtpshard scores"
+    if row["arm"] == TEACHER and row.get("step") is not None:
+        return "the teacher's step must be null"
+    for key in ("seed", "step"):
+        v = row.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            return f"{key} must be a whole number >= 0 or null"
+    if not isinstance(row.get("n"), int) or isinstance(row["n"], bool) or row["n"] < 1:
+        return "n must be a whole number >= 1"
+    if not is_fraction(row.get("acc")):
+        return "acc must be a fraction from 0 to 1"
+    if row.get("acc_norm") is not None and not is_fraction(row["acc_norm"]):
+        return "acc_norm must be a fraction from 0 to 1 or null"
+    if "diff" in row:
+        ci = row.get("diff_ci")
+        if not (is_number(row["diff"]) and -100 <= row["diff"] <= 100 and isinstance(ci, list) and len(ci) == 2
+                and all(is_number(c) and -200 <= c <= 200 for c in ci) and ci[0] <= row["diff"] <= ci[1]):
+            return "diff must be points from -100 to 100 inside its diff_ci [low, high]"
+        if not is_fraction(row.get("disagree")):
+            return "disagree must be a fraction from 0 to 1"
+    return ""
+
+
+def run(study: Path, models: list[Scored], tasks: list[str], limit: int | None = None,
+        device: str = "cpu") -> list[dict[str, Any]]:
+    """Score every model (the teacher first, arm TEACHER), resuming, and write downstream.json."""
+    from tqdm import tqdm
+
+    if not models or models[0].arm != TEACHER:
+        raise UserError(f"a study's first model is its teacher (arm {TEACHER!r})")
+    items = {}
+    for m in tqdm(models, desc="models", unit="model"):
+        items[m.name] = score(study, m, tasks, limit, device)
+        write_rows(study, rows([s for s in models if s.name in items], items))
+    return read_downstream(Path(study) / ROWS)
