@@ -283,3 +283,26 @@ def test_sensitivity_is_never_measured_on_a_permuted_checkpoint(partial, tmp_pat
     err = capsys.readouterr().err
     assert "dtpshard permute wrote" in err and err.count("\n") == 1, err
     assert not (tmp_path / "l.json").exists()
+
+
+# -- 6. a layout's co-located fractions are checked as what they measure ------------------------------
+@pytest.mark.parametrize("where, bad", [("edge", 1e308), ("edge", -1e308), ("up", 1e308), ("up", 1.5),
+                                        ("ratio", 1e308), ("ratio", -0.5)])
+def test_a_layouts_fractions_out_of_range_are_one_line(tmp_path, capsys, where, bad):
+    from dtpshard.cli import main
+    from test_report import make_experiment
+
+    d = make_experiment(tmp_path / "exp")
+    path = d / "layouts" / "optimised.json"
+    layout = json.loads(path.read_text())
+    score = layout["score"]
+    if where == "edge":
+        score["edges"] = [{"src": 0, "dst": 1, "colocated": bad}]
+    elif where == "up":
+        score["layers"][0]["up"] = bad
+    else:
+        score["ratio_to_random"] = bad
+    path.write_text(json.dumps(layout))
+    assert main(["report", str(d)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "optimised.json" in err[0] and "Traceback" not in err[0], err

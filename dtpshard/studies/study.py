@@ -105,7 +105,13 @@ _TOP1 = (stats.is_fraction, "an agreement: a number from 0 to 1")
 # its range would reach a figure's axes or a table as a number no run can give
 MEASURES = {"kl": _KL, "eval_kl": _KL, "ppl": _PPL, "eval_ppl": _PPL, "top1": _TOP1, "eval_top1": _TOP1,
             "step": (stats.is_step, "a step: an integer from 0 to 2^31"),
-            "J": (lambda v: stats.is_number(v) and v >= 0, "a score J: a finite number >= 0")}
+            "J": (lambda v: stats.is_number(v) and v >= 0, "a score J: a finite number >= 0"),
+            # a layout's co-located share of an edge's affinity (the per-layer up edge is one of them)
+            "colocated": (stats.is_fraction, "a co-located fraction: from 0 to 1"),
+            "up": (stats.is_fraction, "a co-located fraction: from 0 to 1"),
+            # J over its random expectation (edges / L): at most L, and no layout has 2^16 devices
+            "ratio_to_random": (lambda v: stats.is_number(v) and 0 <= v <= 1 << 16,
+                                "J over its random expectation: from 0 to the layout's L")}
 
 
 def _num(obj: dict[str, Any], key: str, path: Path, kind: type = float, measure: str | None = None) -> Any:
@@ -162,7 +168,11 @@ def _layout_info(p: Path, zero: dict[str, Any], zero_path: Path) -> LayoutInfo:
         if by is not None and not isinstance(by, str):
             raise UserError(f"{p}: score.delayed.by must be a string")
         delayed = {"count": count, "modules": modules, "by": by}
-    return LayoutInfo(p.stem, str(obj.get("kind", "unknown")), _num(s, "J", p), _num(s, "ratio_to_random", p),
+    ratio, devices = _num(s, "ratio_to_random", p), obj.get("devices")
+    if ratio is not None and isinstance(devices, int) and not isinstance(devices, bool) and ratio > devices:
+        raise UserError(f"{p}: 'ratio_to_random' must be J over its random expectation: from 0 to the layout's L "
+                        f"({devices}), found {json.dumps(ratio)[:40]}")
+    return LayoutInfo(p.stem, str(obj.get("kind", "unknown")), _num(s, "J", p), ratio,
                       [_num(row, "up", p) for row in rows], _num(z, "kl", zero_path), _num(z, "ppl", zero_path),
                       identity=_identity(obj, p),
                       edge_fractions={k: sum(v) / len(v) for k, v in by_kind.items()}, delayed=delayed,
