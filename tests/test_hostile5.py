@@ -48,7 +48,7 @@ def fake_build(monkeypatch):
         return d
 
     monkeypatch.setattr(serve_env.venv, "EnvBuilder", _Builder)
-    monkeypatch.setattr(serve_env, "_pip", lambda python, *a: state["pip"]())
+    monkeypatch.setattr(serve_env, "_pip", lambda python, *a, folder: state["pip"]())
     monkeypatch.setattr(serve_env, "_site_packages", site)
     return state
 

@@ -306,3 +306,82 @@ def test_a_layouts_fractions_out_of_range_are_one_line(tmp_path, capsys, where, 
     assert main(["report", str(d)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "optimised.json" in err[0] and "Traceback" not in err[0], err
+
+
+# -- 5. nothing the native build started outlives it, or leaves its temporaries behind ----------------
+def _cxx(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "cxx"
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+def _gone(pid: int, within: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                if "\nState:\tZ" in f.read():
+                    return True  # dead, waiting for its reaper
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_compiler_gets_sigterm_first_and_its_temporaries_stay_in_the_build(tmp_path):
+    from test_native import _probe
+
+    seen = tmp_path / "seen"
+    cxx = _cxx(tmp_path, f"echo $TMPDIR > {seen}\ntouch $TMPDIR/ccAbc.s\n"
+                         f"trap 'echo term >> {seen}; rm -f $TMPDIR/ccAbc.s; exit 1' TERM\nsleep 1000 & wait\n")
+    said = _probe(tmp_path, CXX=str(cxx), PROBE_TIMEOUT="6")["said"]
+    assert "did not finish within 2 s" in said, said
+    tmpdir, *rest = seen.read_text().split()
+    assert rest == ["term"]  # it was asked to end, and could clean up after itself
+    assert Path(tmpdir).parent == tmp_path / "cache" / "native" and not Path(tmpdir).exists()
+
+
+def test_a_descendant_holding_stderr_in_a_session_of_its_own_neither_holds_the_build_nor_survives(tmp_path):
+    import time
+
+    from test_native import _probe
+
+    pid = tmp_path / "pid"
+    cxx = _cxx(tmp_path, f"setsid sh -c 'echo $$ > {pid}; exec sleep 1000' &\nsleep 0.5\necho 'error: no' >&2\nexit 1\n")
+    t0 = time.monotonic()
+    said = _probe(tmp_path, CXX=str(cxx), PROBE_TIMEOUT="60")["said"]  # a bound of 20 s
+    assert "failed: error: no" in said and time.monotonic() - t0 < 15, said
+    assert _gone(int(pid.read_text()))
+
+
+def test_a_rank_killed_outright_ends_its_compiler_and_the_compilers_children(tmp_path):
+    import signal
+    import time
+
+    from test_native import PROBE
+
+    pids = tmp_path / "pids"
+    cxx = _cxx(tmp_path, f"sleep 1000 &\necho $$ $! > {pids}\nwait\n")
+    env = {**{k: v for k, v in os.environ.items() if k != "DTPSHARD_NATIVE"},
+           "DTPSHARD_CACHE": str(tmp_path / "cache"), "CXX": str(cxx)}
+    probe = subprocess.Popen([sys.executable, "-c", PROBE], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not (pids.is_file() and len(pids.read_text().split()) == 2) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    probe.send_signal(signal.SIGKILL)
+    probe.wait()
+    assert all(_gone(int(p)) for p in pids.read_text().split())
+
+
+def test_serve_env_runs_pip_as_a_child_that_ends_with_it(tmp_path, monkeypatch):
+    from dtpshard.core import children
+    from dtpshard.serve import env as serve_env
+
+    calls = []
+    monkeypatch.setattr(children, "run", lambda cmd, seconds, folder, **kw: calls.append((cmd, folder)) or 0)
+    serve_env._pip(Path(sys.executable), "--version", folder=tmp_path)
+    assert calls and calls[0][1] == tmp_path and calls[0][0][:3] == [sys.executable, "-m", "pip"]

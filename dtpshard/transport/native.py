@@ -13,9 +13,10 @@ must be this user's, absolute and written by no one else (core/io.py `private_di
 is loaded only when its SHA-256 and its inode's identity are the ones recorded beside it
 (`ring-KEY.so.sha256`) when this code built it: a folder copied in, record and all, brings other
 inodes (core/identity.py). Anything else is built again. A build is bounded in time (a third of the run's
-`--timeout`, at most BUILD_SECONDS) and its compiler runs in its own process group, killed with it
-on a timeout, an interrupt or the parent's death; its temporary folder is named and removed as
-every other temporary (core/temporary.py). Where the kernels cannot be built or loaded (no
+`--timeout`, at most BUILD_SECONDS) and its compiler runs under core/children.py: its temporaries
+in the build's own folder, and it and everything it started ended (SIGTERM, then SIGKILL) on a
+timeout, an interrupt or the rank's death; the build folder is named and removed as every other
+temporary (core/temporary.py). Where the kernels cannot be built or loaded (no
 compiler, a failed or timed-out build, `DTPSHARD_NATIVE=0`, a cache folder others may write), the
 Python ring serves and `why_not()` says why: the transport line every engine prints carries it.
 torch.utils.cpp_extension's builder is not used: it bounds no build in time and loads what its
@@ -28,15 +29,14 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import stat
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from dtpshard.core import children
 from dtpshard.core.errors import UserError
 from dtpshard.core.identity import identity, same
 from dtpshard.core.io import (
@@ -72,38 +72,25 @@ BUILD_SECONDS = 300.0  # a build's bound when the run's own timeout is longer (a
 OPS = ("exchange_attach", "exchange_detach")  # defined by ring.cpp alone (transport/ops.py defines the others)
 
 
-def _no_orphan() -> None:
-    """In the compiler's process before exec: it dies with the process that started it (Linux)."""
-    import ctypes
-    import signal
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _build(cxx: str, out: Path, seconds: float) -> str:
-    """Compile ring.cpp into `out` within `seconds` -> "" or why not (the compiler's first error line)."""
+    """Compile ring.cpp into `out` within `seconds` -> "" or why not (the compiler's first error line).
+    The compiler runs under core/children.py: its temporaries in out's folder (the build's own), and
+    it and everything it started ended, SIGTERM first, however the build ends."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     cmd = [cxx, "-shared", "-fPIC", "-O2", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
            *(f"-I{p}" for p in include_paths()), str(SOURCE), "-o", str(out),
            *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu"]
-    try:  # its own process group: a timeout or an interrupt ends the compiler and everything it started
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, preexec_fn=_no_orphan)
-    except OSError as e:
-        return f"{cxx} did not run ({e.strerror or e})"
-    try:
-        _, err = proc.communicate(timeout=seconds)
-    except subprocess.TimeoutExpired:
+    log = out.with_name("compiler.log")
+    code = children.run(cmd, seconds, out.parent, stderr=log)
+    if code is None:
         return f"{cxx} did not finish within {seconds:.3g} s (the build is bounded by the run's --timeout)"
-    finally:
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    err = log.read_bytes() if log.is_file() else b""
     text = err.decode("utf-8", errors="replace")  # a compiler's messages in any encoding are still a reason
-    if proc.returncode:
+    if code == children.NOT_RUN:
+        return f"{cxx} did not run ({text.strip()[:200]})"
+    if code:
         lines = [x for x in text.splitlines() if "error" in x] or text.splitlines() or ["no output"]
         return f"{cxx} failed: {lines[0][:200]}"
     return ""
