@@ -386,3 +386,64 @@ def test_serve_env_runs_pip_as_a_child_that_ends_with_it(tmp_path, monkeypatch):
     monkeypatch.setattr(children, "run", lambda cmd, seconds, folder, **kw: calls.append((cmd, folder)) or 0)
     serve_env._pip(Path(sys.executable), "--version", folder=tmp_path)
     assert calls and calls[0][1] == tmp_path and calls[0][0][:3] == [sys.executable, "-m", "pip"]
+
+
+# -- 7. the small ones -----------------------------------------------------------------------------
+def _student_listing(partial, tmp_path: Path, delayed: list[int]) -> Path:
+    from dtpshard.model.dtp import DTPModel
+
+    student = tmp_path / "student"
+    DTPModel.from_pretrained(partial["model"], layout=partial["layout"]).save_pretrained(student,
+                                                                                         source=partial["model"])
+    config = json.loads((student / "config.json").read_text())
+    config["dtp"]["delayed"] = delayed
+    (student / "config.json").write_text(json.dumps(config))
+    return student
+
+
+def test_a_student_listing_every_module_computes_its_own_function(partial, tmp_path, caplog):
+    from dtpshard.model.checkpoint import open_checkpoint
+    from dtpshard.model.dtp import DTPModel
+
+    modules = open_checkpoint(partial["model"]).shape.modules
+    student = _student_listing(partial, tmp_path, list(range(modules)))
+    with caplog.at_level("WARNING"):
+        model = DTPModel.from_pretrained(student)
+    assert model.settings.delayed is None and "another function" not in caplog.text
+
+
+def test_an_out_of_range_delayed_set_names_the_students_config(partial, tmp_path):
+    from dtpshard.model.checkpoint import open_checkpoint
+    from dtpshard.model.dtp import DTPModel
+
+    modules = open_checkpoint(partial["model"]).shape.modules
+    student = _student_listing(partial, tmp_path, [0, modules + 3])
+    with pytest.raises(UserError, match=r"student/config\.json: dtp\.delayed: delayed module \d+ is outside") as e:
+        DTPModel.from_pretrained(student)
+    assert "\n" not in str(e.value)
+
+
+def test_a_lock_this_user_may_not_write_is_called_so(tmp_path, monkeypatch):
+    from dtpshard.core import lock
+
+    (tmp_path / ".lock").write_text("dtpshard-lock 4000000\n")
+    (tmp_path / ".lock").chmod(0o444)
+    monkeypatch.setattr(lock.os, "access", lambda *a, **k: False)  # as a user who is not root sees it
+    assert "a file this user may not write (mode 444)" in str(lock.not_a_lock(tmp_path / ".lock", tmp_path))
+
+
+def test_a_recorded_library_without_the_ops_is_built_again_by_the_next_run(tmp_path):
+    from dtpshard.transport import native, ops  # noqa: F401 (ops: the schemas the kernels register under)
+
+    if native._compiler() is None:
+        pytest.skip("no C++ compiler")
+    where = tmp_path / "native"
+    where.mkdir(mode=0o700)
+    lib = where / "ring-0000000000000000.so"
+    (tmp_path / "empty.cpp").write_text("extern \"C\" int nothing() { return 0; }\n")
+    subprocess.run([native._compiler(), "-shared", "-fPIC", str(tmp_path / "empty.cpp"), "-o", str(lib)], check=True)
+    native._record(lib).write_text(json.dumps({"sha256": native._digest(lib), "lib": ident.identity(lib)}))
+    assert native._verified(lib)
+    said = native._register(lib, forget=True)
+    assert "registers no" in said and "the next run builds it again" in said
+    assert not lib.exists() and not native._record(lib).exists()

@@ -73,7 +73,9 @@ def not_a_lock(path: Path, shown: Path) -> UserError:
                          f"(it would write someone else's files): remove the link, or choose another path")
     what = ("a file with more than one name (a hard link)" if stat.S_ISREG(st.st_mode) and st.st_nlink > 1
             else "not a regular file" if not stat.S_ISREG(st.st_mode)
-            else "another user's file" if st.st_uid != os.geteuid() else "not a lock dtpshard made")
+            else "another user's file" if st.st_uid != os.geteuid()
+            else f"a file this user may not write (mode {stat.S_IMODE(st.st_mode):o})"
+            if not os.access(path, os.W_OK, follow_symlinks=False) else "not a lock dtpshard made")
     return UserError(f"{path}: is {what}, where dtpshard keeps {shown}'s lock; nothing was touched (move it away, "
                      "or choose another path)")
 

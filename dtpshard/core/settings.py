@@ -166,13 +166,14 @@ def read_record(saved: Any, where: str) -> dict[str, Any] | None:
     return dict(saved)
 
 
-def warn_if_other_settings(where: Any, record: dict[str, Any] | None, settings: DTPSettings) -> None:
+def warn_if_other_settings(where: Any, record: dict[str, Any] | None, settings: DTPSettings,
+                           modules: int | None = None) -> None:
     """One line when a DTP student is about to run with settings other than those it recorded:
     a distilled student computes its own (L, δ, stage3) function, and differs from any other by
     O(1) logits (run dense, it is not the function it was distilled for)."""
     if record is None:
         return
-    delayed = record.get(DELAYED_KEY)
+    delayed = check_delayed(record.get(DELAYED_KEY), modules, f"{where}: delayed")  # every module listed: None
     trained = DTPSettings(record.get("devices", DEFAULT.devices), record.get("delay", DEFAULT.delay),
                           record.get("stage3", DEFAULT.stage3), None if delayed is None else tuple(delayed))
     if trained == settings or trained.dense and settings.dense:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from dtpshard.core.delayed import DELAYED_KEY
+from dtpshard.core.delayed import DELAYED_KEY, check_delayed
 from dtpshard.core.errors import UserError, config_errors, first_line, naming, quote, typed_config
 from dtpshard.core.family import FAMILY, stored_shapes
 from dtpshard.core.io import SMALL_JSON, copy_regular, dumps, file_hashes, open_safetensors, read_json, read_json_object
@@ -294,7 +294,10 @@ class Checkpoint:
     def record(self) -> dict[str, Any] | None:
         """What a distilled student recorded about itself (model/hf.py's student_record), None for a
         dense model."""
-        return student_record(self.path, self.hf_config)
+        record = student_record(self.path, self.hf_config)
+        if record is not None:  # its set against this model's modules, naming the file that lists it
+            check_delayed(record.get(DELAYED_KEY), self.shape.modules, f"{self.path / 'config.json'}: dtp.delayed")
+        return record
 
     @property
     def defaults(self) -> dict[str, Any] | None:

@@ -104,7 +104,7 @@ class PretrainedMixin:
         ckpt.check_fits(dtype)
         model = cls.from_state_dict(ckpt.hf_config, ckpt.state_dict(), devices, delay, stage3, layout, dtype,
                                     ckpt.defaults, shared=ckpt.shape.shared, delayed=delayed)
-        warn_if_other_settings(ckpt.path, ckpt.record, model.settings)
+        warn_if_other_settings(ckpt.path, ckpt.record, model.settings, ckpt.shape.modules)
         model.source_path = Path(ckpt.path)
         model.checkpoint = ckpt  # opened once: its tokenizer, files and record without reading config.json again
         return model.to(device)

@@ -75,7 +75,7 @@ def plan_run(model: Path, prompt: str, world: int, *, delay: float | None, stage
     settings = resolve_dtp(ckpt.shape, devices=world, delay=delay, stage3=stage3, record=ckpt.defaults, layout=lay,
                            where=f"layout {layout}")
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank plans: one says it
-        warn_if_other_settings(model, ckpt.record, settings)
+        warn_if_other_settings(model, ckpt.record, settings, ckpt.shape.modules)
     prompt_ids(ckpt, prompt, tokenizer, max_new_tokens)
     return RunJob(Path(model), prompt, settings, layout, max_new_tokens, timeout, latency_ms / 1000, dtype, device,
                   threads, tokenizer, json, cuda_graphs)

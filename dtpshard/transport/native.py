@@ -165,7 +165,7 @@ def _load(seconds: float) -> str:
     if unsafe:
         return f"the cache is not safe to run code from: {unsafe}"
     if _verified(lib):  # built before: loaded without the lock, which only a build needs (its wait is bounded)
-        return _register(lib)
+        return _register(lib, forget=True)
     _forget_old_lock(where / LOCK)
     try:
         fd = acquire(where / LOCK, where, wait=seconds)
@@ -198,8 +198,10 @@ def _load(seconds: float) -> str:
     return _register(lib)
 
 
-def _register(lib: Path) -> str:
-    """Load the verified library's ops into this process -> "" if they serve, else why not."""
+def _register(lib: Path, forget: bool = False) -> str:
+    """Load the verified library's ops into this process -> "" if they serve, else why not. A library
+    that registers no ops is this code's own build gone wrong: with `forget`, it and its record are
+    removed, so the next process builds it again (this one cannot: a path once loaded stays loaded)."""
     try:
         torch.ops.load_library(str(lib))
     except (OSError, RuntimeError) as e:  # RuntimeError: torch refused the library's registrations
@@ -208,5 +210,10 @@ def _register(lib: Path) -> str:
     missing += [op for op in ("exchange_start", "exchange_value")
                 if not torch._C._dispatch_has_kernel_for_dispatch_key(f"dtpshard::{op}", "CompositeExplicitAutograd")]
     if missing:
-        return f"{lib} loaded but registers no {missing[0]} op (a library of another source?)"
+        if forget:
+            for p in (_record(lib), lib):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+        return (f"{lib} loaded but registers no {missing[0]} op (a library of another source?)"
+                + ("; removed, the next run builds it again" if forget else ""))
     return ""
