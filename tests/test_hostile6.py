@@ -447,3 +447,24 @@ def test_a_recorded_library_without_the_ops_is_built_again_by_the_next_run(tmp_p
     said = native._register(lib, forget=True)
     assert "registers no" in said and "the next run builds it again" in said
     assert not lib.exists() and not native._record(lib).exists()
+
+
+def test_a_run_records_the_layout_as_it_ran_its_set_included(partial, tmp_path):
+    import dataclasses
+
+    from dtpshard.core.layout import Layout
+    from test_distill import random_docs
+
+    (tmp_path / "docs.txt").write_text("\n\n".join(random_docs(30, 2)))
+    whole = Layout.load(partial["layout"])
+    every = dataclasses.replace(whole, delayed=None)
+    every.save(tmp_path / "every.json")
+    args = ["distill", str(partial["model"]), "--layout", str(tmp_path / "every.json"), "--delayed", "0", "1", "2", "3",
+            "--out", str(tmp_path / "run"), "--steps", "1", "--seq-len", "16", "--eval-blocks", "1",
+            "--micro-batch", "1", "--grad-accum", "1", "--warmup", "1", "--text", str(tmp_path / "docs.txt"),
+            "--eval-text", str(tmp_path / "docs.txt"), "--no-progress", "--device", "cpu"]
+    assert _main(args) == 0
+    record = json.loads((tmp_path / "run" / "final" / "config.json").read_text())["dtp"]
+    assert record["delayed"] == [0, 1, 2, 3]
+    assert record["layout_sha256"] == dataclasses.replace(every, delayed=(0, 1, 2, 3)).content_sha256()
+    assert record["layout_sha256"] != every.content_sha256()

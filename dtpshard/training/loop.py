@@ -207,6 +207,9 @@ def _setup(cfg: DistillConfig, d: Dist) -> _Run | None:
     hf_config, layout = load_hf_config(cfg.teacher), as_layout(cfg.layout)  # each read once, passed along
     check_seq_len(hf_config, cfg.seq_len)
     cfg = dataclasses.replace(resolve(cfg, hf_config, layout), precision=precision)
+    ran = None if cfg.delayed is None else tuple(cfg.delayed)
+    if layout is not None and layout.delayed != ran:  # --delayed over the layout's set: the layout as run is
+        layout = dataclasses.replace(layout, delayed=ran)  # recorded (its hash covers the set the student delays)
     plan = memory.plan_for(cfg, d.world, d.device, hf_config=hf_config)  # config.json records what ran
     memory.refuse_unless_fits(plan)  # every rank alike, before anything is loaded
     if torch.device(d.device).type == "cpu":
