@@ -142,3 +142,22 @@ def test_default_is_a_fixed_set_of_at_least_eight():
     assert tk.resolve(["piqa", "default"])[0] == "piqa"
     with pytest.raises(UserError, match="name at least one task"):
         tk.resolve([","])
+
+
+def test_convert_ends_with_the_students_table_against_its_teacher(tiny_dirs, tmp_path, capsys):
+    from test_convert import args_for
+
+    setup = {"model": tiny_dirs["llama"], "text": tmp_path / "docs.txt"}
+    setup["text"].write_text("\n\n".join(random_docs(120, 1)))
+    out = tmp_path / "dir"
+    assert main(args_for(setup, out) + ["--tasks", "copa,piqa", "--limit", "6", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    down = result["downstream"]
+    assert set(down["tasks"]) == {"copa", "piqa"} and down["pooled"]["n"] == 12 and down["teacher"]
+    assert json.loads((out / "convert.json").read_text())["downstream"]["pooled"] == down["pooled"]
+    assert "## Benchmarks against the teacher" in (out / "student" / "README.md").read_text()
+    kept = json.loads((out / "downstream.json").read_text())
+    assert len(kept["items"]["model"]["piqa"]) == 6  # every item kept
+    assert main(args_for(setup, out) + ["--tasks", "copa,piqa", "--limit", "6"]) == 0  # read back, not redone
+    assert "pooled" in capsys.readouterr().out
+    assert main(args_for(setup, tmp_path / "other") + ["--limit", "6"]) == 2

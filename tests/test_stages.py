@@ -7,7 +7,7 @@ from pathlib import Path
 
 import dtpshard
 
-ORDER = ["core", "model", "data", "affinity", "layouts", "training", "studies"]
+ORDER = ["core", "model", "data", "affinity", "layouts", "downstream", "training", "studies"]
 ALLOWED = {p: set(ORDER[:i + 1]) for i, p in enumerate(ORDER)}
 ALLOWED["transport"] = {"core", "model", "transport"}  # how partials travel between processes
 ALLOWED["runtime"] = {"core", "model", "transport", "runtime"}

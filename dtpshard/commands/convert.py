@@ -14,6 +14,7 @@ from dtpshard.affinity.settings import CalibrationData, PassSettings
 from dtpshard.commands.schema import values, view
 from dtpshard.core.io import dumps
 from dtpshard.core.settings import DEFAULT
+from dtpshard.core.vocab import Count
 from dtpshard.training.settings import EVERY_MODULE, NO_SHARING, Delaying, DistillConfig, Sharing
 
 ConvertFlags = view("ConvertFlags", DistillConfig, drop={"layout", "delayed"}, positional=("teacher",),
@@ -33,7 +34,8 @@ CALIBRATION_FLAGS = CalibrationFlags()
 def convert_cmd(flags: Annotated[ConvertFlags, Parameter(name="*")],  # type: ignore[valid-type]
                 calibration: Annotated[CalibrationFlags, Parameter(name="*")] = CALIBRATION_FLAGS, *,  # type: ignore[valid-type]
                 sharing: Annotated[Sharing, Parameter(name="*")] = NO_SHARING,
-                delaying: Annotated[Delaying, Parameter(name="*")] = EVERY_MODULE, json: bool = False) -> int:
+                delaying: Annotated[Delaying, Parameter(name="*")] = EVERY_MODULE, tasks: list[str] | None = None,
+                limit: Count | None = None, json: bool = False) -> int:
     """Turn the dense checkpoint TEACHER into a DTP student ready to serve, in DIR (--out): the
     calibration pass (--blocks blocks of --seq-len tokens of the training data), the optimised
     layout for L = --devices and δ = --delay (with J of the contiguous and a random layout beside
@@ -43,7 +45,10 @@ def convert_cmd(flags: Annotated[ConvertFlags, Parameter(name="*")],  # type: ig
     stage's memory and expected time from config.json alone.
 
     Args:
-        json: print one JSON object {out, student, J, kl, seconds, serve, ...} instead of text
+        tasks: benchmark the student against its teacher on these tasks once it is made (as `eval --tasks`:
+            lm-eval's names, or default), into DIR/downstream.json, convert.json and the student's card
+        limit: with --tasks, each task's first N items
+        json: print one JSON object {out, student, J, kl, seconds, serve, downstream, ...} instead of text
     """
     from dtpshard.training import convert_plan
     from dtpshard.training.convert import (
@@ -73,7 +78,7 @@ def convert_cmd(flags: Annotated[ConvertFlags, Parameter(name="*")],  # type: ig
             print(dumps(rows) if json else "\n".join([*(s.describe() for s in plans), removed["describe"]]))
             convert_plan.refuse_unless_fits(plans)
             return 0
-        p = convert(teacher, cfg, data, run, sharing, delaying)
+        p = convert(teacher, cfg, data, run, sharing, delaying, tasks, limit)
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
         result = summary(p, resolved(teacher, cfg))
@@ -90,4 +95,12 @@ def describe(result: dict[str, Any]) -> str:
             f"  vLLM, tensor parallel over L = {L} GPUs (needs dtpshard installed beside vllm):\n    {serve['vllm']}\n"
             f"  vLLM's CPU build, L = {L} processes on this machine:\n    {serve['vllm_cpu']}\n"
             f"  transformers, one device:\n    {serve['transformers']}\n"
-            f"  dtpshard's runtime, one process per device:\n    {serve['dtpshard']}")
+            f"  dtpshard's runtime, one process per device:\n    {serve['dtpshard']}"
+            + ("" if result.get("downstream") is None else
+               "\n\nbenchmarks, the student against its teacher:\n" + _table(result["downstream"])))
+
+
+def _table(downstream: dict[str, Any]) -> str:
+    from dtpshard.downstream.evaluate import table
+
+    return table(downstream)

@@ -179,6 +179,33 @@ def student_stage(p: Paths, cfg: DistillConfig) -> None:
         (tmp / "README.md").write_text(card + _card_section(score, final), encoding="utf-8")
 
 
+def benchmark_stage(p: Paths, cfg: DistillConfig, tasks: list[str], limit: int | None) -> dict[str, Any]:
+    """`--tasks`: the student's accuracy against its teacher on the same items (downstream/), kept in
+    DIR/downstream.json (every item too), its summary in convert.json and a section of the student's
+    card. Done once per task list and limit: a rerun with the same ones reads it back."""
+    from dtpshard.core.devices import pick_device
+    from dtpshard.core.settings import NO_FLAGS
+    from dtpshard.downstream.evaluate import benchmark, table
+    from dtpshard.downstream.tasks import resolve
+
+    names = resolve(tasks)
+    if p.downstream.is_file():
+        kept = read_json_object(p.downstream, "benchmark result", max_bytes=1 << 28)
+        if kept.get("tasks_asked") == names and kept.get("limit") == limit:
+            return kept
+    _say(f"benchmarks: {', '.join(names)}{'' if limit is None else f' (first {limit} items each)'}, the student "
+         "and its teacher")
+    result = benchmark(p.student, NO_FLAGS, names, limit=limit, teacher=cfg.teacher, tokenizer=cfg.tokenizer,
+                       device=pick_device(cfg.device))
+    result["tasks_asked"] = names
+    atomic_write_text(p.downstream, dumps(result) + "\n")
+    card = read_text(p.student / "README.md", CARD_BYTES, "model card")
+    atomic_write_text(p.student / "README.md", card + "\n## Benchmarks against the teacher\n\n"
+                      "Accuracy in points, the same items for both (`dtpshard eval --tasks`, lm-eval's task "
+                      "definitions):\n\n```\n" + table(result) + "\n```\n")
+    return result
+
+
 def serving(student: Path) -> dict[str, str]:
     """The commands that serve the student (model/student.py), for its L and stored dtype."""
     config = read_json_object(student / "config.json", "config")
@@ -288,11 +315,12 @@ def preflight(cfg: DistillConfig) -> None:
 
 def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = None,
             run: PassSettings | None = None, sharing: Sharing = NO_SHARING,
-            delaying: Delaying = EVERY_MODULE) -> Paths:
+            delaying: Delaying = EVERY_MODULE, tasks: list[str] | None = None, limit: int | None = None) -> Paths:
     """Every stage not done yet into cfg.out (DIR); returns its paths. Under torchrun every rank
     calls it: rank 0 runs stages 1, 2 and 4 while the others wait for the layout. data, run:
     the calibration's (default: calibration_settings's, from cfg); sharing: the layout's shared
-    neurons; delaying: a partial student's modules."""
+    neurons; delaying: a partial student's modules; tasks, limit: benchmark the student against its
+    teacher once it is published (benchmark_stage)."""
     from dtpshard.affinity.calibrate import plan_calibration
     from dtpshard.training import convert_plan
     from dtpshard.training.rundir import locked
@@ -303,6 +331,12 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
     check_sharing(cfg, sharing)
     delaying = resolved_delaying(delaying)
     check_delaying(cfg, delaying)
+    if tasks is not None:  # an unknown task or a missing wheel is refused before hours of work
+        from dtpshard.downstream.tasks import data_root, lm_eval_root, resolve
+
+        resolve(tasks), data_root(), lm_eval_root()
+    elif limit is not None:
+        raise UserError("--limit goes with --tasks (the benchmark items per task)")
     p = Paths(cfg.out)
     check_outputs({"--out": p.out, "--tensorboard": cfg.tensorboard, "--spill-dir": run.spill_dir},
                   {"the teacher directory": cfg.teacher, "the tokenizer directory": cfg.tokenizer,
@@ -340,6 +374,10 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
             run_stage()
             if made is not None:  # what a rerun will skip this stage over, recorded by content
                 state.save(p, settings, trust, made)
+        if tasks is not None:
+            result = benchmark_stage(p, cfg, tasks, limit)
+            trust["downstream"] = {k: v for k, v in result.items() if k not in ("items", "tasks_asked")}
+            state.save(p, settings, trust)
     return p
 
 
@@ -358,7 +396,15 @@ def summary(p: Paths, cfg: DistillConfig) -> dict[str, Any]:
                   "random": score.get("random_J"), "random_expectation": score.get("random_expectation")},
             "kl": {"step_0": evals[0]["eval_kl"] if evals else None, "final": evals[-1]["eval_kl"] if evals else None,
                    "final_step": evals[-1]["step"] if evals else None},
-            "seconds": {s: times.get(s) for s in STAGES}, "serve": serving(p.student)}
+            "seconds": {s: times.get(s) for s in STAGES}, "serve": serving(p.student),
+            "downstream": _downstream(p)}
+
+
+def _downstream(p: Paths) -> dict[str, Any] | None:
+    if not p.downstream.is_file():
+        return None
+    kept = read_json_object(p.downstream, "benchmark result", max_bytes=1 << 28)
+    return {k: v for k, v in kept.items() if k not in ("items", "tasks_asked")}
 
 
 def calibration_settings(cfg: DistillConfig,

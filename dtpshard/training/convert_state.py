@@ -26,7 +26,8 @@ from dtpshard.training.settings import DistillConfig, compared_fields
 FORMAT = "dtpshard.convert/1"
 RECORD, AFFINITY, LAYOUT, RUN, STUDENT, TIMINGS = ("convert.json", "affinity.safetensors", "layout.json", "run",
                                                    "student", "timings.json")
-OWNED = (RECORD, AFFINITY, LAYOUT, RUN, STUDENT, TIMINGS)
+DOWNSTREAM = "downstream.json"  # `--tasks`: the student's benchmark accuracy against its teacher, per item
+OWNED = (RECORD, AFFINITY, LAYOUT, RUN, STUDENT, TIMINGS, DOWNSTREAM)
 STAGES = ("calibration", "layout", "distillation", "student")
 WHAT = "a dtpshard convert directory"
 COMMAND = "convert"
@@ -38,7 +39,8 @@ class Paths:
 
     def __init__(self, out: Path):
         self.out = Path(out)
-        self.record, self.affinity, self.layout, self.run, self.student, self.timings = (self.out / n for n in OWNED)
+        (self.record, self.affinity, self.layout, self.run, self.student, self.timings,
+         self.downstream) = (self.out / n for n in OWNED)
 
     def begun(self) -> int:
         """How many stages have begun (their output, or for the distillation its config.json, exists)."""
