@@ -328,10 +328,9 @@ def files_id(paths: list[Path]) -> str:
 def cache_dir() -> Path:
     """dtpshard's one cache folder (the parsed offline corpus, the dequantised demo model, the native
     kernels, the vLLM environment): $DTPSHARD_CACHE, else $XDG_CACHE_HOME/dtpshard, else
-    ~/.cache/dtpshard. A relative path would name a folder under whatever directory the command runs
-    in, which anyone may have shipped: a relative $XDG_CACHE_HOME is ignored, as the XDG
-    specification says, and a relative $DTPSHARD_CACHE, which a user set for dtpshard alone, is
-    refused in one line (so is a ~user that does not exist)."""
+    ~/.cache/dtpshard. A relative path would name a folder under whatever directory the command runs in,
+    which anyone may have shipped: a relative $XDG_CACHE_HOME is ignored, as the XDG specification says,
+    and a relative $DTPSHARD_CACHE, set for dtpshard alone, is refused in one line (a ~nobody too)."""
     setting = os.environ.get("DTPSHARD_CACHE", "")
     if setting:
         path = os.path.expanduser(setting)

@@ -103,7 +103,8 @@ def prepare(delayed: str | None, delayed_by: str, *, source: Path, model: Path |
     sensitivity is measured on, default a model directory `source`; its token blocks), both None
     where the set is listed or drawn, or every module is delayed (`delayed` None)."""
     from dtpshard.core.shape import UNIT_FIELDS
-    from dtpshard.model.checkpoint import dense_only, open_checkpoint
+    from dtpshard.model.checkpoint import open_checkpoint
+    from dtpshard.model.dense_only import dense_only
 
     spec = None if delayed is None else parse_spec(delayed)
     if isinstance(spec, tuple):

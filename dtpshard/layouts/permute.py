@@ -31,7 +31,8 @@ from dtpshard.core.memory import size_text
 from dtpshard.core.owned import MARK, read_mark, refuse, refuse_link, seal, sealed
 from dtpshard.core.permutation import stored_indices
 from dtpshard.core.signals import exit_on_sigterm
-from dtpshard.model.checkpoint import canonical, dense_only, is_student, open_checkpoint, tensor_names
+from dtpshard.model.checkpoint import canonical, is_student, open_checkpoint, tensor_names
+from dtpshard.model.dense_only import dense_only
 
 COMMAND = PERMUTE_COMMAND  # its output directory's mark (core/owned.py)
 LAYOUT_JSON = PERMUTED_JSON  # the applied layout, saved next to the permuted weights

@@ -362,19 +362,6 @@ def open_checkpoint(path: str | Path, hf_config: Any = None) -> Checkpoint:
     return Checkpoint(path, cfg, shape, files, applied)
 
 
-def dense_only(ckpt: Checkpoint, role: str) -> Checkpoint:
-    """`ckpt` where the dense model is meant (`role`: what it is given as), else one line: a
-    student's or a permuted checkpoint's weights are in a layout's order already, and whatever is
-    measured on them, or applied over them, is about another model."""
-    if is_student(ckpt.hf_config):
-        raise UserError(f"{role} {ckpt.path}: is a DTP student (model_type dtp), not a dense model; give the dense "
-                        "checkpoint it was distilled from")
-    if ckpt.applied is not None:
-        raise UserError(f"{role} {ckpt.path}: is a checkpoint dtpshard permute wrote (its {ckpt.applied.kind} layout "
-                        "is in its weights already), not the dense model; give the checkpoint it was permuted from")
-    return ckpt
-
-
 def load_tokenizer(path: str | Path | Checkpoint) -> Any:
     """The tokenizer of a directory, or of an open checkpoint (whose config is not read again)."""
     if isinstance(path, Checkpoint):

@@ -48,7 +48,15 @@ from dtpshard.core.io import (
 from dtpshard.core.owned import ID, MARK, replacing
 from dtpshard.model.student import serving_commands
 from dtpshard.training import convert_state as state
-from dtpshard.training.convert_state import AFFINITY, OWNED, STAGES, Paths, check_record  # noqa: F401 (importable here)
+from dtpshard.training.convert_downstream import benchmark_stage, check_tasks, kept_result, summary_of
+from dtpshard.training.convert_state import (  # noqa: F401 (importable here)
+    AFFINITY,  # noqa: F401 (importable here)
+    CARD_BYTES,
+    OWNED,
+    STAGES,
+    Paths,
+    check_record,
+)
 from dtpshard.training.settings import (
     EVERY_MODULE,
     NO_SHARING,
@@ -59,7 +67,6 @@ from dtpshard.training.settings import (
 )
 
 PROXY = "first-order"  # the paper's affinity: the layout optimises J under it
-CARD_BYTES = 16 << 20  # the run's model card, read to extend it
 
 
 def _say(msg: str) -> None:  # progress on stderr; stdout is the result
@@ -177,33 +184,6 @@ def student_stage(p: Paths, cfg: DistillConfig) -> None:
         score = Layout.load(p.layout).score
         card = read_text(final / "README.md", CARD_BYTES, "model card") if (final / "README.md").is_file() else ""
         (tmp / "README.md").write_text(card + _card_section(score, final), encoding="utf-8")
-
-
-def benchmark_stage(p: Paths, cfg: DistillConfig, tasks: list[str], limit: int | None) -> dict[str, Any]:
-    """`--tasks`: the student's accuracy against its teacher on the same items (downstream/), kept in
-    DIR/downstream.json (every item too), its summary in convert.json and a section of the student's
-    card. Done once per task list and limit: a rerun with the same ones reads it back."""
-    from dtpshard.core.devices import pick_device
-    from dtpshard.core.settings import NO_FLAGS
-    from dtpshard.downstream.evaluate import benchmark, table
-    from dtpshard.downstream.tasks import resolve
-
-    names = resolve(tasks)
-    if p.downstream.is_file():
-        kept = read_json_object(p.downstream, "benchmark result", max_bytes=1 << 28)
-        if kept.get("tasks_asked") == names and kept.get("limit") == limit:
-            return kept
-    _say(f"benchmarks: {', '.join(names)}{'' if limit is None else f' (first {limit} items each)'}, the student "
-         "and its teacher")
-    result = benchmark(p.student, NO_FLAGS, names, limit=limit, teacher=cfg.teacher, tokenizer=cfg.tokenizer,
-                       device=pick_device(cfg.device))
-    result["tasks_asked"] = names
-    atomic_write_text(p.downstream, dumps(result) + "\n")
-    card = read_text(p.student / "README.md", CARD_BYTES, "model card")
-    atomic_write_text(p.student / "README.md", card + "\n## Benchmarks against the teacher\n\n"
-                      "Accuracy in points, the same items for both (`dtpshard eval --tasks`, lm-eval's task "
-                      "definitions):\n\n```\n" + table(result) + "\n```\n")
-    return result
 
 
 def serving(student: Path) -> dict[str, str]:
@@ -331,12 +311,7 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
     check_sharing(cfg, sharing)
     delaying = resolved_delaying(delaying)
     check_delaying(cfg, delaying)
-    if tasks is not None:  # an unknown task or a missing wheel is refused before hours of work
-        from dtpshard.downstream.tasks import data_root, lm_eval_root, resolve
-
-        resolve(tasks), data_root(), lm_eval_root()
-    elif limit is not None:
-        raise UserError("--limit goes with --tasks (the benchmark items per task)")
+    check_tasks(tasks, limit)  # an unknown task or a missing wheel is refused before hours of work
     p = Paths(cfg.out)
     check_outputs({"--out": p.out, "--tensorboard": cfg.tensorboard, "--spill-dir": run.spill_dir},
                   {"the teacher directory": cfg.teacher, "the tokenizer directory": cfg.tokenizer,
@@ -375,8 +350,7 @@ def convert(teacher: Path, cfg: DistillConfig, data: CalibrationData | None = No
             if made is not None:  # what a rerun will skip this stage over, recorded by content
                 state.save(p, settings, trust, made)
         if tasks is not None:
-            result = benchmark_stage(p, cfg, tasks, limit)
-            trust["downstream"] = {k: v for k, v in result.items() if k not in ("items", "tasks_asked")}
+            trust["downstream"] = summary_of(benchmark_stage(p, cfg, tasks, limit))
             state.save(p, settings, trust)
     return p
 
@@ -397,14 +371,8 @@ def summary(p: Paths, cfg: DistillConfig) -> dict[str, Any]:
             "kl": {"step_0": evals[0]["eval_kl"] if evals else None, "final": evals[-1]["eval_kl"] if evals else None,
                    "final_step": evals[-1]["step"] if evals else None},
             "seconds": {s: times.get(s) for s in STAGES}, "serve": serving(p.student),
-            "downstream": _downstream(p)}
+            "downstream": kept_result(p)}
 
-
-def _downstream(p: Paths) -> dict[str, Any] | None:
-    if not p.downstream.is_file():
-        return None
-    kept = read_json_object(p.downstream, "benchmark result", max_bytes=1 << 28)
-    return {k: v for k, v in kept.items() if k not in ("items", "tasks_asked")}
 
 
 def calibration_settings(cfg: DistillConfig,

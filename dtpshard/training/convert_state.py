@@ -26,6 +26,7 @@ from dtpshard.training.settings import DistillConfig, compared_fields
 FORMAT = "dtpshard.convert/1"
 RECORD, AFFINITY, LAYOUT, RUN, STUDENT, TIMINGS = ("convert.json", "affinity.safetensors", "layout.json", "run",
                                                    "student", "timings.json")
+CARD_BYTES = 16 << 20  # a model card, read to extend it
 DOWNSTREAM = "downstream.json"  # `--tasks`: the student's benchmark accuracy against its teacher, per item
 OWNED = (RECORD, AFFINITY, LAYOUT, RUN, STUDENT, TIMINGS, DOWNSTREAM)
 STAGES = ("calibration", "layout", "distillation", "student")

@@ -1,17 +1,15 @@
 """The distillation loop: one process, or one rank of a data-parallel group (ddp.Dist), its models
 replicated or sharded as its strategy says (strategy.py); the loop never asks which.
 
-Order of work per optimizer step k (1-based): train row → eval row (every eval_every steps and
-at the end) → checkpoint (every checkpoint_every steps, every checkpoint_minutes, and at the
-end). A checkpoint therefore covers every metrics row written before it. A step whose loss or
-gradient norm is not finite stops the run before its update: the last checkpoint stays, no
-final/ is written.
+Order of work per optimizer step k (1-based): train row → eval row (every eval_every steps and at the end) →
+checkpoint (every checkpoint_every steps, every checkpoint_minutes, and at the end). A checkpoint therefore
+covers every metrics row written before it. A step whose loss or gradient norm is not finite stops the run
+before its update: the last checkpoint stays, no final/ is written.
 
-Global data order: step s takes training blocks [s·G, (s+1)·G), G = micro × accum × ranks;
-micro-batch a of rank r is rows s·G + (a·ranks + r)·micro ... + micro. Each micro-batch's summed
-loss is divided by micro × accum × seq_len, and DDP averages over ranks, so the gradient is the
-mean over the global batch whatever the split. Sharded, each micro-batch's gradients are
-reduce-scattered as soon as its backward ends, so no rank ever holds a whole gradient.
+Global data order: step s takes training blocks [s·G, (s+1)·G), G = micro × accum × ranks; micro-batch a of rank r
+is rows s·G + (a·ranks + r)·micro ... + micro. Each micro-batch's summed loss is divided by micro × accum × seq_len,
+and DDP averages over ranks, so the gradient is the mean over the global batch whatever the split. Sharded, each
+micro-batch's gradients are reduce-scattered as soon as its backward ends, so no rank ever holds a whole gradient.
 """
 from __future__ import annotations
 
@@ -47,6 +45,7 @@ from dtpshard.training.precision import resolve_precision
 from dtpshard.training.recipe import (
     DistillConfig,
     compared_keys,
+    layout_as_run,
     lr_factor,
     resolve,
     rng_state,
@@ -207,9 +206,7 @@ def _setup(cfg: DistillConfig, d: Dist) -> _Run | None:
     hf_config, layout = load_hf_config(cfg.teacher), as_layout(cfg.layout)  # each read once, passed along
     check_seq_len(hf_config, cfg.seq_len)
     cfg = dataclasses.replace(resolve(cfg, hf_config, layout), precision=precision)
-    ran = None if cfg.delayed is None else tuple(cfg.delayed)
-    if layout is not None and layout.delayed != ran:  # --delayed over the layout's set: the layout as run is
-        layout = dataclasses.replace(layout, delayed=ran)  # recorded (its hash covers the set the student delays)
+    layout = layout_as_run(layout, cfg)
     plan = memory.plan_for(cfg, d.world, d.device, hf_config=hf_config)  # config.json records what ran
     memory.refuse_unless_fits(plan)  # every rank alike, before anything is loaded
     if torch.device(d.device).type == "cpu":

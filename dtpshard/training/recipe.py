@@ -206,6 +206,13 @@ def resolve(cfg: DistillConfig, hf_config: Any = None, layout: Layout | None = N
         eval_text=None if cfg.eval_text is None else [absolute(p) for p in cfg.eval_text])
 
 
+def layout_as_run(layout: Any, cfg: DistillConfig) -> Any:
+    """The layout with the delayed set `cfg` resolved (--delayed over the layout's own set): what the
+    run records, so that its hash covers the set the student delays."""
+    ran = None if cfg.delayed is None else tuple(cfg.delayed)
+    return layout if layout is None or layout.delayed == ran else dataclasses.replace(layout, delayed=ran)
+
+
 def run_config(cfg: DistillConfig, shape: Any, layout: Any, world: int, device: str,
                train: BlockStream, train_src: str, ev: torch.Tensor, eval_src: str,
                cache: Any = None) -> dict[str, Any]:
