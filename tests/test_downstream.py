@@ -161,3 +161,43 @@ def test_convert_ends_with_the_students_table_against_its_teacher(tiny_dirs, tmp
     assert main(args_for(setup, out) + ["--tasks", "copa,piqa", "--limit", "6"]) == 0  # read back, not redone
     assert "pooled" in capsys.readouterr().out
     assert main(args_for(setup, tmp_path / "other") + ["--limit", "6"]) == 2
+
+
+def test_a_study_scores_its_students_untrained_and_trained_beside_the_teacher(tiny_dirs, tmp_path, capsys):
+    from dtpshard.studies.downstream import read_downstream
+    from test_experiment import config_text, corpus
+
+    cfg = tmp_path / "study.toml"
+    text = config_text(tiny_dirs["llama"], corpus(tmp_path / "corpus.txt"))
+    cfg.write_text(text.replace("[training]", '[eval]\ntasks = ["copa", "piqa"]\nlimit = 5\n[training]'))
+    out = tmp_path / "exp"
+    assert main(["experiment", str(cfg), "--out", str(out)]) == 0
+    rows = read_downstream(out / "downstream.json")
+    models = {(r["arm"], r["seed"], r["step"]) for r in rows}
+    assert ("teacher", None, None) in models and ("optimised", None, 0) in models  # untrained: step 0
+    assert ("optimised", 0, 2) in models and ("contiguous", 0, 2) in models  # the finished runs, at their last step
+    assert all(r["n"] == 5 for r in rows) and {r["task"] for r in rows} == {"copa", "piqa"}
+    assert all("diff" in r for r in rows if r["arm"] != "teacher")
+    report = (out / "report.md").read_text()
+    assert "## Downstream" in report and "| teacher |" in report and "| optimised (seed 0) | 2 |" in report
+    rows[0]["acc"] = 1.5  # a number out of its range is one line naming the file
+    (out / "downstream.json").write_text(json.dumps(rows))
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "downstream.json: row 0: acc must be a fraction" in err and err.count("\n") == 1, err
+
+
+def test_a_pooled_drop_from_the_rows_is_the_drop_over_every_item():
+    from dtpshard.studies.downstream import pooled
+
+    def rows(accs):
+        return [{"doc_id": i, "acc": a, "acc_norm": None, "choice": int(a), "choice_norm": None}
+                for i, a in enumerate(accs)]
+
+    a_s, a_t, b_s, b_t = [1, 0, 1, 1, 0], [1, 1, 0, 1, 1], [0, 1, 1], [0, 0, 1]
+    per = ev.compare({"copa": rows(a_s), "winogrande": rows(b_s)}, {"copa": rows(a_t), "winogrande": rows(b_t)})
+    table = [{"n": n, **per["tasks"][t]} for t, n in (("copa", 5), ("winogrande", 3))]
+    assert pooled(table)["diff"] == pytest.approx(per["pooled"]["diff"])
+    assert pooled(table)["diff_ci"] == pytest.approx(per["pooled"]["diff_ci"])
+    assert pooled(table)["disagree"] == pytest.approx(per["pooled"]["disagree"])

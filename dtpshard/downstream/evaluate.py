@@ -84,11 +84,11 @@ def paired(diffs: list[float]) -> dict[str, Any]:
     """Mean of per-item differences and its 95% interval (normal, over the items), in points."""
     n = len(diffs)
     if n == 0:
-        return {"diff": None, "diff_ci": None}
+        return {"diff": None, "diff_ci": None, "diff_sd": None}
     mean = sum(diffs) / n
     var = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
     half = Z95 * math.sqrt(var / n)
-    return {"diff": 100 * mean, "diff_ci": [100 * (mean - half), 100 * (mean + half)]}
+    return {"diff": 100 * mean, "diff_ci": [100 * (mean - half), 100 * (mean + half)], "diff_sd": 100 * math.sqrt(var)}
 
 
 def compare(student: dict[str, list[dict[str, Any]]], teacher: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

@@ -81,6 +81,20 @@ class Evaluation:
 
 
 @dataclass(kw_only=True)
+class Benchmarks:
+    """Benchmark accuracy of every arm's final student and its untrained form, and of the teacher, on
+    the same items (dtpshard eval --tasks; downstream.json and the report's Downstream section).
+
+    Args:
+        tasks: lm-eval task names, or default; none: no benchmarks
+        limit: each task's first N items (default: all of them)
+    """
+
+    tasks: list[str] = field(default_factory=list)
+    limit: Count | None = None
+
+
+@dataclass(kw_only=True)
 class LayoutSearch:
     """The optimiser's settings, shared by every optimised layout.
 
@@ -127,6 +141,7 @@ class Settings:
         proxies: affinity scores computed (one pass each, same tokens); optimising arms optimise the
             first unless they name another
         report: what the report adds (ReportOptions)
+        eval: benchmark accuracy of the students and the teacher (Benchmarks)
     """
 
     model: str
@@ -140,6 +155,7 @@ class Settings:
     proxies: list[Proxy] = field(default_factory=lambda: ["first-order"])
     calibration: Calibration = field(default_factory=Calibration)
     evaluation: Evaluation = field(default_factory=Evaluation)
+    eval: Benchmarks = field(default_factory=Benchmarks)
     layouts: LayoutSearch = field(default_factory=LayoutSearch)
     training: Recipe = field(default_factory=Recipe)
     report: ReportOptions = field(default_factory=ReportOptions)
@@ -185,6 +201,10 @@ def check_config(raw: Any) -> Experiment:
     if training.text is None and training.dataset is None:  # train on the calibration source by default
         training = dataclasses.replace(training, text=study.calibration.text, dataset=study.calibration.dataset)
     check_recipe(training)
+    if study.eval.tasks:  # the names checked now, not after hours of training
+        from dtpshard.downstream.tasks import resolve
+
+        study.eval.tasks = resolve(study.eval.tasks)
     proxies = study.proxies
     if not proxies or len(set(proxies)) != len(proxies):
         raise UserError(f"proxies = {proxies!r}: give each proxy once, at least one")

@@ -24,6 +24,7 @@ from dtpshard.studies.stats import is_fraction, is_number
 
 TEACHER = "teacher"
 ROWS = "downstream.json"
+KEPT = "downstream"  # the folder of every model's per-item rows
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,9 @@ class Scored:
 
     @property
     def name(self) -> str:
-        return self.arm if self.step is None else f"{self.arm}-s{self.seed}-step{self.step}"
+        if self.step is None:
+            return self.arm
+        return f"{self.arm}-step{self.step}" if self.seed is None else f"{self.arm}-s{self.seed}-step{self.step}"
 
 
 def score(study: Path, scored: Scored, tasks: list[str], limit: int | None, device: str = "cpu") -> dict:
@@ -48,7 +51,7 @@ def score(study: Path, scored: Scored, tasks: list[str], limit: int | None, devi
     from dtpshard.downstream.evaluate import load_for_tasks, score_items
     from dtpshard.downstream.lm import language_model
 
-    kept = Path(study) / "downstream" / f"{scored.name}.json"
+    kept = Path(study) / KEPT / f"{scored.name}.json"
     if kept.is_file():
         data = read_json_object(kept, "a model's benchmark items", max_bytes=1 << 28)
         if data.get("tasks") == tasks and data.get("limit") == limit:
@@ -71,7 +74,7 @@ def rows(scored: list[Scored], items: dict[str, dict], teacher: str = TEACHER) -
         for task, its in items[s.name].items():
             row = {"arm": s.arm, "seed": s.seed, "step": s.step, "task": task, **accuracy(its)}
             if diffs is not None:
-                row.update({k: diffs[task][k] for k in ("diff", "diff_ci", "disagree")})
+                row.update({k: diffs[task][k] for k in ("diff", "diff_ci", "diff_sd", "disagree")})
             out.append(row)
     return out
 
@@ -123,6 +126,8 @@ def _bad(row: Any) -> str:
             return "diff must be points from -100 to 100 inside its diff_ci [low, high]"
         if not is_fraction(row.get("disagree")):
             return "disagree must be a fraction from 0 to 1"
+        if not (is_number(row.get("diff_sd")) and 0 <= row["diff_sd"] <= 200):
+            return "diff_sd must be points from 0 to 200"
     return ""
 
 
@@ -138,3 +143,93 @@ def run(study: Path, models: list[Scored], tasks: list[str], limit: int | None =
         items[m.name] = score(study, m, tasks, limit, device)
         write_rows(study, rows([s for s in models if s.name in items], items))
     return read_downstream(Path(study) / ROWS)
+
+
+def for_experiment(cfg: Any, model: Path, layouts: dict[str, Path], out: Path) -> list[dict[str, Any]]:
+    """An experiment's [eval]: the teacher, every layout untrained (step 0, the layout applied to the
+    teacher) and every finished run's student (its final step), on the same items."""
+    from dtpshard.training.rundir import FINAL, is_done
+
+    models = [Scored(TEACHER, None, None, model, 1, 0)]
+    models += [Scored(name, None, 0, model, cfg.devices, cfg.delay, path) for name, path in layouts.items()]
+    for arm in cfg.arms:
+        for spec in arm.layouts:
+            for seed in arm.seeds:
+                done = out / "runs" / arm.run_name(spec.name, seed)
+                if is_done(done):
+                    models.append(Scored(done.name.removesuffix(f"-s{seed}"), seed, cfg.training.steps, done / FINAL))
+    return run(out, models, list(cfg.eval.tasks), cfg.eval.limit, cfg.device if cfg.device != "auto" else "cpu")
+
+
+def pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One model's drop against the teacher over every item of its rows (each task's n, diff and
+    diff_sd give the pooled mean and sd exactly), with its 95% interval; and its share of differing
+    choices."""
+    from dtpshard.downstream.evaluate import Z95
+
+    n = sum(r["n"] for r in rows)
+    if n == 0 or any("diff" not in r for r in rows):
+        return {"n": n, "diff": None, "diff_ci": None, "disagree": None}
+    mean = sum(r["n"] * r["diff"] for r in rows) / n
+    squares = sum((r["n"] - 1) * r["diff_sd"] ** 2 + r["n"] * r["diff"] ** 2 for r in rows)
+    half = Z95 * (max(0.0, squares - n * mean ** 2) / max(1, n - 1) / n) ** 0.5
+    return {"n": n, "diff": mean, "diff_ci": [mean - half, mean + half],
+            "disagree": sum(r["n"] * r["disagree"] for r in rows) / n}
+
+
+def report_lines(study: Any) -> list[str]:
+    """The Downstream section of an experiment's report (none without downstream.json)."""
+    path = Path(study.directory) / ROWS
+    if not path.is_file():
+        return []
+    kl = {f"{name}@0": lay.zero_kl for name, lay in study.layouts.items() if lay.zero_kl is not None}
+    for r in study.runs:
+        if r.kl.steps.size:
+            kl[f"{r.name.removesuffix(f'-s{r.seed}')}@{int(r.kl.steps[-1])}"] = float(r.kl.values[-1])
+    limit = study.config.eval.limit if study.config is not None else None
+    return section(read_downstream(path), kl, limit)
+
+
+def section(table: list[dict[str, Any]], kl: dict[str, float], limit: int | None = None) -> list[str]:
+    """The report's "Downstream" section from downstream.json's rows: accuracy per model and task
+    (chance and the teacher first), each model's pooled drop with its interval and differing
+    choices, and how well the KL predicts the drop across models (`kl`: by model key, arm@step)."""
+    from dtpshard.studies.stats import bootstrap_pearson, correlate
+
+    tasks = list(dict.fromkeys(r["task"] for r in table))
+    models: dict[tuple, list[dict[str, Any]]] = {}
+    for r in table:
+        models.setdefault((r["arm"], r["seed"], r["step"]), []).append(r)
+
+    def acc(r: dict[str, Any]) -> float:
+        return r["acc_norm"] if TASKS[r["task"]].norm else r["acc"]
+
+    head = ["model", "step", *tasks, "drop [95% CI]", "differ"]
+    lines = ["## Downstream", "",
+             f"Accuracy in points on {len(tasks)} tasks by lm-eval's own definitions (acc_norm where a task has it, "
+             f"else acc), {'every item' if limit is None else f'the first {limit} items'} of each validation split, "
+             "the same items for every model. The drop is the model's minus the teacher's, pooled over every item, "
+             "with its 95% interval; differ is the share of items on which its choice is not the teacher's.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+             "| chance | | " + " | ".join(f"{100 * TASKS[t].chance:.1f}" for t in tasks) + " | | |"]
+    xs, ys = [], []
+    for (arm, seed, step), rs in models.items():
+        by = {r["task"]: r for r in rs}
+        cells = [f"{100 * acc(by[t]):.1f}" if t in by else "–" for t in tasks]
+        p = pooled(rs)
+        drop = "" if p["diff"] is None else f"{p['diff']:+.2f} [{p['diff_ci'][0]:+.2f}, {p['diff_ci'][1]:+.2f}]"
+        differ = "" if p["disagree"] is None else f"{100 * p['disagree']:.1f}%"
+        name = arm if seed is None else f"{arm} (seed {seed})"
+        lines.append(f"| {name} | {'' if step is None else step} | " + " | ".join(cells) + f" | {drop} | {differ} |")
+        key = f"{arm}@{step}"
+        if p["diff"] is not None and key in kl:
+            xs.append(kl[key])
+            ys.append(p["diff"])
+    fit = correlate(xs, ys)
+    if fit.r is not None:
+        ci = bootstrap_pearson(xs, ys)
+        lines += ["", f"Across the {fit.n} models, the held-out KL to the teacher predicts the drop with Pearson "
+                      f"r = {fit.r:.3f}" + ("" if ci is None else f" (95% bootstrap interval {ci.low:.3f} to "
+                                                                   f"{ci.high:.3f})")
+                  + f"; the least-squares line: drop = {fit.slope:.2f} × KL {fit.intercept:+.2f} points."]
+    return lines + [""]

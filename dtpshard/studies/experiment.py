@@ -70,6 +70,7 @@ from dtpshard.core.reading import read_text
 from dtpshard.core.settings import DENSE
 from dtpshard.layouts.make import make_layout
 from dtpshard.layouts.score import colocated_score
+from dtpshard.studies import downstream
 from dtpshard.studies.arms import shared_suffix
 from dtpshard.studies.config import (  # noqa: F401
     FORMAT,
@@ -123,6 +124,7 @@ def _compared(data: dict[str, Any]) -> dict[str, Any]:
     out = dataclasses.asdict(read_record(data))
     out["training"] = {k: v for k, v in out["training"].items() if k in compared_fields(Recipe)}
     out.pop("arms", None)
+    out.pop("eval", None)  # benchmarks change nothing that is trained: a finished study may add them
     return out
 
 
@@ -152,7 +154,7 @@ def _prepare_dir(out: Path, cfg: Experiment, force: bool) -> None:
     saved = out / "config.json"  # run_experiment has refused another command's or unrelated files
     data = record(cfg)
     names = (LAYOUT_DIR, ZEROSHOT, RUNS, TEACHER_CACHE, SCORES, SENSITIVITY, TIMINGS, PROVENANCE, "report.md",
-             "figures",
+             "figures", downstream.ROWS, downstream.KEPT,
              *sorted(p.name for p in out.glob("affinity*.safetensors")), "config.json")
     if saved.is_file() and not force:
         try:
@@ -388,6 +390,8 @@ def run_experiment(cfg: Experiment, out: Path, force: bool = False, tensorboard:
         _proxy_scores(cfg, affinities, layouts, out)
         _zero_shot(cfg, model, layouts, out)
         _arms(cfg, model, layouts, out, tensorboard)
+        if cfg.eval.tasks:  # every arm's final student, its untrained form and the teacher, on the same items
+            downstream.for_experiment(cfg, model, layouts, out)
         report = write_report(out)
     _say(f"report: {report}")
     return report

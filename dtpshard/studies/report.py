@@ -29,6 +29,7 @@ from dtpshard.studies.adapters import adapter_lines
 from dtpshard.studies.compare import optional_sections
 from dtpshard.studies.delayed import delayed_lines
 from dtpshard.studies.dominance import dominance_lines
+from dtpshard.studies.downstream import report_lines
 from dtpshard.studies.figures import draw_all
 from dtpshard.studies.recipes import recipe_lines
 from dtpshard.studies.seeds import seed_lines
@@ -289,6 +290,7 @@ def markdown(study: Study, figures: dict[str, str]) -> str:
     body += delayed_lines(study, figures)
     body += optional_sections(study, figures)
     body += dominance_lines(study)
+    body += report_lines(study)  # [eval]: what the students lose on benchmarks (studies/downstream.py)
     first = study.proxies[0]
     same = [f"{i.name} = {i.same_as}" for i in study.layouts.values() if i.same_as]
     n_layouts = len(distinct(study))

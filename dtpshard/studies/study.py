@@ -366,4 +366,5 @@ def _cache(d: Path) -> Path | None:
 
 # the directories `experiment --force` may clear, each by what the experiment writes into it, at every depth
 CLEARABLE = {LAYOUT_DIR: every(_file(lambda p: p.suffix == ".json" and is_layout_file(p))), RUNS: every(_run),
-             TEACHER_CACHE: _cache, "figures": every(_file(lambda p: p.suffix == ".png" and p.stem in FIGURES))}
+             TEACHER_CACHE: _cache, "figures": every(_file(lambda p: p.suffix == ".png" and p.stem in FIGURES)),
+             "downstream": every(_file(lambda p: p.suffix == ".json"))}  # studies/downstream.py's kept items
