@@ -468,3 +468,36 @@ def test_a_run_records_the_layout_as_it_ran_its_set_included(partial, tmp_path):
     assert record["delayed"] == [0, 1, 2, 3]
     assert record["layout_sha256"] == dataclasses.replace(every, delayed=(0, 1, 2, 3)).content_sha256()
     assert record["layout_sha256"] != every.content_sha256()
+
+
+def test_a_sensitivity_file_a_module_short_names_the_file_and_the_count(partial, tmp_path):
+    from dtpshard.core.layout import Layout
+    from dtpshard.studies.delayed import study_sensitivity
+    from dtpshard.studies.provenance import SENSITIVITY
+
+    lay = Layout.load(partial["layout"])
+    modules = lay.model.modules
+    entry = {"kl": [0.1] * (modules - 1), "layout_sha256": lay.content_sha256()}
+    (tmp_path / SENSITIVITY).write_text(json.dumps({"optimised": entry}))
+    with pytest.raises(UserError, match=rf"sensitivity\.json: optimised's 'kl' lists {modules - 1} modules, the "
+                                        rf"model has {modules}") as e:
+        study_sensitivity(None, partial["model"], tmp_path, "optimised", lay, print)
+    assert "\n" not in str(e.value)
+
+
+def test_a_resume_with_other_steps_says_steps_not_that_the_corpus_changed(partial, tmp_path, capsys):
+    from test_distill import random_docs
+
+    (tmp_path / "docs.txt").write_text("\n\n".join(random_docs(30, 2)))
+
+    def args(steps):
+        return ["distill", str(partial["model"]), "--out", str(tmp_path / "run"), "--steps", str(steps), "--seq-len",
+                "16", "--eval-blocks", "1", "--micro-batch", "1", "--grad-accum", "1", "--warmup", "1", "--text",
+                str(tmp_path / "docs.txt"), "--eval-text", str(tmp_path / "docs.txt"), "--no-progress", "--device",
+                "cpu"]
+
+    assert _main(args(2)) == 0
+    capsys.readouterr()
+    code = _main(args(3))
+    err = capsys.readouterr().err
+    assert code == 2 and "steps 2 (now 3)" in err and "content changed" not in err and "train_data" not in err, err

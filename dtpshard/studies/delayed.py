@@ -256,6 +256,9 @@ def study_sensitivity(cfg: Any, model: Path, out: Path, base: str, layout: Any, 
         if not isinstance(kl, list) or not kl or not all(map(is_kl, kl)):  # it chooses which modules are delayed
             raise UserError(f"{path}: {base}'s 'kl' must be a list of KLs (finite numbers from 0 to {MAX_KL:g}); "
                             "delete the file to measure again")
+        if len(kl) != layout.model.modules:  # one KL a module: a shorter list would shift every choice
+            raise UserError(f"{path}: {base}'s 'kl' lists {len(kl)} modules, the model has "
+                            f"{layout.model.modules}; delete the file to measure again")
         return entry
     from dtpshard.affinity.sensitivity import SENSITIVITY_BLOCKS
     from dtpshard.core.devices import pick_device

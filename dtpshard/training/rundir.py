@@ -70,6 +70,8 @@ def config_differences(old: dict[str, Any], new: dict[str, Any], keys: list[str]
     for k in keys:
         if old.get(k) == new.get(k):
             continue
+        if k == "train_data_sha256" and old.get("train_blocks") != new.get("train_blocks"):
+            continue  # the fingerprint covers the blocks a run takes: --steps or the batch moved it, not the corpus
         base = k.removesuffix("_sha256")
         if base != k and base in new:
             hashes = f"sha256 {_show(old.get(k))}, now {_show(new.get(k))}"
