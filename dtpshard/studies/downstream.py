@@ -47,22 +47,26 @@ class Scored:
 
 
 def score(study: Path, scored: Scored, tasks: list[str], limit: int | None, device: str = "cpu") -> dict:
-    """The model's per-item rows {task: [...]}, scored once (kept in study/downstream/NAME.json)."""
+    """The model's per-item rows {task: [...]}, each task scored once at this limit and kept in
+    study/downstream/NAME.json: a rerun, or another task list, scores only the tasks not kept yet."""
     from dtpshard.downstream.evaluate import load_for_tasks, score_items
     from dtpshard.downstream.lm import language_model
 
     kept = Path(study) / KEPT / f"{scored.name}.json"
+    have: dict[str, Any] = {}
     if kept.is_file():
         data = read_json_object(kept, "a model's benchmark items", max_bytes=1 << 28)
-        if data.get("tasks") == tasks and data.get("limit") == limit:
-            return data["items"]
-    flags = DTPFlags(devices=scored.devices, delay=scored.delay)
-    net, tok, length = load_for_tasks(scored.model, flags, scored.layout, device, None)
-    items = score_items(language_model(net, tok, length), tasks, limit)
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(kept, dumps({"tasks": tasks, "limit": limit, "model": str(scored.model),
-                                   **net.dtp_settings(), "items": items}) + "\n")
-    return items
+        if data.get("limit") == limit and isinstance(data.get("items"), dict):
+            have = data["items"]
+    missing = [t for t in tasks if t not in have]
+    if missing:
+        flags = DTPFlags(devices=scored.devices, delay=scored.delay)
+        net, tok, length = load_for_tasks(scored.model, flags, scored.layout, device, None)
+        have.update(score_items(language_model(net, tok, length), missing, limit))
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(kept, dumps({"limit": limit, "model": str(scored.model), **net.dtp_settings(),
+                                       "items": have}) + "\n")
+    return {t: have[t] for t in tasks}
 
 
 def rows(scored: list[Scored], items: dict[str, dict], teacher: str = TEACHER) -> list[dict[str, Any]]:
