@@ -277,6 +277,10 @@ ALLOWED = {
     ("dtpshard/data/local.py", "load_from_disk"): "datasets' own reader of a save_to_disk directory's arrow files",
     ("dtpshard/core/lock.py", "os.open"): "a lock's own descriptor, fstat'ed and flock'ed; its signature is read from "
                                           "it, O_NOFOLLOW | O_NONBLOCK: no link followed, no FIFO waited on",
+    ("dtpshard/core/identity.py", "os.open"): "a descriptor for FS_IOC_GETVERSION, O_NOFOLLOW | O_NONBLOCK; nothing "
+                                              "is read from it",
+    ("dtpshard/core/children.py", ".read_bytes"): "a process's environment in /proc, the kernel's, to find the "
+                                                  "run's token",
 }
 
 

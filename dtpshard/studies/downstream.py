@@ -10,13 +10,12 @@ an untrained arm at step 0; every other row also says, against the teacher on th
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import atomic_write_text, dumps, read_json_object
+from dtpshard.core.io import atomic_write_text, dumps, read_json, read_json_object
 from dtpshard.core.settings import DTPFlags
 from dtpshard.downstream.evaluate import accuracy, compare
 from dtpshard.downstream.tasks import TASKS
@@ -91,10 +90,7 @@ def write_rows(study: Path, table: list[dict[str, Any]]) -> Path:
 
 def read_downstream(path: Path) -> list[dict[str, Any]]:
     """downstream.json's rows, each checked as what it measures, or one line naming the file."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path}: not readable as JSON ({e})") from None
+    raw = read_json(path, "benchmark rows", max_bytes=1 << 26)
     if not isinstance(raw, list):
         raise UserError(f"{path}: must be a list of rows")
     for i, row in enumerate(raw):

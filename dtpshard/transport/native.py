@@ -86,7 +86,7 @@ def _build(cxx: str, out: Path, seconds: float) -> str:
     code = children.run(cmd, seconds, out.parent, stderr=log)
     if code is None:
         return f"{cxx} did not finish within {seconds:.3g} s (the build is bounded by the run's --timeout)"
-    err = log.read_bytes() if log.is_file() else b""
+    err = read_bytes(log, 1 << 20, "the compiler's output") if log.is_file() else b""
     text = err.decode("utf-8", errors="replace")  # a compiler's messages in any encoding are still a reason
     if code == children.NOT_RUN:
         return f"{cxx} did not run ({text.strip()[:200]})"
