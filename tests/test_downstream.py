@@ -201,3 +201,14 @@ def test_a_pooled_drop_from_the_rows_is_the_drop_over_every_item():
     assert pooled(table)["diff"] == pytest.approx(per["pooled"]["diff"])
     assert pooled(table)["diff_ci"] == pytest.approx(per["pooled"]["diff_ci"])
     assert pooled(table)["disagree"] == pytest.approx(per["pooled"]["disagree"])
+
+
+def test_the_published_study_section_is_regenerated_from_its_rows():
+    from dtpshard.studies.downstream import read_downstream, section
+
+    d = Path(__file__).resolve().parents[1] / "docs" / "results" / "smollm2-l3-d1-downstream"
+    readme = (d / "README.md").read_text()
+    block = readme[readme.index("## Downstream"):]
+    block = block[:block.index("\n## ", 1) + 1]
+    want = "\n".join(section(read_downstream(d / "downstream.json"), json.loads((d / "kl.json").read_text()), 200))
+    assert block.rstrip("\n") == want.rstrip("\n")
