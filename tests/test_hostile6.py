@@ -316,7 +316,7 @@ def _cxx(tmp_path: Path, body: str) -> Path:
     return path
 
 
-def _gone(pid: int, within: float = 10.0) -> bool:
+def _gone(pid: int, within: float = 30.0) -> bool:
     import time
 
     deadline = time.monotonic() + within
@@ -353,8 +353,8 @@ def test_a_descendant_holding_stderr_in_a_session_of_its_own_neither_holds_the_b
     cxx = _cxx(tmp_path, f"setsid sh -c 'echo $$ > {pid}; exec sleep 1000' &\n"
                          "sleep 0.5\necho 'error: no' >&2\nexit 1\n")
     t0 = time.monotonic()
-    said = _probe(tmp_path, CXX=str(cxx), PROBE_TIMEOUT="60")["said"]  # a bound of 20 s
-    assert "failed: error: no" in said and time.monotonic() - t0 < 15, said
+    said = _probe(tmp_path, CXX=str(cxx), PROBE_TIMEOUT="300")["said"]  # a bound of 100 s
+    assert "failed: error: no" in said and time.monotonic() - t0 < 50, said  # not the bound: half of it, at load 6
     assert _gone(int(pid.read_text()))
 
 
