@@ -6,7 +6,11 @@ The same random weights served three ways, each by one engine in its own `torchr
 
 - DTP: the student (DTPModel.save_pretrained, model_type "dtp", L = TP, δ = 1);
 - TP: its permuted dense twin (the same safetensors with the family's config, model_type "llama"),
-  which vLLM serves as a Llama with a blocking all-reduce after every module;
+  which vLLM serves as a Llama with a blocking all-reduce after every module on vLLM's own
+  communicator (shared memory on an AVX-512 host, gloo where its CPU build has no shared-memory
+  all-reduce);
+- TP over the ring: the same weights as a student of δ = 0 (tensor parallelism: every sum blocks
+  where it is made) over the student's own transport: DTP against it is what the overlap alone buys;
 - no-comm: the student with its module reduces removed (bench/vllm_link.py): the same work, a
   wrong function, the most the delayed reduce can give;
 - with --python-arm, the student again on the ring's Python kernels (DTPSHARD_NATIVE=0): the
@@ -19,15 +23,23 @@ The same random weights served three ways, each by one engine in its own `torchr
   settings as the student; the table then says the weights a rank holds;
 - with --delayed SHARE [SHARE ...], a partial student of the same weights per share (docs/design.md
   §1, per-module delay: that share of the modules, drawn at random with seed 0, delayed, every other
-  module all-reduced at once on vLLM's own all-reduce; which modules barely changes the cost). With
+  module's sum blocking (transport/choose.py `blocking_sum`); which modules barely changes the cost). With
   --json each share adds one row per (batch, latency) with the same fields, `dtp_*` being that
-  student's, and `delayed` (the share; 1.0 in the full student's rows).
+  student's, and `delayed` (the share; 1.0 in the full student's rows);
+- with --plain-arm ring|engine, each partial student again with the sums that block anyway (its
+  plain modules', the final mean's) forced onto that path (arm dtp_plainKIND_delayedPCT, in the
+  rows of the full student): the library's choice (transport/choose.py `blocking_sum`) against the
+  other, in one run.
 
 Each row names what each arm's sums travel over (the engine's own report): the student's
-shared-memory ring (transport/shared.py) or a collective, and TP's vLLM communicator (on a CPU
-its shared-memory all-reduce). `--executor mp` times the same pair in vLLM's own multiprocess
-executor instead, each worker pinned to its own cores, at latency 0 (the harness needs the
-ranks' own processes, so there is no no-comm arm there).
+shared-memory ring (transport/shared.py) or a collective, and TP's vLLM communicator.
+`--vllm-gloo` takes vLLM's shared-memory all-reduce away from every arm (harness only,
+bench/vllm_link.py): vLLM's communicator is then gloo, as on a host whose vLLM CPU build has no
+shared-memory all-reduce (AVX2), whatever this host's ISA. `--plain ring|engine` forces the path
+of the sums that block anyway (a partial student's plain modules', the final mean's) in every
+arm; the default is the library's (transport/choose.py `blocking_sum`). `--executor mp` times
+the same pair in vLLM's own multiprocess executor instead, each worker pinned to its own cores,
+at latency 0 (the harness needs the ranks' own processes, so there is no no-comm arm there).
 
 `--latency-ms` adds a fixed latency to every all-reduce of all three, the same for each (harness
 only, bench/vllm_link.py): in series with the transfer, so TP waits all of it after every module
@@ -47,7 +59,8 @@ Each rank runs `--threads` torch threads pinned to its own cores.
     python bench/bench_vllm.py --tp 2 --batch 1 8 --latency-ms 0 0.5 --json
 
 The last line with --json is a JSON list of rows {executor, tp, batch, latency_ms, rounds, and per
-arm ARM_tok_s (the median), ARM_tok_s_rounds, ARM_per_tp and ARM_per_tp_range (not for tp) and
+arm ARM_tok_s (the median), ARM_tok_s_rounds, ARM_per_tp and ARM_per_tp_range (not for tp),
+for each DTP arm ARM_per_tp_ring and ARM_per_tp_ring_range (against TP over the ring), and
 ARM_transport and ARM_model_share (the model forward's share of a decode step)}. Run by the
 project's python; vLLM runs in the environment `python -m dtpshard.serve.env` builds (or
 $DTPSHARD_VLLM_PYTHON), as for the tests.
@@ -76,7 +89,8 @@ PROMPT = 32
 
 def make_pair(root: Path, devices: int, delay: float = 1, family: str = "llama", dtype: str = "float32",
               shape: dict | None = None) -> tuple[Path, Path]:
-    """(student, dense) directories of the same random weights."""
+    """(student, dense) directories of the same random weights; also ROOT/tp-ring-L, the same weights
+    as a student of δ = 0 (make_tp_ring)."""
     from dtpshard.model.checkpoint import open_checkpoint
     from dtpshard.model.dtp import DTPModel
     from tiny import save_tiny
@@ -92,6 +106,8 @@ def make_pair(root: Path, devices: int, delay: float = 1, family: str = "llama",
     base = open_checkpoint(student).hf_config.base_config()  # the family's config of the same fields
     base.architectures = [type(base).__name__.replace("Config", "ForCausalLM")]
     base.save_pretrained(dense)
+    DTPModel.from_pretrained(teacher, devices, 0).save_pretrained(root / f"tp-ring-{devices}", source=teacher,
+                                                                   dtype=getattr(torch, dtype))
     return student, dense
 
 
@@ -181,6 +197,11 @@ def delayed_rows(rows: list[dict], shares: list[float]) -> list[dict]:
     return out
 
 
+def plain_arm_name(kind: str, arm: str) -> str:
+    """A partial student's arm with its blocking sums forced to `kind`: dtp_plainring_delayed50."""
+    return f"dtp_plain{kind}_{arm.removeprefix('dtp_')}"
+
+
 def rank_weights(model: Path, devices: int) -> int:
     """Weights a rank holds: its share of the layers (its shared neurons whole) and the embedding and head."""
     from dtpshard.model.checkpoint import open_checkpoint
@@ -196,22 +217,25 @@ def bench_prompts(n: int) -> list[list[int]]:
 
 def engine_spec(model: Path, tp: int, prompts: list, batches: list[int], threads: int, eager: bool = False,
                 dtype: str = "float32", env: dict | None = None, latency: bool = False, remove: bool = False,
-                **measure) -> dict:
+                vllm_gloo: bool = False, plain: str = "auto", **measure) -> dict:
     """tests/vllm_driver.py's spec of one engine serving `model` for up to max(batches) sequences;
     `measure`: what the driver measures in it (its "timing" or "profile")."""
     return {"model": str(model), "tp": tp, "dtype": dtype, "prompts": prompts[:1], "max_tokens": 1,
             "enforce_eager": eager, "max_model_len": 1024, "max_num_seqs": max(batches), "threads": threads,
-            "env": env or {}, "harness": {"latency": latency, "remove_reduces": remove}, **measure}
+            "env": env or {}, "harness": {"latency": latency, "remove_reduces": remove, "vllm_gloo": vllm_gloo,
+                                          "plain": plain}, **measure}
 
 
-ARMS = ("dtp", "tp", "nocomm", "dtp_python", "dtp_collective")  # the last two when asked for; then dtp_sharedPCT
+# the last two when asked for; then dtp_sharedPCT and dtp_delayedPCT
+ARMS = ("dtp", "tp", "tp_ring", "nocomm", "dtp_python", "dtp_collective")
 
 
 def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], latencies: list[float],
             new: int, repeat: int, threads: int = 0, eager: bool = False, dtype: str = "float32",
             env: dict | None = None, executor: str = "external", collective_arm: bool = False,
             shared: dict[str, Path] | None = None, rounds: int = 2, python_arm: bool = False,
-            delayed: dict[str, Path] | None = None) -> list[dict]:
+            delayed: dict[str, Path] | None = None, vllm_gloo: bool = False, plain: str = "auto",
+            plain_arm: str | None = None) -> list[dict]:
     """Rows per (latency, batch). `threads` > 0 pins each rank to that many cores (external launcher)
     or each of vLLM's workers to its own cores (executor "mp": VLLM_CPU_OMP_THREADS_BIND); the
     emulated link (CPU only) is installed when a latency is not 0 (external launcher only: the
@@ -219,7 +243,8 @@ def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], 
     forced onto the collective (DTPSHARD_EXCHANGE=collective): the transport before the ring.
     `python_arm` adds the student on the ring's Python kernels (DTPSHARD_NATIVE=0).
     `shared`: arm -> a shared student (make_shared), `delayed`: arm -> a partial student
-    (make_delayed), each timed as the student is. Each arm's engine
+    (make_delayed), each timed as the student is. `vllm_gloo`, `plain`: the harness's (the module
+    docstring); `plain_arm`: each partial student again with its blocking sums on that path. Each arm's engine
     is started once a round (`rounds`); a cell is the median over the rounds, and a ratio to TP the
     median of each round's ratio, with its range."""
     from dtpshard.serve.env import runtime_env
@@ -229,9 +254,10 @@ def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], 
 
     mp = executor == "mp"
 
-    def spec(model: Path, remove: bool, env: dict | None = None) -> dict:
+    def spec(model: Path, remove: bool, env: dict | None = None, blocking: str = plain) -> dict:
         return engine_spec(model, tp, prompts, batches, threads=0 if mp else threads, eager=eager, dtype=dtype,
                            env=env, latency=any(lat > 0 for lat in latencies), remove=remove,
+                           vllm_gloo=vllm_gloo, plain=blocking,
                            timing={"batches": batches, "max_tokens": [1, new], "repeat": repeat,
                                    "latencies_ms": latencies})
 
@@ -243,7 +269,8 @@ def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], 
         if mp:  # each worker on its own `threads` cores
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(f"{r * threads}-{(r + 1) * threads - 1}" if threads > 1
                                                         else str(r) for r in range(tp))
-    specs = {"dtp": spec(student, False), "tp": spec(dense, False)}
+    specs = {"dtp": spec(student, False), "tp": spec(dense, False),
+             "tp_ring": spec(student.parent / f"tp-ring-{tp}", False)}
     if not mp:  # the no-comm ceiling needs the harness in the ranks
         specs["nocomm"] = spec(student, True)
     if python_arm:
@@ -252,6 +279,8 @@ def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], 
         specs["dtp_collective"] = spec(student, False, {"DTPSHARD_EXCHANGE": "collective"})
     for arm, path in {**(shared or {}), **(delayed or {})}.items():
         specs[arm] = spec(path, False)
+    for arm, path in (delayed or {}).items() if plain_arm else ():
+        specs[plain_arm_name(plain_arm, arm)] = spec(path, False, blocking=plain_arm)
     results: dict[str, list[dict]] = {arm: [] for arm in specs}
     arms = list(specs)
     for r in range(rounds):  # every arm once a round, each round's order rotated: no arm always first
@@ -272,17 +301,22 @@ def measure(python: Path, pair: tuple[Path, Path], tp: int, batches: list[int], 
                     ratios = [t / tp_t for (t, _), (tp_t, _) in zip(got, per_round["tp"])]
                     row[f"{arm}_per_tp"] = statistics.median(ratios)
                     row[f"{arm}_per_tp_range"] = [min(ratios), max(ratios)]
+                if arm.startswith("dtp"):  # what the overlap alone buys: the same transport, every sum blocking
+                    ratios = [t / r_t for (t, _), (r_t, _) in zip(got, per_round["tp_ring"])]
+                    row[f"{arm}_per_tp_ring"] = statistics.median(ratios)
+                    row[f"{arm}_per_tp_ring_range"] = [min(ratios), max(ratios)]
                 row[f"{arm}_model_share"] = statistics.median(share for _, share in got)
             rows.append(row)
     return rows
 
 
-def ratio(row: dict, arm: str) -> str:
-    """An arm's median ratio to TP over the rounds, with its range; a range across 1.0 says so."""
-    if f"{arm}_per_tp" not in row:  # rows of one engine per arm (before rounds)
-        return f"{row[arm + '_tok_s'] / row['tp_tok_s']:.3f}×"
-    lo, hi = row[f"{arm}_per_tp_range"]
-    cell = f"{row[arm + '_per_tp']:.3f}× ({lo:.3f}–{hi:.3f})"
+def ratio(row: dict, arm: str, base: str = "tp") -> str:
+    """An arm's median ratio to `base` over the rounds, with its range; a range across 1.0 says so."""
+    key = f"{arm}_per_{base}"
+    if key not in row:  # rows of one engine per arm (before rounds)
+        return f"{row[arm + '_tok_s'] / row[base + '_tok_s']:.3f}×"
+    lo, hi = row[f"{key}_range"]
+    cell = f"{row[key]:.3f}× ({lo:.3f}–{hi:.3f})"
     return cell + (" crosses 1" if lo < 1 < hi else "")
 
 
@@ -290,25 +324,29 @@ def table(rows: list[dict]) -> str:
     """The rows, each arm's tok/s (median over the rounds) and its ratio to TP (median and range of the
     rounds' ratios); then what each arm's sums travel over."""
     arms = [a for a in ARMS if f"{a}_tok_s" in rows[0]]
-    for kind in ("shared", "delayed"):
+    for kind in ("shared", "delayed", "plainring_delayed", "plainengine_delayed"):
         prefix = f"dtp_{kind}"
         arms += sorted((k.removesuffix("_tok_s") for k in rows[0] if k.startswith(prefix) and k.endswith("_tok_s")),
                        key=lambda a, p=prefix: float(a.removeprefix(p).replace("_", ".")))
-    names = {"dtp": "DTP", "tp": "TP", "nocomm": "no-comm", "dtp_collective": "DTP over the collective",
+    names = {"dtp": "DTP", "tp": "TP", "tp_ring": "TP over the ring", "nocomm": "no-comm",
+             "dtp_collective": "DTP over the collective",
              "dtp_python": "DTP, the ring's Python kernels",
              **{a: f"DTP {a.removeprefix('dtp_shared').replace('_', '.')}% shared" for a in arms
                 if a.startswith("dtp_shared")},
              **{a: f"DTP {a.removeprefix('dtp_delayed').replace('_', '.')}% delayed" for a in arms
-                if a.startswith("dtp_delayed")}}
+                if a.startswith("dtp_delayed")},
+             **{a: f"DTP {a.rpartition('delayed')[2].replace('_', '.')}% delayed, blocking sums on the "
+                   f"{a.removeprefix('dtp_plain').partition('_')[0]}" for a in arms if a.startswith("dtp_plain")}}
+    ring = "tp_ring" in arms
     head = ["executor", "TP", "batch", "latency ms", *(f"{names[a]} tok/s" for a in arms),
-            *(f"{names[a]} / TP" for a in arms if a != "tp")]
+            *(f"{names[a]} / TP" for a in arms if a != "tp"), *(["DTP / TP over the ring"] if ring else [])]
     if "nocomm" in arms:
         head.append("DTP's share of the ceiling's gain")
     head.append("DTP's model share of a step")
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in rows:
         cells = [r["executor"], r["tp"], r["batch"], f"{r['latency_ms']:g}", *(f"{r[a + '_tok_s']:.1f}" for a in arms),
-                 *(ratio(r, a) for a in arms if a != "tp")]
+                 *(ratio(r, a) for a in arms if a != "tp"), *([ratio(r, "dtp", "tp_ring")] if ring else [])]
         if "nocomm" in arms:
             gain = r["nocomm_tok_s"] - r["tp_tok_s"]
             cells.append(f"{(r['dtp_tok_s'] - r['tp_tok_s']) / gain:.0%}" if gain > 1e-9 else "n/a (no-comm ≤ TP)")
@@ -317,6 +355,15 @@ def table(rows: list[dict]) -> str:
     lines.append("")
     lines += [f"- {names[a]}: {rows[0][a + '_transport']}" for a in arms]
     return "\n".join(lines)
+
+
+def isa() -> str:
+    """The host's widest x86 vector ISA, which decides vLLM's CPU build (AVX-512: a shared-memory all-reduce)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "ISA unknown"
+    return next((name for name in ("avx512f", "avx2") if name in flags), "neither AVX2 nor AVX-512").upper()
 
 
 def main() -> int:
@@ -344,6 +391,14 @@ def main() -> int:
     ap.add_argument("--delayed", type=float, nargs="+", default=[], metavar="SHARE",
                     help="also time a partial student per share in (0, 1): that share of its modules delayed, the "
                          "rest all-reduced at once")
+    ap.add_argument("--vllm-gloo", action="store_true",
+                    help="vLLM's communicator on gloo in every arm, as on a host whose vLLM CPU build has no "
+                         "shared-memory all-reduce (AVX2)")
+    ap.add_argument("--plain", choices=("auto", "ring", "engine"), default="auto",
+                    help="the path of the sums that block anyway (plain modules', the final mean's): the "
+                         "library's choice, the ring, or vLLM's own all-reduce")
+    ap.add_argument("--plain-arm", choices=("ring", "engine"), default=None,
+                    help="also time each --delayed student with its blocking sums forced onto this path")
     ap.add_argument("--json", action="store_true", help="end with the rows as one JSON line")
     args = ap.parse_args()
     python = found_python()
@@ -360,11 +415,14 @@ def main() -> int:
         load0 = os.getloadavg()
         rows = measure(python, pair, args.tp, args.batch, args.latency_ms, args.new, args.repeat, threads, args.eager,
                        executor=args.executor, collective_arm=args.collective_arm, shared=shared,
-                       rounds=args.rounds, python_arm=args.python_arm, delayed=partial)
+                       rounds=args.rounds, python_arm=args.python_arm, delayed=partial, vllm_gloo=args.vllm_gloo,
+                       plain=args.plain, plain_arm=args.plain_arm)
     load = os.getloadavg()
     print(f"load average before the run {load0[0]:.2f} / {load0[1]:.2f} / {load0[2]:.2f}")
     print(f"vLLM {'eager' if args.eager else 'compiled'}, TP {args.tp}, {threads} thread(s) per rank, "
-          f"{os.cpu_count()} cores, load average after the run {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}")
+          f"{os.cpu_count()} cores, {isa()}, load average after the run {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}"
+          + (", vLLM's communicator on gloo (--vllm-gloo)" if args.vllm_gloo else "")
+          + ("" if args.plain == "auto" else f", blocking sums forced to {args.plain} (--plain)"))
     print(table(rows))
     print("weights a rank holds: " + ", ".join(f"{k} {v / 1e6:.1f} M" for k, v in weights.items()))
     if args.json:

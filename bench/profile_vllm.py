@@ -4,7 +4,10 @@ bench/bench_vllm.py's random model (TP 2, one pinned core a rank, vLLM's externa
 Every rank is profiled: a wait on one rank is the other's lateness. Arms: TP (the dense twin:
 vLLM's blocking shared-memory all-reduce after every module), DTP with the ring's native kernels
 (transport/ring.cpp), DTP with its Python kernels (DTPSHARD_NATIVE=0: the ring before the native
-kernels), and no-comm (the student with its reduces removed: the same work, no transfer). Per
+kernels), DTP over the collective (DTPSHARD_EXCHANGE=collective: torch's functional all-reduce on
+gloo, its wait in `wait_tensor`) and no-comm (the student with its reduces removed: the same work,
+no transfer). `--vllm-gloo` takes vLLM's shared-memory all-reduce away (bench/vllm_link.py), as on
+a host whose vLLM CPU build lacks it (AVX2): TP's sums are then gloo's too. Per
 batch, a generate of 1 new token is profiled and one of N; their difference over N − 1 is a
 decode step. Inductor's kernels are named in the profile
 (TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1), so a step splits into:
@@ -14,7 +17,9 @@ decode step. Inductor's kernels are named in the profile
   the landings' x + s·p + w·Σ − w·p_l, which Inductor fuses with its neighbours);
 - attention: vLLM's CPU attention ops;
 - the sums: DTP's exchange_start and exchange_value (the wait inside them is `ring_wait`), TP's
-  `_C::shm_allreduce` (its wait is inside it);
+  `_C::shm_allreduce` (its wait is inside it), or on gloo the functional all-reduce's start and
+  its `wait_tensor` (what the rank's own thread spends; gloo's work runs on gloo's thread, on the
+  same pinned core, and shows as time taken from everything else);
 - the rest: the step's wall time less all of the above (vLLM's scheduler, sampling, the
   compiled wrapper's Python, the profiler's own cost).
 
@@ -38,7 +43,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_vllm import bench_prompts, engine_spec, make_pair, run_engines  # noqa: E402
 
 SUMS = {"dtpshard::exchange_start": "start", "dtpshard::exchange_value": "value", "dtpshard::ring_wait": "wait",
-        "_C::shm_allreduce": "all-reduce"}
+        "_C::shm_allreduce": "all-reduce", "_c10d_functional::all_reduce_": "start",
+        "_c10d_functional::all_reduce": "start", "_c10d_functional::wait_tensor": "value"}
 
 
 def kind(name: str) -> str | None:
@@ -73,7 +79,9 @@ def breakdown(step: dict) -> dict:
         k = kind(name) if name != "ms" else None
         if k in parts:
             parts[k] += v[1]  # self time: a kernel's children (if any) are counted where they belong
-    ev = {SUMS[n]: step.get(n, [0, 0.0, 0.0]) for n in SUMS}
+    ev = {k: [0, 0.0, 0.0] for k in SUMS.values()}
+    for name, k in SUMS.items():
+        ev[k] = [a + b for a, b in zip(ev[k], step.get(name, [0, 0.0, 0.0]))]
     sums_us = ev["start"][2] + ev["value"][2] + ev["all-reduce"][2]
     parts["sums"] = sums_us
     parts["rest"] = step["ms"] * 1e3 - sum(parts.values())
@@ -116,7 +124,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--new", type=int, default=33)
     ap.add_argument("--arms", nargs="+", default=["tp", "dtp", "dtp_python", "nocomm"],
-                    choices=["tp", "dtp", "dtp_python", "nocomm"])
+                    choices=["tp", "dtp", "dtp_python", "dtp_collective", "nocomm"])
+    ap.add_argument("--vllm-gloo", action="store_true", help="vLLM's communicator on gloo, as on an AVX2 host")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     python = found_python()
@@ -131,9 +140,10 @@ def main() -> int:
 
         def spec(model: Path, extra: dict | None = None, remove: bool = False) -> dict:
             return engine_spec(model, tp, prompts, args.batch, threads=1, env=extra, remove=remove,
-                               profile={"batches": args.batch, "max_tokens": args.new})
+                               vllm_gloo=args.vllm_gloo, profile={"batches": args.batch, "max_tokens": args.new})
 
         specs = {"tp": spec(dense), "dtp": spec(student), "dtp_python": spec(student, {"DTPSHARD_NATIVE": "0"}),
+                 "dtp_collective": spec(student, {"DTPSHARD_EXCHANGE": "collective"}),
                  "nocomm": spec(student, remove=True)}
         specs = {a: specs[a] for a in args.arms}
         results = dict(zip(specs, run_engines(python, list(specs.values()), tp, env)))
@@ -147,7 +157,8 @@ def main() -> int:
                              "parts": breakdown(step),
                              "top": sorted(((v[1], k) for k, v in step.items() if k != "ms"), reverse=True)[:12]})
     print(f"vLLM compiled, TP {tp}, 1 thread per rank pinned, {os.cpu_count()} cores, load average before "
-          f"{load0[0]:.2f}, after {load[0]:.2f}; µs per decode step on each rank (profiled)")
+          f"{load0[0]:.2f}, after {load[0]:.2f}; µs per decode step on each rank (profiled)"
+          + ("; vLLM's communicator on gloo (--vllm-gloo)" if args.vllm_gloo else ""))
     print(table(rows))
     for arm in results:
         print(f"- {arm}: {results[arm]['transport']}")

@@ -11,7 +11,14 @@ emulated slower link, and a student with its reduces removed. Nothing here is dt
   start has not covered. The latency is read at each call, so one engine is timed at several
   latencies.
 - `remove_reduces()`: the student's module reduces replaced by the own partial (Σ − own = 0):
-  the same work without a transfer, a different function: the ceiling DTP can approach.
+  the same work without a transfer, a different function: the ceiling DTP can approach. The
+  sums that block anyway (the final mean's) keep the student's own path.
+- `vllm_on_gloo()`: vLLM's TP communicator without its shared-memory all-reduce, on gloo, as
+  vLLM's CPU build runs on a host without AVX-512 (no `init_shm_manager` op): such a host emulated
+  on this one, for vLLM's own sums only.
+- `plain_sums(kind)`: the sums that block anyway (a plain module's, the final mean's) forced onto
+  the ring ("ring") or vLLM's own all-reduce ("engine"), to measure transport/choose.py's
+  `blocking_sum` against the other.
 """
 from __future__ import annotations
 
@@ -125,12 +132,41 @@ class _NoReduce:
 def remove_reduces() -> None:
     import dtpshard.serve.vllm_model as vm
 
-    class NoReduce(_NoReduce, vm.TPReduce):  # the final mean stays vLLM's all-reduce
+    class NoReduce(_NoReduce, vm.TPReduce):
         transport = "none"
 
+    chosen = vm.tp_reduce
+
     def tp_reduce(*args):
+        own = chosen(*args)  # its blocking path (the final mean's) stays; its ring, if any, stays open for it
         reduce = NoReduce("")
-        reduce.total, reduce.said = vm.tensor_model_parallel_all_reduce, "nothing (the reduces removed)"
+        reduce.total, reduce.own = own.total, own
+        reduce.said = "nothing (the module sums removed); " + own.said.rpartition("; ")[2]
+        return reduce
+
+    vm.tp_reduce = tp_reduce
+
+
+def vllm_on_gloo() -> None:
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    # vLLM then takes torch.distributed (gloo) for its own sums (the embedding's, TP's)
+    CpuCommunicator._all_group_ranks_share_shm_group_name = lambda self: False
+
+
+def plain_sums(kind: str) -> None:
+    import dtpshard.serve.vllm_model as vm
+
+    chosen = vm.tp_reduce
+
+    def tp_reduce(*args):
+        reduce = chosen(*args)
+        if kind == "ring" and hasattr(reduce, "now"):
+            reduce.total, path = reduce.now, "the ring (--plain ring)"
+        else:
+            reduce.total, path = vm.tensor_model_parallel_all_reduce, "the engine's own all-reduce (--plain engine)"
+        head = reduce.said.rpartition("; ")[0]
+        reduce.said = f"{head}; the sums that block (plain modules', the final mean's) over {path}"
         return reduce
 
     vm.tp_reduce = tp_reduce

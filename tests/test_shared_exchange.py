@@ -245,6 +245,31 @@ def test_a_refused_segment_falls_back_or_is_one_line(tmp_path, monkeypatch):
         dist.destroy_process_group()
 
 
+def test_the_ring_runs_whatever_the_engine_communicates_over(tmp_path):
+    """The ring is chosen by the ranks' host and memory alone: no argument of choose says what the
+    engine's own communicator is, so vLLM on gloo (an AVX2 host) cannot veto it. The sums that block
+    anyway take the ring wherever the partials do, and the engine's all-reduce on the collective.
+    One rank's sum over the ring is its own partial, exactly."""
+    import torch.distributed as dist
+
+    from dtpshard.transport.choose import blocking_sum, choose
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        reduce, said = choose(dist.group.WORLD, f"any-engine-{os.getpid()}", schedule(4, 1, 1, "sqrt"), 64, 5,
+                              collective=lambda: pytest.fail("the collective was chosen"))
+        assert said.startswith("shared memory (one-sided ring"), said
+        engine = lambda p: p * 0  # noqa: E731  (a stand-in that would show if it were taken)
+        total, how = blocking_sum(reduce, engine)
+        p = torch.randn(3, 8)
+        assert torch.equal(total(p), p) and how == "the ring"
+        assert blocking_sum(object(), engine) == (engine, "the engine's own all-reduce")  # on the collective
+        reduce.close()
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("delay", [0, 0.5, 1, 1.5, 2, 3.25])
 def test_the_ring_holds_every_sum_in_flight(delay):
     """ring_slots is one more than the most sums an Exchange really keeps started and untaken."""

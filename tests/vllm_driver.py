@@ -13,7 +13,8 @@ world size, and rank 0 writes OUT.
 SPECS: a list of {"model", "tp", "dtype", "prompts": [[ids]], "max_tokens", "logprobs", "prompt_logprobs",
 "enforce_eager", "engine": {...}, "env": {variable: value} (set before the engine starts),
 "threads": N (torch threads per rank, each rank pinned to its own cores),
-"harness": {"latency": bool, "remove_reduces": bool} (bench/vllm_link.py), {"piecewise": bool}
+"harness": {"latency": bool, "remove_reduces": bool, "vllm_gloo": bool, "plain": "auto" | "ring" |
+"engine"} (bench/vllm_link.py), {"piecewise": bool}
 (tests/piecewise_probe.py: the compiled graph split as the GPU's piecewise mode splits it),
 "inductor_code": bool (return Inductor's output code of every graph compiled),
 "timing": {"batches": [B], "max_tokens": [N], "repeat": R, "latencies_ms": [ms]},
@@ -138,6 +139,10 @@ def _harness(spec: dict) -> None:
         import piecewise_probe
 
         piecewise_probe.install()
+    if spec.get("vllm_gloo"):
+        _link().vllm_on_gloo()
+    if spec.get("plain", "auto") != "auto":
+        _link().plain_sums(spec["plain"])
     if spec.get("latency"):
         _link().install_latency()
     if spec.get("remove_reduces"):

@@ -18,7 +18,8 @@ What moves the partials is a `Reduce`, which supplies two things: `start(p)`, be
 A backend never decides when: the exchange starts a reduce right after its module and asks for
 its value only where the schedule lands it, so whatever runs in between overlaps the transfer.
 A plain module's sum (per-module delay: it lands where it is made) is taken at once, through the
-Reduce's `total` where the engine has its own all-reduce (vLLM's), else by start and value.
+Reduce's `total` where the engine sets one (vLLM's: transport/choose.py `blocking_sum`), else by
+start and value.
 `settle()` asks for every pending value at once; waiting earlier than the landing changes
 nothing that is computed, and it lets a forward that a compiler splits into separately captured
 pieces keep no transfer open across a split (serve/vllm_model.py).
@@ -85,7 +86,7 @@ class Exchange:
             total = self.reduce.value(self.reduce.start(p))
             return x + (p.sum(0, keepdim=True) if total is None else total)
         if self.schedule.last_use.get(m) == m and getattr(self.reduce, "total", None) is not None:
-            self.pending[m] = [p, None, self.reduce.total(p)]  # a plain module: the engine's own all-reduce, now
+            self.pending[m] = [p, None, self.reduce.total(p)]  # a plain module: the blocking sum, now
         elif m in self.schedule.last_use:  # stage 3's partials never land: not sent
             self.pending[m] = [p, self.reduce.start(p)]
         arrivals = [(self._sum(k), self.pending[k][0], w) for k, w in step.arrivals]

@@ -11,14 +11,17 @@ the simulator and the runtime run:
     x_l ← x_l + s_m·p_l^m + Σ_(k, w) w·(Σ_j p_j^k − p_l^k)
 
 Σ_j p_j^k is started when module k is done and taken where the schedule lands it, so δ modules
-of compute overlap it, eagerly and compiled. Where vLLM's own TP all-reduce uses shared memory (a
-CPU host), the partials travel the same way, one-sided (transport/shared.py: each rank publishes
-its partial and reads the others' at the landing, no collective); elsewhere they are functional
-collectives on vLLM's TP device group (serve/reduce.py: gloo across CPU hosts, NCCL on CUDA). The
-engine logs which (`tp_reduce`). The output is the mean
-over ranks of FinalNorm(x_l) (vLLM's own all-reduce, divided by L), then vLLM's
-vocabulary-parallel LM head. Attention is vLLM's (paged KV cache, continuous batching, chunked
-prefill, prefix caching), so the engine treats the student as it treats a Llama.
+of compute overlap it, eagerly and compiled. Where the TP ranks share one x86-64 host and keep
+their partials in host memory, the partials travel one-sided over shared memory
+(transport/shared.py: each rank publishes its partial and reads the others' at the landing, no
+collective), whether or not vLLM's own all-reduce does (its CPU build without AVX-512 uses gloo);
+elsewhere they are functional collectives on vLLM's TP device group (serve/reduce.py: gloo across
+CPU hosts, NCCL on CUDA). The sums that block anyway, a plain module's and the final mean's, take
+the ring too where the partials do (transport/choose.py `blocking_sum`), else vLLM's all-reduce.
+The engine logs all of it (`tp_reduce`). The output is the mean over ranks of FinalNorm(x_l)
+(that blocking sum, divided by L), then vLLM's vocabulary-parallel LM head. Attention is vLLM's
+(paged KV cache, continuous batching, chunked prefill, prefix caching), so the engine treats the
+student as it treats a Llama.
 
 Where vLLM compiles the forward as pieces split at attention (CUDA's piecewise graphs), every
 pending sum is waited for before the attention core, inside the piece that started it: a wait in
@@ -61,7 +64,7 @@ from dtpshard.model.finite import check_logits
 from dtpshard.serve.plugin import REFUSAL
 from dtpshard.serve.reduce import FunctionalReduce
 from dtpshard.serve.student import ServedStudent, check_parallel, served_student
-from dtpshard.transport.choose import choose
+from dtpshard.transport.choose import blocking_sum, choose
 
 logger = init_logger(__name__)
 ACT_AND_MUL = {"silu": SiluAndMul}  # vLLM's fused activation-and-multiply per core/family.py ACTIVATIONS name
@@ -77,17 +80,10 @@ class TPReduce(FunctionalReduce):
 EXCHANGE_TIMEOUT = 600.0  # seconds a rank waits on a live peer's partial before it says the peer hung
 
 
-def vllm_shares_memory() -> bool:
-    """Whether vLLM's own TP communicator moves its all-reduces through shared memory (its CPU
-    communicator's _CPUSHMDistributed): then the student's partials go that way too."""
-    comm = get_tp_group().device_communicator
-    return type(getattr(comm, "dist_module", None)).__name__ == "_CPUSHMDistributed"
-
-
 def tp_reduce(vllm_config: VllmConfig, student: ServedStudent) -> Any:
-    """This rank's Reduce over its TP group (transport/choose.py: the shared-memory ring where vLLM
-    itself uses shared memory, else functional collectives), with the final mean's sum, which
-    blocks anyway, by vLLM's own communicator. bench/vllm_link.py swaps it to emulate a link or
+    """This rank's Reduce over its TP group (transport/choose.py: the shared-memory ring where the
+    ranks share a host, else functional collectives), its `total` the path of the sums that block
+    anyway (a plain module's, the final mean's). bench/vllm_link.py swaps it to emulate a link or
     remove the reduces."""
     group = get_tp_group()
     s = student.shape
@@ -95,12 +91,11 @@ def tp_reduce(vllm_config: VllmConfig, student: ServedStudent) -> Any:
     message = vllm_config.scheduler_config.max_num_batched_tokens * s.hidden * itemsize
     try:
         reduce, said = choose(group.cpu_group, "vllm-tp", student.schedule, message, EXCHANGE_TIMEOUT,
-                              lambda: TPReduce(group.device_group.group_name), vllm_config.device_config.device,
-                              shared_here=vllm_shares_memory())
+                              lambda: TPReduce(group.device_group.group_name), vllm_config.device_config.device)
     except UserError as e:  # DTPSHARD_EXCHANGE mistyped, or `shared` where it cannot run: one line (serve/plugin.py)
         raise ValueError(REFUSAL + str(e)) from None
-    reduce.total = tensor_model_parallel_all_reduce
-    reduce.said = said
+    reduce.total, blocking = blocking_sum(reduce, tensor_model_parallel_all_reduce)
+    reduce.said = f"{said}; the sums that block (plain modules', the final mean's) over {blocking}"
     if group.rank_in_group == 0:
         logger.info("dtpshard: the DTP student's partials travel over %s", said)
     return reduce

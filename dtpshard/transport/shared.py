@@ -365,5 +365,9 @@ class SharedReduce:
             return torch.ops.dtpshard.exchange_value(token, p, self.key)
         return self.ring._value(int(token), p)
 
+    def now(self, p: torch.Tensor) -> torch.Tensor:
+        """Σ over the ranks, blocking: a sum that lands where it is made."""
+        return self.value(self.start(p))
+
     def close(self, wait: bool = True) -> bool:
         return self.ring.close(wait)
