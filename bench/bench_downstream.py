@@ -40,13 +40,8 @@ def counted() -> dict[str, int]:
     real = REAL
 
     def wrapper(model, pairs, max_length, *a, **kw):
-        contexts = {}
-        for context, continuation in pairs:
-            inp = (context + continuation)[-(max_length + 1):][:-1]
-            first = len(inp) - len(continuation[-len(inp):])
-            contexts[tuple(inp[:first])] = None
-            seen["tokens"] += len(inp) - first
-        seen["tokens"] += sum(len(c) for c in contexts)
+        groups, rows = lm_module.shared_contexts(pairs, max_length)  # the forwards' own grouping
+        seen["tokens"] += sum(len(c) for c in groups) + sum(len(after) for after, _ in rows)
         seen["choices"] += len(pairs)
         return real(model, pairs, max_length, *a, **kw)
 

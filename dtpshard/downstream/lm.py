@@ -57,6 +57,21 @@ def language_model(model: Any, tokenizer: Any, max_length: int, tokens_per_batch
     return DTPLM()
 
 
+def shared_contexts(pairs: list[tuple[list[int], list[int]]], max_length: int
+                    ) -> tuple[dict[tuple[int, ...], list[int]], list[tuple[list[int], list[int]]]]:
+    """HFLM's input of each pair cut at the continuation: ({context run once: the pairs' indices that
+    share it}, per pair (its input after the context, its continuation tokens))."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    rows = []
+    for i, (context, continuation) in enumerate(pairs):
+        inp = (context + continuation)[-(max_length + 1):][:-1]
+        cont = continuation[-len(inp):]
+        first = len(inp) - len(cont)  # the position that predicts the continuation's first token
+        rows.append((inp[first:], cont))
+        groups.setdefault(tuple(inp[:first]), []).append(i)
+    return groups, rows
+
+
 @torch.no_grad()
 def continuation_scores(model: Any, pairs: list[tuple[list[int], list[int]]], max_length: int,
                         tokens_per_batch: int = 1024, quiet: bool = False) -> list[tuple[float, bool]]:
@@ -67,14 +82,7 @@ def continuation_scores(model: Any, pairs: list[tuple[list[int], list[int]]], ma
     choices' own tokens after it, right-padded in one batch (a causal model's scores of real
     positions do not see the padding after them). A forward of a few tokens costs as much as
     reading every weight, so many items go through each forward."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    rows = []
-    for i, (context, continuation) in enumerate(pairs):
-        inp = (context + continuation)[-(max_length + 1):][:-1]
-        cont = continuation[-len(inp):]
-        first = len(inp) - len(cont)  # the position that predicts the continuation's first token
-        rows.append((inp[first:], cont))
-        groups.setdefault(tuple(inp[:first]), []).append(i)
+    groups, rows = shared_contexts(pairs, max_length)
     order = sorted(groups, key=lambda p: (-len(p), p))  # similar lengths together: little padding
     out: list[tuple[float, bool]] = [(0.0, False)] * len(rows)
     dev = next(model.parameters()).device
