@@ -154,7 +154,7 @@ def test_a_stale_temporary_of_a_dead_process_is_removed(tmp_path):
 
 # -- 2. the native kernels' cache is data, checked before it is trusted ---------------------------
 def test_a_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path):
-    from dtpshard.core.io import cache_dir
+    from dtpshard.core.cache import cache_dir
 
     monkeypatch.delenv("DTPSHARD_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", ".cache")

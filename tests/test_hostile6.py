@@ -87,7 +87,7 @@ def test_a_reused_inode_is_not_the_library_the_record_names(tmp_path):
 
 
 def test_a_cache_under_a_folder_others_may_write_is_not_run_from(tmp_path):
-    from dtpshard.core.io import private_dir
+    from dtpshard.core.cache import private_dir
 
     shared = tmp_path / "shared"
     shared.mkdir()

@@ -9,8 +9,8 @@ import dataclasses
 import os
 from typing import Any
 
+from dtpshard.core.cache import cache_dir
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import cache_dir
 from dtpshard.core.memory import available_bytes as available_memory
 from dtpshard.core.memory import size_text
 

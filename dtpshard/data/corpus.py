@@ -29,8 +29,9 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+from dtpshard.core.cache import cache_dir
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import cache_dir, read_bytes, read_json
+from dtpshard.core.io import read_bytes, read_json
 
 MIN_DOC_CHARS = 40
 CACHE_VERSION = 1

@@ -15,8 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from dtpshard.core.cache import cache_dir
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import cache_dir
 from dtpshard.downstream.tasks import TASKS, write_task_configs
 
 Z95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval

