@@ -31,8 +31,9 @@ from dtpshard.core.memory import size_text
 from dtpshard.core.owned import MARK, read_mark, refuse, refuse_link, seal, sealed
 from dtpshard.core.permutation import stored_indices
 from dtpshard.core.signals import exit_on_sigterm
-from dtpshard.model.checkpoint import canonical, is_student, open_checkpoint, tensor_names
+from dtpshard.model.checkpoint import is_student, open_checkpoint
 from dtpshard.model.dense_only import dense_only
+from dtpshard.model.tensor_files import canonical, tensor_names
 
 COMMAND = PERMUTE_COMMAND  # its output directory's mark (core/owned.py)
 LAYOUT_JSON = PERMUTED_JSON  # the applied layout, saved next to the permuted weights

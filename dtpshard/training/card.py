@@ -20,8 +20,8 @@ from typing import Any
 from dtpshard.core.errors import UserError, first_line
 from dtpshard.core.io import file_hashes, load_yaml, read_json_object, read_text
 from dtpshard.core.layout import Layout
-from dtpshard.model.checkpoint import TensorFiles
 from dtpshard.model.student import front_matter, usage_section
+from dtpshard.model.tensor_files import TensorFiles
 from dtpshard.training import rundir
 
 # an experiment's run is DIR/runs/NAME-sSEED beside DIR/config.json of this format and

@@ -64,7 +64,8 @@ def run_files(teacher: Path, layout: Path | None, tokenizer: Path | None = None)
     """{key: path} of what a distillation is made from: teacher/NAME per weight file, the
     teacher's config, tokenizer/NAME per tokenizer file (of `tokenizer`, else the teacher's), and
     the layout."""
-    from dtpshard.model.checkpoint import TOKENIZER_FILES, TensorFiles
+    from dtpshard.model.checkpoint import TOKENIZER_FILES
+    from dtpshard.model.tensor_files import TensorFiles
 
     teacher, tok = Path(teacher), Path(tokenizer or teacher)
     files = {f"{TEACHER}/{f.name}": f for f in TensorFiles(teacher).files}
