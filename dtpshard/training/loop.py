@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from dtpshard.core.devices import dtype_name
 from dtpshard.core.errors import UserError
-from dtpshard.core.io import atomic_write_text, dumps
+from dtpshard.core.io import dumps
 from dtpshard.core.layout import as_layout
 from dtpshard.core.memory import return_freed_memory
 from dtpshard.core.owned import ID, replacing
@@ -191,7 +191,7 @@ def train(cfg: DistillConfig, d: Dist) -> Path:
         r.metrics.close()
     with r.peaks.phase("saving"):
         _save_student(r)
-    _record_memory(r.dir, r.plan, r.peaks, d)
+    memory.record(r.dir / rundir.MEMORY, r.plan, r.peaks, d)
     if d.main:
         rundir.finish(r.dir, r.cfg.steps)
     d.barrier()
@@ -380,21 +380,3 @@ def _save_student(r: _Run) -> None:
     if getattr(student, "adapters", None) is not None:  # RUN/adapters/: the adapters alone, gathered on every rank
         base = {k: r.config[k] for k in ("teacher", "layout", "layout_sha256")}
         adapters.save(r.dir / rundir.ADAPTERS, student, r.strategy.full, r.d.main, base)
-
-
-def _record_memory(run: Path, plan: memory.MemoryPlan, peaks: memory.PhasePeaks, d: Dist) -> None:
-    """RUN/memory.json: the plan per process and every rank's measured peak per phase."""
-    phases = ("setup", "training", "saving")
-    mine = torch.tensor([float(peaks.peaks.get(p, -1)) for p in phases], dtype=torch.float64)
-    every = torch.zeros(d.world, len(phases), dtype=torch.float64)
-    every[d.rank] = mine
-    every = d.sum(every)  # each rank fills its own row
-    if not d.main:
-        return
-    measured = {p: [None if v < 0 else int(v) for v in every[:, i].tolist()] for i, p in enumerate(phases)}
-    peak = max((v for vals in measured.values() for v in vals if v is not None), default=None)
-    record = {"plan": plan.to_json(), "measured": measured, "unit": "bytes",
-              "how": "peak resident set per phase (VmHWM)" if plan.setup.device_type == "cpu"
-              else "peak allocated by torch per phase, plus the CUDA runtime",
-              "measured_over_planned": None if peak is None else peak / plan.total}
-    atomic_write_text(run / rundir.MEMORY, dumps(record, indent=1) + "\n")

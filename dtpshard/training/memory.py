@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dtpshard.core.adapters import DEFAULT_TARGETS, AdapterSettings, trainable_count
 from dtpshard.core.errors import UserError
+from dtpshard.core.io import atomic_write_text, dumps
 from dtpshard.core.layout import Layout, permuted_layout
 from dtpshard.core.memory import size_text
 from dtpshard.core.reading import read_text
@@ -334,3 +335,22 @@ def refuse_unless_fits(plan: MemoryPlan) -> None:
     largest = max(plan.parts, key=plan.parts.get)
     raise UserError(f"the run needs {size_text(plan.total)} per process, more than the {size_text(plan.available)} "
                     f"available (largest part: {largest} {size_text(plan.parts[largest])}){fix}; see --plan")
+
+
+def record(path: Path, plan: MemoryPlan, peaks: PhasePeaks, d: Any) -> None:
+    """RUN/memory.json at `path`: the plan per process and every rank's measured peak per phase
+    (`d`: the run's ddp.Dist; every rank calls it)."""
+    phases = ("setup", "training", "saving")
+    mine = torch.tensor([float(peaks.peaks.get(p, -1)) for p in phases], dtype=torch.float64)
+    every = torch.zeros(d.world, len(phases), dtype=torch.float64)
+    every[d.rank] = mine
+    every = d.sum(every)  # each rank fills its own row
+    if not d.main:
+        return
+    measured = {p: [None if v < 0 else int(v) for v in every[:, i].tolist()] for i, p in enumerate(phases)}
+    peak = max((v for vals in measured.values() for v in vals if v is not None), default=None)
+    out = {"plan": plan.to_json(), "measured": measured, "unit": "bytes",
+              "how": "peak resident set per phase (VmHWM)" if plan.setup.device_type == "cpu"
+              else "peak allocated by torch per phase, plus the CUDA runtime",
+              "measured_over_planned": None if peak is None else peak / plan.total}
+    atomic_write_text(path, dumps(out, indent=1) + "\n")
