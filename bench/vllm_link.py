@@ -163,8 +163,8 @@ def plain_sums(kind: str) -> None:
         reduce = chosen(*args)
         if kind == "ring" and hasattr(reduce, "now"):
             reduce.total, path = reduce.now, "the ring (--plain ring)"
-        else:
-            reduce.total, path = vm.tensor_model_parallel_all_reduce, "the engine's own all-reduce (--plain engine)"
+        else:  # asked for, or no ring to take them (the partials on the collective)
+            reduce.total, path = vm.tensor_model_parallel_all_reduce, f"the engine's own all-reduce (--plain {kind})"
         head = reduce.said.rpartition("; ")[0]
         reduce.said = f"{head}; the sums that block (plain modules', the final mean's) over {path}"
         return reduce
