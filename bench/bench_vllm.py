@@ -1,7 +1,7 @@
 """vLLM decode throughput of a DTP student against plain TP on the same weights, in vLLM's default
 (compiled) mode, with and without an emulated slower link.
 
-The same random weights served three ways, each by one engine in its own `torchrun
+The same random weights served four ways, each by one engine in its own `torchrun
 --nproc-per-node TP` (tests/vllm_driver.py; vLLM's external launcher), under the same settings:
 
 - DTP: the student (DTPModel.save_pretrained, model_type "dtp", L = TP, δ = 1);
@@ -41,7 +41,7 @@ arm; the default is the library's (transport/choose.py `blocking_sum`). `--execu
 the same pair in vLLM's own multiprocess executor instead, each worker pinned to its own cores,
 at latency 0 (the harness needs the ranks' own processes, so there is no no-comm arm there).
 
-`--latency-ms` adds a fixed latency to every all-reduce of all three, the same for each (harness
+`--latency-ms` adds a fixed latency to every all-reduce of every arm, the same for each (harness
 only, bench/vllm_link.py): in series with the transfer, so TP waits all of it after every module
 while DTP's delayed reduce waits only for what δ modules of compute have not covered. Per batch B,
 prompts of 32 tokens:
