@@ -97,7 +97,7 @@ def tp_reduce(vllm_config: VllmConfig, student: ServedStudent) -> Any:
     reduce.total, blocking = blocking_sum(reduce, tensor_model_parallel_all_reduce)
     reduce.said = f"{said}; the sums that block (plain modules', the final mean's) over {blocking}"
     if group.rank_in_group == 0:
-        logger.info("dtpshard: the DTP student's partials travel over %s", said)
+        logger.info("dtpshard: the DTP student's partials travel over %s", reduce.said)
     return reduce
 
 
