@@ -94,6 +94,31 @@ def test_the_teacher_is_scored_on_the_same_items_and_the_difference_is_paired(st
     assert pooled["n"] == 16 and pooled["diff_ci"][0] <= pooled["diff"] <= pooled["diff_ci"][1]
 
 
+def test_bf16_mixed_scores_under_autocast_and_says_so(students, capsys):
+    """--precision bf16-mixed: the same items and lm-eval's own metrics, the forwards under bf16
+    autocast: log-likelihoods near fp32's and not equal to them (the autocast is on)."""
+    import torch
+
+    from dtpshard.core.settings import NO_FLAGS
+    from dtpshard.downstream import lm
+    from dtpshard.training.precision import autocast_for
+
+    net, _, length = ev.load_for_tasks(students["full"], NO_FLAGS, None, "cpu", None)
+    g = torch.Generator().manual_seed(0)
+    vocab = net.shape.vocab
+    pairs = [(torch.randint(vocab, (9,), generator=g).tolist(), torch.randint(vocab, (k,), generator=g).tolist())
+             for k in (1, 3, 5, 2)]
+    fp32 = lm.continuation_scores(net, pairs, length, quiet=True)
+    with autocast_for("cpu", "bf16-mixed"):
+        bf16 = lm.continuation_scores(net, pairs, length, quiet=True)
+    assert [a for a, _ in bf16] == pytest.approx([a for a, _ in fp32], abs=0.2)
+    assert [a for a, _ in bf16] != [a for a, _ in fp32]
+    assert main(["eval", str(students["full"]), "--tasks", "copa", "--limit", "4", "--precision", "bf16-mixed",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["precision"] == "bf16-mixed" and result["tasks"]["copa"]["n"] == 4
+
+
 def test_a_paired_interval_is_the_normal_one_over_the_items():
     def rows(accs):
         return [{"doc_id": i, "acc": a, "acc_norm": None, "choice": int(a), "choice_norm": None}
@@ -201,6 +226,21 @@ def test_a_pooled_drop_from_the_rows_is_the_drop_over_every_item():
     assert pooled(table)["diff"] == pytest.approx(per["pooled"]["diff"])
     assert pooled(table)["diff_ci"] == pytest.approx(per["pooled"]["diff_ci"])
     assert pooled(table)["disagree"] == pytest.approx(per["pooled"]["disagree"])
+
+
+def test_each_seed_of_an_arm_brings_its_own_kl_to_the_fit():
+    from dtpshard.studies.downstream import kl_key, section
+
+    def row(arm, seed, step, acc, diff):
+        return {"arm": arm, "seed": seed, "step": step, "task": "copa", "n": 100, "acc": acc, "acc_norm": None,
+                **({} if diff is None else {"diff": diff, "diff_ci": [diff - 1, diff + 1], "diff_sd": 5.0,
+                                            "disagree": 0.1})}
+
+    table = [row("teacher", None, None, 0.6, None), row("a", None, 0, 0.5, -10.0),
+             row("a", 0, 2, 0.55, -5.0), row("a", 1, 2, 0.58, -2.0)]
+    kl = {kl_key("a", None, 0): 1.0, kl_key("a", 0, 2): 0.5, kl_key("a", 1, 2): 0.2}
+    fit = [line for line in section(table, kl) if line.startswith("Across")]
+    assert fit and fit[0].startswith("Across the 3 models"), fit  # the seeds' KLs are not one arm's
 
 
 def test_the_published_study_section_is_regenerated_from_its_rows():

@@ -11,14 +11,18 @@ truncated on the left to the model's length, the continuation's log-probabilitie
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 
-def language_model(model: Any, tokenizer: Any, max_length: int, tokens_per_batch: int = 1024) -> Any:
-    """lm-eval's LM over a DTPModel `model` and its transformers `tokenizer`."""
+def language_model(model: Any, tokenizer: Any, max_length: int, tokens_per_batch: int = 1024,
+                   autocast: Callable[[], Any] = contextlib.nullcontext) -> Any:
+    """lm-eval's LM over a DTPModel `model` and its transformers `tokenizer`; its forwards run
+    under `autocast()` (training/precision.py's, for bf16-mixed)."""
     from lm_eval.api.model import TemplateLM
     from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
 
@@ -45,8 +49,9 @@ def language_model(model: Any, tokenizer: Any, max_length: int, tokens_per_batch
             return self.tokenizer.encode(string, **special)
 
         def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kw: Any) -> list:
-            return continuation_scores(self.model, [(c, x) for _, c, x in requests], self.max_length,
-                                       self.tokens_per_batch, disable_tqdm)
+            with autocast():
+                return continuation_scores(self.model, [(c, x) for _, c, x in requests], self.max_length,
+                                           self.tokens_per_batch, disable_tqdm)
 
         def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list:
             raise NotImplementedError("dtpshard evaluates multiple-choice tasks only")

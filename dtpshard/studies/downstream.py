@@ -177,6 +177,12 @@ def pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "disagree": sum(r["n"] * r["disagree"] for r in rows) / n}
 
 
+def kl_key(arm: str, seed: int | None, step: int | None) -> str:
+    """A model's key in the section's `kl`: arm@step (untrained: step 0), arm-sSEED@step for a
+    seeded run (each seed its own KL)."""
+    return f"{arm}@{step}" if seed is None else f"{arm}-s{seed}@{step}"
+
+
 def report_lines(study: Any) -> list[str]:
     """The Downstream section of an experiment's report (none without downstream.json)."""
     path = Path(study.directory) / ROWS
@@ -185,7 +191,7 @@ def report_lines(study: Any) -> list[str]:
     kl = {f"{name}@0": lay.zero_kl for name, lay in study.layouts.items() if lay.zero_kl is not None}
     for r in study.runs:
         if r.kl.steps.size:
-            kl[f"{r.name.removesuffix(f'-s{r.seed}')}@{int(r.kl.steps[-1])}"] = float(r.kl.values[-1])
+            kl[kl_key(r.name.removesuffix(f"-s{r.seed}"), r.seed, int(r.kl.steps[-1]))] = float(r.kl.values[-1])
     limit = study.config.eval.limit if study.config is not None else None
     return section(read_downstream(path), kl, limit)
 
@@ -193,7 +199,7 @@ def report_lines(study: Any) -> list[str]:
 def section(table: list[dict[str, Any]], kl: dict[str, float], limit: int | None = None) -> list[str]:
     """The report's "Downstream" section from downstream.json's rows: accuracy per model and task
     (chance and the teacher first), each model's pooled drop with its interval and differing
-    choices, and how well the KL predicts the drop across models (`kl`: by model key, arm@step)."""
+    choices, and how well the KL predicts the drop across models (`kl`: by `kl_key`)."""
     from dtpshard.studies.stats import bootstrap_pearson, correlate
 
     tasks = list(dict.fromkeys(r["task"] for r in table))
@@ -221,7 +227,7 @@ def section(table: list[dict[str, Any]], kl: dict[str, float], limit: int | None
         differ = "" if p["disagree"] is None else f"{100 * p['disagree']:.1f}%"
         name = arm if seed is None else f"{arm} (seed {seed})"
         lines.append(f"| {name} | {'' if step is None else step} | " + " | ".join(cells) + f" | {drop} | {differ} |")
-        key = f"{arm}@{step}"
+        key = kl_key(arm, seed, step)
         if p["diff"] is not None and key in kl:
             xs.append(kl[key])
             ys.append(p["diff"])
