@@ -35,7 +35,7 @@ def eval_cmd(model: Path, *, dtp: Annotated[DTPFlags, Parameter(name="*")] = NO_
         blocks: number of evaluation blocks of seq_len + 1 tokens
         seq_len: positions per block (the models read seq_len tokens)
         micro_batch: blocks per forward pass
-        precision: fp32, or bf16-mixed (bf16 autocast; with --tasks too, about 4x faster on a CPU with AMX, and
+        precision: fp32, or bf16-mixed (bf16 autocast; with --tasks too, about 2x faster on a CPU with AMX, and
             not item for item lm-eval's fp32 choices); auto: bf16-mixed on CUDA, fp32 on the CPU
         compile: torch.compile the models' forward passes (pays a compile; worth it for many blocks)
         tasks: benchmark tasks as lm-eval names them (arc_easy, piqa, ...; comma-separated or repeated), or default
