@@ -168,17 +168,14 @@ def load_for_tasks(model: Path, dtp: Any, layout: Path | None, device: str, toke
 
 def benchmark(model: Path, dtp: Any, tasks: list[str], *, limit: int | None = None, layout: Path | None = None,
               teacher: Path | None = None, tokenizer: Path | None = None, device: str = "cpu",
-              precision: str = "fp32") -> dict[str, Any]:
+              autocast: Any = contextlib.nullcontext) -> dict[str, Any]:
     """`dtpshard eval MODEL --tasks ...`'s work -> summary(...) with "items" (per task and model,
     the per-item rows) and the settings. The teacher (dense) is scored on the same items.
-    precision: fp32, or bf16-mixed (fp32 weights, the forwards under bf16 autocast; log-softmax in
-    fp32), as training/precision.py resolves it for `device`."""
-    from functools import partial
-
+    autocast: what every forward runs under (the command passes training/precision.py's for
+    bf16-mixed: fp32 weights, bf16 matmuls, the log-softmax in fp32)."""
     from dtpshard.core.settings import DTPFlags
     from dtpshard.downstream.lm import language_model
     from dtpshard.downstream.tasks import resolve
-    from dtpshard.training.precision import autocast_for, resolve_precision
 
     names = resolve(tasks)
     DENSE = DTPFlags(devices=1, delay=0)  # the teacher as it is: one device, nothing delayed
@@ -191,13 +188,11 @@ def benchmark(model: Path, dtp: Any, tasks: list[str], *, limit: int | None = No
         if dense.shape.vocab != net.shape.vocab or len(dense_tok) != len(tok):
             raise UserError(f"--teacher {teacher}: another vocabulary than {model} ({len(dense_tok)} tokens "
                             f"against {len(tok)}); a teacher is scored on the student's items, token for token")
-    precision = resolve_precision(precision, device)
-    run = partial(autocast_for, device, precision)
-    items = score_items(language_model(net, tok, length, autocast=run), names, limit)
-    theirs = score_items(language_model(dense, tok, length, autocast=run), names, limit) if dense is not None else None
+    items = score_items(language_model(net, tok, length, autocast=autocast), names, limit)
+    theirs = (score_items(language_model(dense, tok, length, autocast=autocast), names, limit)
+              if dense is not None else None)
     result = summary(items, theirs)
-    result.update({"model": str(model), **net.dtp_settings(), "precision": precision,
-                   "layout": None if layout is None else str(layout),
+    result.update({"model": str(model), **net.dtp_settings(), "layout": None if layout is None else str(layout),
                    "teacher": None if teacher is None else str(teacher), "limit": limit,
                    "items": {"model": items, **({"teacher": theirs} if theirs is not None else {})}})
     return result
