@@ -3,7 +3,7 @@ model and a DTP student (L = 3, δ = 1, the published optimised layout applied a
 forward a distilled student runs), wall time, choices and tokens a second, in one run.
 
     python bench/bench_downstream.py [--limit N] [--tasks default] [--threads 2]
-                                     [--precision fp32 bf16-mixed] [--json]
+                                     [--precision fp32 bf16-mixed] [--json] [--items FILE]
 
 Tokens are those the forward passes read: each item's context once (into its KV cache) and each
 choice's own tokens after it (downstream/lm.py). The 1-minute load average is printed before and
@@ -29,7 +29,7 @@ from dtpshard.downstream import lm as lm_module
 from dtpshard.downstream.evaluate import accuracy, load_for_tasks, primary, score_items
 from dtpshard.downstream.tasks import DEFAULT, resolve
 from dtpshard.studies.smollm2 import smollm2_checkpoint
-from dtpshard.training.precision import autocast_for
+from dtpshard.training.precision import autocast_for, param_dtype
 
 LAYOUT = Path(__file__).resolve().parents[1] / "docs/results/smollm2-l3-d1/layouts/optimised.json"
 
@@ -55,7 +55,7 @@ def counted() -> dict[str, int]:
 def arm(name: str, flags: DTPFlags, layout: Path | None, tasks: list[str], limit: int | None,
         precision: str) -> dict:
     model = smollm2_checkpoint()
-    net, tok, length = load_for_tasks(model, flags, layout, "cpu", None)
+    net, tok, length = load_for_tasks(model, flags, layout, "cpu", None, param_dtype(precision, frozen=True))
     seen = counted()
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -64,7 +64,8 @@ def arm(name: str, flags: DTPFlags, layout: Path | None, tasks: list[str], limit
     seconds = time.perf_counter() - t0
     lm_module.continuation_scores = REAL
     pooled = [r[primary(t)] for t in tasks for r in items[t]]
-    return {"arm": name, "precision": precision, "seconds": seconds, "items": len(pooled), **seen,
+    weights = str(next(net.parameters()).dtype).removeprefix("torch.")
+    return {"arm": name, "precision": precision, "weights": weights, "seconds": seconds, "items": len(pooled), **seen,
             "tokens_per_s": seen["tokens"] / seconds, "choices_per_s": seen["choices"] / seconds,
             "accuracy": {t: accuracy(items[t]) for t in tasks}, "pooled": sum(pooled) / len(pooled),
             "load_before": load, "load_after": os.getloadavg()[0], "_items": items}
@@ -100,6 +101,7 @@ def main() -> None:
     ap.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16-mixed"])
     ap.add_argument("--models", nargs="+", default=["dense", "student"], choices=["dense", "student"])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--items", type=Path, help="write every model's per-item rows here (JSON), to compare later")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     tasks = resolve(a.tasks)
@@ -110,6 +112,8 @@ def main() -> None:
     same = [agreement(x, y, tasks) for x in rows for y in rows
             if x["arm"] == y["arm"] and x["precision"] == a.precision[0] != y["precision"]]
     ratio = {p: {r["arm"]: r["seconds"] for r in rows if r["precision"] == p} for p in a.precision}
+    if a.items:
+        a.items.write_text(json.dumps({f"{r['arm']} {r['precision']}": r["_items"] for r in rows}) + "\n")
     host = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {a.threads} threads"
     if a.json:
         print(json.dumps({"host": host, "tasks": tasks, "limit": a.limit, "agreement": same, "matmul_gflops": rates,
@@ -117,7 +121,7 @@ def main() -> None:
         return
     print(f"{host}; tasks {', '.join(tasks)}; {'every item' if a.limit is None else f'first {a.limit} items'}")
     for r in rows:
-        print(f"{r['arm']:<16} {r['precision']:<10} {r['seconds']:8.1f} s  {r['items']:6d} items  "
+        print(f"{r['arm']:<16} {r['precision']:<10} {r['weights']:<8} {r['seconds']:8.1f} s  {r['items']:6d} items  "
               f"{r['choices_per_s']:7.1f} choices/s  {r['tokens_per_s']:8.0f} tokens/s  "
               f"pooled {100 * r['pooled']:.2f}  "
               f"(load {r['load_before']:.2f} -> {r['load_after']:.2f})")

@@ -94,29 +94,69 @@ def test_the_teacher_is_scored_on_the_same_items_and_the_difference_is_paired(st
     assert pooled["n"] == 16 and pooled["diff_ci"][0] <= pooled["diff"] <= pooled["diff_ci"][1]
 
 
-def test_bf16_mixed_scores_under_autocast_and_says_so(students, capsys):
-    """--precision bf16-mixed: the same items and lm-eval's own metrics, the forwards under bf16
-    autocast: log-likelihoods near fp32's and not equal to them (the autocast is on)."""
+def _pairs(net, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """Contexts with several continuations each (one the model's own greedy tokens), of mixed lengths."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = net.shape.vocab
+    pairs = []
+    for n in (9, 4, 12):
+        context = torch.randint(vocab, (n,), generator=g).tolist()
+        greedy = list(context)
+        with torch.no_grad():
+            for _ in range(3):
+                greedy.append(int(net(torch.tensor([greedy])).logits[0, -1].argmax()))
+        pairs += [(context, greedy[n:])] + [(context, torch.randint(vocab, (k,), generator=g).tolist())
+                                            for k in (1, 3, 5)]
+    return pairs
+
+
+def test_continuation_scores_are_one_full_forward_of_each_pair(students):
+    """The shared-context cache, the padded batches and the one LM head give each pair what HFLM
+    computes from one forward of its own: the summed log-probability and is_greedy."""
     import torch
 
     from dtpshard.core.settings import NO_FLAGS
     from dtpshard.downstream import lm
-    from dtpshard.training.precision import autocast_for
 
     net, _, length = ev.load_for_tasks(students["full"], NO_FLAGS, None, "cpu", None)
-    g = torch.Generator().manual_seed(0)
-    vocab = net.shape.vocab
-    pairs = [(torch.randint(vocab, (9,), generator=g).tolist(), torch.randint(vocab, (k,), generator=g).tolist())
-             for k in (1, 3, 5, 2)]
-    fp32 = lm.continuation_scores(net, pairs, length, quiet=True)
-    with autocast_for("cpu", "bf16-mixed"):
-        bf16 = lm.continuation_scores(net, pairs, length, quiet=True)
-    assert [a for a, _ in bf16] == pytest.approx([a for a, _ in fp32], abs=0.2)
+    pairs = _pairs(net)
+    ours = lm.continuation_scores(net, pairs, length, tokens_per_batch=24, quiet=True)  # several batches
+    with torch.no_grad():
+        for (context, continuation), (ll, greedy) in zip(pairs, ours):
+            inp = (context + continuation)[-(length + 1):][:-1]
+            logp = torch.log_softmax(net(torch.tensor([inp])).logits[0, -len(continuation):].float(), dim=-1)
+            target = torch.tensor(continuation)
+            assert ll == pytest.approx(float(logp.gather(1, target[:, None]).sum()), abs=1e-4)
+            assert greedy == bool((logp.argmax(-1) == target).all())
+    assert [g for _, g in ours].count(True) >= 3  # the greedy continuations are seen as such
+
+
+def test_bf16_mixed_scores_under_autocast_with_bf16_weights_and_says_so(students, capsys):
+    """--precision bf16-mixed: the same items and lm-eval's own metrics, the weights held in bf16 and
+    the forwards under bf16 autocast: log-likelihoods near fp32's and not equal to them."""
+    import torch
+
+    from dtpshard.core.settings import NO_FLAGS
+    from dtpshard.downstream import lm
+    from dtpshard.training.precision import autocast_for, param_dtype
+
+    net, tok, length = ev.load_for_tasks(students["full"], NO_FLAGS, None, "cpu", None)
+    half, _, _ = ev.load_for_tasks(students["full"], NO_FLAGS, None, "cpu", None,
+                                   param_dtype("bf16-mixed", frozen=True))
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    requests = [(None, c, x) for c, x in _pairs(net)]
+    fp32 = lm.language_model(net, tok, length)._loglikelihood_tokens(requests, disable_tqdm=True)
+    model = lm.language_model(half, tok, length, autocast=lambda: autocast_for("cpu", "bf16-mixed"))
+    bf16 = model._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert [a for a, _ in bf16] == pytest.approx([a for a, _ in fp32], abs=0.3)
     assert [a for a, _ in bf16] != [a for a, _ in fp32]
     assert main(["eval", str(students["full"]), "--tasks", "copa", "--limit", "4", "--precision", "bf16-mixed",
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["precision"] == "bf16-mixed" and result["tasks"]["copa"]["n"] == 4
+    assert result["precision"] == "bf16-mixed" and result["weights"] == "bfloat16"
+    assert result["tasks"]["copa"]["n"] == 4
 
 
 def test_a_paired_interval_is_the_normal_one_over_the_items():

@@ -68,14 +68,15 @@ def _benchmark(model: Path, dtp: DTPFlags, layout: Path | None, teacher: Path | 
     from dtpshard.core.devices import pick_device
     from dtpshard.core.errors import UserError
     from dtpshard.downstream.evaluate import benchmark, table
-    from dtpshard.training.precision import autocast_for, resolve_precision
+    from dtpshard.training.precision import autocast_for, param_dtype, resolve_precision
 
     if tasks is None:
         raise UserError("--limit goes with --tasks (the benchmark items per task)")
     dev = pick_device(device)
     precision = resolve_precision(precision, dev)
     result = benchmark(model, dtp, tasks, limit=limit, layout=layout, teacher=teacher, tokenizer=tokenizer,
-                       device=dev, autocast=partial(autocast_for, dev, precision))
+                       device=dev, autocast=partial(autocast_for, dev, precision),
+                       dtype=param_dtype(precision, frozen=True))
     result["precision"] = precision
     if json:
         print(dumps({k: v for k, v in result.items() if k != "items"}))

@@ -153,14 +153,16 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def load_for_tasks(model: Path, dtp: Any, layout: Path | None, device: str, tokenizer: Path | None) -> tuple:
-    """(DTPModel in fp32 as `eval` runs it, its tokenizer, its length as lm-eval resolves it)."""
+def load_for_tasks(model: Path, dtp: Any, layout: Path | None, device: str, tokenizer: Path | None,
+                   dtype: Any = None) -> tuple:
+    """(DTPModel with its weights in `dtype` (fp32 unless given), its tokenizer, its length as lm-eval
+    resolves it)."""
     import torch
     from lm_eval.models.utils import resolve_max_length
 
     from dtpshard.model.dtp import DTPModel
 
-    net = DTPModel.from_pretrained(model, dtp.devices, dtp.delay, dtype=torch.float32, layout=layout,
+    net = DTPModel.from_pretrained(model, dtp.devices, dtp.delay, dtype=dtype or torch.float32, layout=layout,
                                    stage3=dtp.stage3, device=device)
     tok = net.checkpoint.tokenizer(tokenizer)
     return net, tok, resolve_max_length(net.hf_config, tok, default=2048)
@@ -168,11 +170,12 @@ def load_for_tasks(model: Path, dtp: Any, layout: Path | None, device: str, toke
 
 def benchmark(model: Path, dtp: Any, tasks: list[str], *, limit: int | None = None, layout: Path | None = None,
               teacher: Path | None = None, tokenizer: Path | None = None, device: str = "cpu",
-              autocast: Any = contextlib.nullcontext) -> dict[str, Any]:
+              autocast: Any = contextlib.nullcontext, dtype: Any = None) -> dict[str, Any]:
     """`dtpshard eval MODEL --tasks ...`'s work -> summary(...) with "items" (per task and model,
     the per-item rows) and the settings. The teacher (dense) is scored on the same items.
-    autocast: what every forward runs under (the command passes training/precision.py's for
-    bf16-mixed: fp32 weights, bf16 matmuls, the log-softmax in fp32)."""
+    autocast, dtype: what every forward runs under and the weights' dtype (fp32 unless given); the
+    command passes training/precision.py's, for bf16-mixed bf16 autocast and bf16 weights (a frozen
+    model's, so no forward casts them again), the log-softmax in fp32 either way."""
     from dtpshard.core.settings import DTPFlags
     from dtpshard.downstream.lm import language_model
     from dtpshard.downstream.tasks import resolve
@@ -181,10 +184,10 @@ def benchmark(model: Path, dtp: Any, tasks: list[str], *, limit: int | None = No
     DENSE = DTPFlags(devices=1, delay=0)  # the teacher as it is: one device, nothing delayed
     if limit is not None and limit < 1:
         raise UserError(f"--limit {limit}: must be at least 1 (items per task)")
-    net, tok, length = load_for_tasks(model, dtp, layout, device, tokenizer)
+    net, tok, length = load_for_tasks(model, dtp, layout, device, tokenizer, dtype)
     dense = None
     if teacher is not None:
-        dense, dense_tok, _ = load_for_tasks(teacher, DENSE, None, device, tokenizer)
+        dense, dense_tok, _ = load_for_tasks(teacher, DENSE, None, device, tokenizer, dtype)
         if dense.shape.vocab != net.shape.vocab or len(dense_tok) != len(tok):
             raise UserError(f"--teacher {teacher}: another vocabulary than {model} ({len(dense_tok)} tokens "
                             f"against {len(tok)}); a teacher is scored on the student's items, token for token")
@@ -192,7 +195,9 @@ def benchmark(model: Path, dtp: Any, tasks: list[str], *, limit: int | None = No
     theirs = (score_items(language_model(dense, tok, length, autocast=autocast), names, limit)
               if dense is not None else None)
     result = summary(items, theirs)
-    result.update({"model": str(model), **net.dtp_settings(), "layout": None if layout is None else str(layout),
+    weights = str(next(net.parameters()).dtype).removeprefix("torch.")
+    result.update({"model": str(model), **net.dtp_settings(), "weights": weights,
+                   "layout": None if layout is None else str(layout),
                    "teacher": None if teacher is None else str(teacher), "limit": limit,
                    "items": {"model": items, **({"teacher": theirs} if theirs is not None else {})}})
     return result

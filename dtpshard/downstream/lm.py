@@ -154,7 +154,16 @@ def _choices(model: Any, context: Any, mask: torch.Tensor | None, rows: list, wh
     if mask is not None:
         mask = torch.cat([mask, torch.ones(len(rows), width, dtype=torch.long)], dim=1).to(dev)
     h = model.hidden(ids.to(dev), cache, attention_mask=mask)
-    for b, (_, (inp, cont)) in enumerate(rows):
-        logp = torch.log_softmax(model.logits(h[b, :len(inp)]).float(), dim=-1)
-        target = torch.tensor(cont, device=dev)
-        out[where[b]] = (float(logp.gather(1, target[:, None]).sum()), bool((logp.argmax(-1) == target).all()))
+    # One LM head over every row's real positions: a head of a few rows at a time runs far below the
+    # matmul's rate (the vocabulary's weight is read again for each row).
+    lengths = [len(inp) for _, (inp, _) in rows]
+    real = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    logp = torch.log_softmax(model.logits(h[real.to(dev)]).float(), dim=-1)
+    target = torch.tensor([t for _, (_, cont) in rows for t in cont], device=dev)
+    picked = logp.gather(1, target[:, None])[:, 0]
+    greedy = picked >= logp.amax(-1)  # a pass of amax, and argmax (first index of a tie) only where it may be
+    top = greedy.nonzero()[:, 0]
+    greedy[top] = logp[top].argmax(-1) == target[top]
+    picked, greedy = picked.split(lengths), greedy.split(lengths)
+    for b in range(len(rows)):
+        out[where[b]] = (float(picked[b].sum()), bool(greedy[b].all()))
