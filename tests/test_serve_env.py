@@ -139,3 +139,39 @@ def test_a_cached_environment_linked_to_another_checkout_is_pointed_at_this_one(
     found = probe(python)
     assert Path(found["file"]).resolve().parent == (ROOT / "dtpshard").resolve() and found["plugins"], found
     assert serve_env.found_python() == python  # linked: found again without a second link
+
+
+def test_found_python_waits_for_another_process_re_pointing_the_environment(tmp_path, monkeypatch):
+    """A built environment whose lock another process holds (re-pointing it at its checkout) is
+    waited for by found_python, not refused by name as a second build is."""
+    import threading
+    import time
+
+    from dtpshard.core.errors import UserError
+    from dtpshard.core.lock import locked
+
+    env = tmp_path / "vllm-env"
+    python = stand_in(env)
+    monkeypatch.setattr(serve_env, "cache_dir", lambda: env)
+    monkeypatch.delenv(serve_env.PYTHON_VAR, raising=False)
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with locked(env, "--dir"):
+            held.set()
+            release.wait(60)
+
+    other = threading.Thread(target=holder)
+    other.start()
+    try:
+        assert held.wait(60)
+        with pytest.raises(UserError, match="is in use by process"):
+            serve_env.ensure(env)  # a build is refused at once
+        threading.Timer(0.5, release.set).start()
+        started = time.monotonic()
+        assert serve_env.found_python() == python
+        assert time.monotonic() - started >= 0.4  # it waited for the holder
+    finally:
+        release.set()
+        other.join()
+

@@ -24,25 +24,7 @@ from graph_order import overlaps
 from tiny import save_tiny
 from vllm_driver import launch
 
-
-def _found_python() -> Path | None:
-    """found_python(), waiting while another xdist worker refreshes the environment's copy of
-    dtpshard (its lock refuses a second holder by name instead of queueing it)."""
-    import time
-
-    from dtpshard.core.errors import UserError
-
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            return found_python()
-        except UserError as e:
-            if "is in use by process" not in str(e) or time.monotonic() > deadline:
-                raise
-            time.sleep(1)
-
-
-PYTHON = _found_python()
+PYTHON = found_python()
 pytestmark = [
     pytest.mark.skipif(PYTHON is None or not PYTHON.exists(),
                        reason=f"no vLLM environment: vLLM's CPU build is installed by `python -m dtpshard.serve.env` "

@@ -209,8 +209,9 @@ def release(path: Path, fd: int) -> None:
 
 
 @contextlib.contextmanager
-def locked(run: Path, flag: str = "--out") -> Iterator[None]:
-    """Hold RUN/.lock exclusively, or refuse: "RUN is in use by process PID". The OS releases it
+def locked(run: Path, flag: str = "--out", wait: float = 0.0) -> Iterator[None]:
+    """Hold RUN/.lock exclusively (a holder waited for up to `wait` seconds), or refuse: "RUN is in
+    use by process PID". The OS releases it
     when the process dies, however it dies; a clean exit also removes the file. Also the check
     that RUN can be written, made before any expensive work, and that no link is on the way
     (RUN/.lock, RUN itself: core/io.py's refuse_links, which then guards every write under RUN).
@@ -221,7 +222,7 @@ def locked(run: Path, flag: str = "--out") -> Iterator[None]:
     created = not run.exists()
     check_writable_dir(run / LOCK)
     path = run / LOCK
-    fd = acquire(path, run)
+    fd = acquire(path, run, wait)
     try:
         with output_root(run):  # every name written under RUN is checked for links (core/io.py)
             yield

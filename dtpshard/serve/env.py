@@ -71,6 +71,9 @@ sys.exit(main())
 """
 
 
+RELINK_WAIT = 600.0  # seconds found_python waits for another process holding a built environment
+
+
 def cache_dir() -> Path:
     """<dtpshard cache>/vllm-<hash of the pins and the layout>."""
     key = hashlib.sha256(json.dumps([PINS, REMOVE, LAYOUT, sys.version_info[:2]]).encode()).hexdigest()[:12]
@@ -102,7 +105,9 @@ def found_python() -> Path | None:
     if not (_marker(env) or {}).get("ready"):
         return None
     if _linked_to(env) != Path(dtpshard.__file__).resolve().parent:  # else no lock: callers may run side by side
-        return ensure(env)
+        # built: a holder is re-pointing it (a second), so a caller beside it (another test worker,
+        # another bench) waits for it instead of being refused by name as a second build is
+        return ensure(env, wait=RELINK_WAIT)
     return python_of(env)
 
 
@@ -316,14 +321,14 @@ def _linked_to(env: Path) -> Path | None:
     return link.resolve() if link.is_symlink() else None
 
 
-def ensure(env: Path | None = None) -> Path:
+def ensure(env: Path | None = None, wait: float = 0.0) -> Path:
     """Build the environment if it is not built (or its python is gone), point it at this dtpshard,
-    and return its python."""
+    and return its python. Another process holding it is waited for up to `wait` seconds."""
     import dtpshard
 
     env = Path(env or cache_dir()).expanduser().absolute()
     _place(env)
-    with locked(env, "--dir"):  # a second build into the same folder waits for none: it is refused by name
+    with locked(env, "--dir", wait):  # by default a second build into the same folder is refused by name
         python = python_of(env)
         marked = _marker(env)
         if not (marked and marked.get("ready") and _site_packages(python) is not None):
